@@ -1,0 +1,60 @@
+"""ds_adabatch: change a DeepSpeed job's global batch size while it runs, exactly.
+
+The light layers (config, planner, schedules, data) import without DeepSpeed; ``initialize`` and
+``AdaptiveBatchEngine`` import DeepSpeed on first use, so ``import ds_adabatch`` stays fast and never
+imports transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._version import __version__
+from .config.errors import ConfigError
+from .plan import (
+    BatchPlan,
+    CompatibleBatchSize,
+    PlanError,
+    compatible_batch_sizes,
+    plan_batch,
+    round_global_batch,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import AdaBatchConfig, LoadedConfig, load_ds_config
+    from .runtime import AdaptiveBatchEngine, initialize
+
+_LAZY = {
+    "AdaBatchConfig": "ds_adabatch.config",
+    "LoadedConfig": "ds_adabatch.config",
+    "load_ds_config": "ds_adabatch.config",
+    "AdaptiveBatchEngine": "ds_adabatch.runtime",
+    "initialize": "ds_adabatch.runtime",
+}
+
+__all__ = [
+    "AdaBatchConfig",
+    "AdaptiveBatchEngine",
+    "BatchPlan",
+    "CompatibleBatchSize",
+    "ConfigError",
+    "LoadedConfig",
+    "PlanError",
+    "__version__",
+    "compatible_batch_sizes",
+    "initialize",
+    "load_ds_config",
+    "plan_batch",
+    "round_global_batch",
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ds_adabatch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,16 @@
+"""Batch plans: split a global batch into micro-batch x accumulation steps x ranks."""
+
+from .elastic import CompatibleBatchSize, compatible_batch_sizes
+from .rounding import batch_multiple, feasible_range, round_global_batch
+from .solver import BatchPlan, PlanError, plan_batch
+
+__all__ = [
+    "BatchPlan",
+    "CompatibleBatchSize",
+    "PlanError",
+    "batch_multiple",
+    "compatible_batch_sizes",
+    "feasible_range",
+    "plan_batch",
+    "round_global_batch",
+]

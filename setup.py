@@ -1,0 +1,40 @@
+"""Packaging for ds_adabatch: adaptive global batch size for DeepSpeed training."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+version: dict = {}
+exec((HERE / "ds_adabatch" / "_version.py").read_text(), version)
+
+setup(
+    name="ds_adabatch",
+    version=version["__version__"],
+    description="Change a DeepSpeed job's global batch size while it runs, exactly.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ds_adabatch", "ds_adabatch.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned in the README's commands (torch==2.13.0, CPU build); any 2.x works.
+        "torch>=2.1",
+        "deepspeed>=0.19.8,<0.20",
+        "pydantic>=2.5,<3",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.46", "accelerate>=1.0"],
+        "plot": ["matplotlib>=3.7"],
+        "dev": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            "matplotlib>=3.7",
+            "transformers>=4.46",
+            "accelerate>=1.0",
+        ],
+    },
+    entry_points={"console_scripts": ["ds-adabatch=ds_adabatch.cli:main"]},
+)
