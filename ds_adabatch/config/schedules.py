@@ -7,15 +7,30 @@ register: add a model here (with ``type: Literal["name"]``) and to the union, an
 Every model answers two questions the loader needs without running the schedule:
 ``initial_batch(world_size)`` (the first global batch) and ``endpoint_batches(world_size)`` (the
 values that must lie inside ``min_global_batch`` / ``max_global_batch``, with the field each came from).
+Models whose batch is per device answer ``None`` / ``[]`` when no world size is given.
+
+Batch sizes are in samples (sequences, for a language model) per optimizer step over all data-parallel
+ranks unless a field says otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import re
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["ConstantScheduleConfig", "LinearScheduleConfig", "ScheduleConfig", "ScheduleConfigBase"]
+__all__ = [
+    "CallableScheduleConfig",
+    "ConstantScheduleConfig",
+    "GradientNoiseScheduleConfig",
+    "LinearScheduleConfig",
+    "LossPlateauScheduleConfig",
+    "PiecewiseScheduleConfig",
+    "ScheduleConfig",
+    "ScheduleConfigBase",
+    "StepScheduleConfig",
+]
 
 
 class ScheduleConfigBase(BaseModel):
@@ -68,7 +83,300 @@ class LinearScheduleConfig(ScheduleConfigBase):
         return self
 
 
+class StepScheduleConfig(ScheduleConfigBase):
+    """Megatron-LM's ``--rampup-batch-size start increment ramp_samples``: a staircase in samples.
+
+    The batch moves from ``start`` to ``end`` in ``(end - start) / increment`` equal steps of
+    ``increment`` samples, spread evenly over the first ``ramp_samples`` samples consumed, then holds
+    ``end``. With ``n`` steps the batch after ``s`` samples is
+    ``start + increment * min(n, floor(s * n / ramp_samples))`` (``end < start`` shrinks the same way).
+
+    Example: ``{"type": "step", "start": 32, "end": 1536, "increment": 32,
+    "ramp_samples": 6000000}`` adds 32 sequences every 127,659.6 samples.
+    """
+
+    type: Literal["step"] = Field(description="Schedule type.")
+    start: int = Field(ge=1, description="Global batch at sample 0, in samples per optimizer step.")
+    end: int = Field(
+        ge=1, description="Global batch once ramp_samples samples have been consumed, in samples per step."
+    )
+    increment: int = Field(
+        ge=1, description="Size of each step of the staircase, in samples per optimizer step."
+    )
+    ramp_samples: int = Field(
+        ge=0, description="Length of the staircase, in training samples consumed (all ranks together)."
+    )
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.start
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [("start", self.start), ("end", self.end)]
+
+    @model_validator(mode="after")
+    def _steps_divide(self) -> StepScheduleConfig:
+        span = abs(self.end - self.start)
+        if span % self.increment:
+            raise ValueError(
+                f"|end - start| = {span} is not a multiple of increment {self.increment}; change "
+                f"increment to a divisor of {span} or move end"
+            )
+        if self.ramp_samples == 0 and span:
+            raise ValueError("ramp_samples must be > 0 when start differs from end")
+        return self
+
+
+_Point = tuple[
+    Annotated[int, Field(ge=0, description="Position of the point, in the schedule's unit.")],
+    Annotated[int, Field(ge=1, description="Global batch from this point on, in samples per step.")],
+]
+
+
+class PiecewiseScheduleConfig(ScheduleConfigBase):
+    """A global batch given at points ``[[at, batch], ...]`` of a training clock.
+
+    ``unit`` picks the clock: samples consumed, tokens consumed, or completed optimizer steps (the first
+    step is step 0). Before the first point the first batch holds, after the last point the last one.
+    Between points the batch holds each value until the next point, or, with ``interpolate``, moves
+    linearly between them.
+
+    Examples:
+        DeepSeek-V2-style warm-up, 2304 -> 9216 sequences over the first 225B tokens::
+
+            {"type": "piecewise", "unit": "tokens", "interpolate": true,
+             "points": [[0, 2304], [225000000000, 9216]]}
+
+        A GPT-3-style linear ramp from a small batch to the full 1536 sequences over 4B tokens::
+
+            {"type": "piecewise", "unit": "tokens", "interpolate": true,
+             "points": [[0, 16], [4000000000, 1536]]}
+
+        A doubling plan by optimizer step (holds each value)::
+
+            {"type": "piecewise", "unit": "steps", "points": [[0, 256], [1000, 512], [3000, 1024]]}
+
+    The tokens clock needs the runtime (or ``simulate``) to count tokens.
+    """
+
+    type: Literal["piecewise"] = Field(description="Schedule type.")
+    points: list[_Point] = Field(
+        min_length=1,
+        description="[[at, global batch], ...] with strictly increasing `at` (in `unit`); batches in "
+        "samples per optimizer step. Start at 0 to set the first batch explicitly.",
+    )
+    unit: Literal["samples", "tokens", "steps"] = Field(
+        default="samples",
+        description="Clock of `at`: samples consumed, tokens consumed, or completed optimizer steps.",
+    )
+    interpolate: bool = Field(
+        default=False,
+        description="true: move linearly between points; false: hold each batch until the next point.",
+    )
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.points[0][1]
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [(f"points.{i}", batch) for i, (_, batch) in enumerate(self.points)]
+
+    @model_validator(mode="after")
+    def _sorted(self) -> PiecewiseScheduleConfig:
+        ats = [at for at, _ in self.points]
+        for i in range(1, len(ats)):
+            if ats[i] <= ats[i - 1]:
+                raise ValueError(
+                    f"points must have strictly increasing `at`: points[{i}] is at {ats[i]}, after "
+                    f"points[{i - 1}] at {ats[i - 1]}; sort the points and drop duplicates"
+                )
+        return self
+
+
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+class CallableScheduleConfig(ScheduleConfigBase):
+    """A user function ``fn(step, batch_size, **kwargs) -> int``, called at every evaluation.
+
+    ``step`` is the number of completed optimizer steps, ``batch_size`` the function's previous result
+    (``start`` the first time) in the function's unit, and the result becomes the next batch. With
+    ``per: "device"`` the unit is samples per data-parallel rank per optimizer step (global / world
+    size), the unit of a Hugging Face ``per_device_train_batch_size``.
+
+    Example, +1 sample per device every 5 steps::
+
+        {"type": "callable", "function": "my_pkg.schedules:grow", "start": 1, "per": "device",
+         "kwargs": {"interval": 5, "increment": 1}}
+
+    The function is imported by its dotted path when the schedule is built; it is never evaluated
+    from text.
+    """
+
+    type: Literal["callable"] = Field(description="Schedule type.")
+    function: str = Field(
+        description="Import path 'package.module:name' of the function (name may be dotted, "
+        "e.g. 'pkg.mod:Class.method')."
+    )
+    start: int = Field(ge=1, description="First batch, in the function's unit (see `per`).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the function on every call."
+    )
+    per: Literal["global", "device"] = Field(
+        default="global",
+        description="Unit of `start` and of the function's batch: 'global' = samples per optimizer "
+        "step over all ranks; 'device' = samples per rank per optimizer step.",
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _path_shape(cls, value: str) -> str:
+        if not _FUNCTION_PATH.match(value):
+            raise ValueError(f"{value!r} is not an import path of the form 'package.module:function'")
+        return value
+
+    def initial_batch(self, world_size: int | None = None) -> int | None:
+        if self.per == "global":
+            return self.start
+        return None if world_size is None else self.start * world_size
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        first = self.initial_batch(world_size)
+        return [] if first is None else [("start", first)]
+
+
+class LossPlateauScheduleConfig(ScheduleConfigBase):
+    """Change the batch by ``factor`` when the smoothed training loss stops moving.
+
+    At each evaluation the rule smooths the global-mean loss with a bias-corrected EMA (``ema_beta``),
+    keeps the last ``window`` smoothed values, and measures their change: ``"net"`` =
+    ``|newest - oldest|``, ``"mean_abs_step"`` = mean of ``|v[i] - v[i-1]|`` over the window; with
+    ``relative`` it is divided by ``|oldest|``. A measure below ``threshold`` is a plateau evaluation.
+    After ``patience`` consecutive plateau evaluations the batch is multiplied (``direction: "grow"``)
+    or divided (``"shrink"``) by ``factor``, then ``cooldown`` evaluations pass without any change.
+    Every other evaluation (including those before the window is full) multiplies the batch by
+    ``otherwise_factor`` if it is set, and holds it if not. The rule keeps its own unrounded batch,
+    clamped to ``min_global_batch`` / ``max_global_batch``, so small factors add up across the
+    controller's rounding.
+
+    "grow" is the "increase the batch instead of decaying the learning rate" rule: a plateau at the
+    current batch means gradient noise dominates, and a larger batch reduces it.
+
+    The seed rule (``AdaptiveBatchSize``: window of 5 raw losses, mean absolute change < 0.01 -> halve,
+    otherwise x1.1, inside [8, 1024], called once per epoch) is, with ``min_global_batch: 8``,
+    ``max_global_batch: 1024`` and ``update_interval`` = optimizer steps per epoch::
+
+        {"type": "loss_plateau", "start": 32, "direction": "shrink", "factor": 2.0,
+         "floor_on_shrink": true, "ema_beta": 0.0, "window": 5, "change": "mean_abs_step",
+         "relative": false, "threshold": 0.01, "patience": 1, "cooldown": 0,
+         "otherwise_factor": 1.1}
+    """
+
+    type: Literal["loss_plateau"] = Field(description="Schedule type.")
+    start: int = Field(ge=1, description="Global batch at step 0, in samples per optimizer step.")
+    direction: Literal["grow", "shrink"] = Field(
+        default="grow",
+        description="On a plateau, 'grow' multiplies the batch by `factor`, 'shrink' divides it.",
+    )
+    factor: float = Field(
+        default=2.0, gt=1.0, description="Multiplicative change on a plateau (unitless, > 1)."
+    )
+    ema_beta: float = Field(
+        default=0.9,
+        ge=0.0,
+        lt=1.0,
+        description="Smoothing of the loss per evaluation (unitless, 0 = raw loss; bias-corrected).",
+    )
+    window: int = Field(
+        default=10, ge=2, description="Number of latest smoothed losses compared, in evaluations."
+    )
+    change: Literal["net", "mean_abs_step"] = Field(
+        default="net",
+        description="'net': |newest - oldest| over the window; 'mean_abs_step': mean absolute "
+        "change between consecutive evaluations in the window.",
+    )
+    relative: bool = Field(
+        default=True,
+        description="Divide the change by |oldest loss in the window| (unitless); false: loss units.",
+    )
+    threshold: float = Field(
+        default=0.01, gt=0.0, description="A change below this is a plateau (unit: see `relative`)."
+    )
+    patience: int = Field(
+        default=3, ge=1, description="Consecutive plateau evaluations before acting, in evaluations."
+    )
+    cooldown: int = Field(
+        default=5, ge=0, description="Evaluations after a plateau change during which nothing changes."
+    )
+    otherwise_factor: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Multiply the batch by this at every evaluation that is not a plateau (unitless); "
+        "null: hold.",
+    )
+    floor_on_shrink: bool = Field(
+        default=False,
+        description="Round the batch down to a whole number after dividing it (the seed's `bs // 2`).",
+    )
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.start
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [("start", self.start)]
+
+
+class GradientNoiseScheduleConfig(ScheduleConfigBase):
+    """Follow the gradient-noise scale: target global batch = ``scale`` x B_simple.
+
+    B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+    Training") is the batch at which the gradient's noise equals its signal. The runtime estimates it
+    every ``measure_every`` optimizer steps from the squared gradient norms at two batch sizes, smoothing
+    numerator and denominator with separate EMAs (``ema_beta``). The batch stays at ``start`` for the
+    first ``warmup_steps`` steps and until an estimate exists, and changes only when the target leaves
+    ``[current / (1 + hysteresis), current * (1 + hysteresis)]``; bounds, granularity and
+    ``max_change_factor`` then apply as for every schedule.
+    """
+
+    type: Literal["gradient_noise"] = Field(description="Schedule type.")
+    start: int = Field(
+        ge=1, description="Global batch until the estimate is trusted, in samples per optimizer step."
+    )
+    scale: float = Field(
+        default=1.0, gt=0.0, description="Target batch = scale x B_simple (unitless multiplier)."
+    )
+    ema_beta: float = Field(
+        default=0.95,
+        ge=0.0,
+        lt=1.0,
+        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement (unitless).",
+    )
+    warmup_steps: int = Field(
+        default=100, ge=0, description="Optimizer steps before the first change, in optimizer steps."
+    )
+    hysteresis: float = Field(
+        default=0.2,
+        ge=0.0,
+        description="No change while target/current lies in [1/(1+h), 1+h] (unitless).",
+    )
+    measure_every: int = Field(
+        default=10, ge=1, description="Measure the gradient-noise scale every this many optimizer steps."
+    )
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.start
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [("start", self.start)]
+
+
 ScheduleConfig = Annotated[
-    Union[ConstantScheduleConfig, LinearScheduleConfig],  # noqa: UP007 - the registry of schedule types
+    Union[  # noqa: UP007 - the registry of schedule types
+        ConstantScheduleConfig,
+        LinearScheduleConfig,
+        StepScheduleConfig,
+        PiecewiseScheduleConfig,
+        CallableScheduleConfig,
+        LossPlateauScheduleConfig,
+        GradientNoiseScheduleConfig,
+    ],
     Field(discriminator="type"),
 ]
