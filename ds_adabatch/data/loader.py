@@ -1,0 +1,481 @@
+"""Per-rank torch adapter: turns the elastic sample stream into this rank's collated micro-batches.
+
+:meth:`ElasticDataLoader.next_step` is called once per optimizer step with that step's plan and returns
+a :class:`StepBatch`: one :class:`MicroBatch` per accumulation step. Where the plan gives this rank an
+empty slot (an uneven epoch tail, or a global batch smaller than ``world_size x steps``), the micro-batch
+is a *pad*: one real sample (the first of the global batch) collated as usual, with ``num_samples=0``, so
+the rank still runs its forward/backward pass (every rank must run the same number, which ZeRO-3's
+collectives need) and the runtime weights its loss by 0.
+
+Worker processes (``num_workers >= 1``). Samples are consumed only by committing a batch to the
+sampler, and the loader commits a step only once all of its micro-batches are loaded, so a failure while
+loading consumes nothing. Each micro-batch is one task for the worker pool. After queuing the tasks of
+step ``k`` the loader speculatively queues step ``k + 1`` under the same plan, using
+:meth:`ElasticSampler.peek_batch` with ``after=`` (the sampler does not move). When step ``k + 1`` is asked
+for, the loader peeks the batch for the plan it is given: if it equals the prefetched one (same samples,
+same plan), the prefetched micro-batches are used; otherwise (the plan changed, or the epoch tail was
+replanned) they are dropped and the step is loaded afresh, so a micro-batch of a stale size is never
+served. A dropped prefetch consumed nothing; at worst a worker loaded samples that are loaded again later.
+
+``IterableDataset``: each rank draws as many samples from its own iterator as its plan says; sharding
+the stream over ranks (and readers) is the dataset's job, as in PyTorch, and the exactly-once guarantee of
+the sampler does not apply. When the iterator is exhausted, the loader counts an epoch, calls
+``dataset.set_epoch(epoch)`` if the dataset has it, and starts a new iterator, so a micro-batch can span
+two passes. A pad reuses the last sample drawn (or peeks one and keeps it for the next draw). Such a
+stream cannot resume exactly from :meth:`ElasticDataLoader.state_dict` unless the dataset itself has
+``state_dict``/``load_state_dict`` (then they are called). Iterable datasets are read in the training
+process (``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as torch_mp
+from torch.utils.data import IterableDataset, default_collate
+
+from ds_adabatch.plan import BatchPlan
+
+from ._workers import WorkerPool, fetch_samples
+from .sampler import ElasticSampler, GlobalBatch
+
+__all__ = ["LOADER_STATE_VERSION", "ElasticDataLoader", "MicroBatch", "StepBatch"]
+
+LOADER_STATE_VERSION = 1
+"""Version of :meth:`ElasticDataLoader.state_dict`."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward pass of one rank.
+
+    Attributes:
+        batch: The collated samples. For a pad: one real sample, to be weighted 0 (several pad slots of
+            one step share this object; treat it as read-only).
+        indices: Dataset indices of the real samples (empty for a pad). For an ``IterableDataset``: the
+            ordinals of the samples in this rank's stream.
+        num_samples: Real samples in the pass (0 for a pad); the loss weight is proportional to it.
+    """
+
+    batch: Any
+    indices: tuple[int, ...]
+    num_samples: int
+
+    @property
+    def is_pad(self) -> bool:
+        """True for a zero-weight pad."""
+        return self.num_samples == 0
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's micro-batches for one optimizer step.
+
+    Attributes:
+        micro_batches: One per accumulation step, in order (pads included).
+        plan: The plan actually used (the epoch tail's replan where it differs from the requested one);
+            the runtime configures the engine with it.
+        rank: The rank these micro-batches belong to.
+        epoch: Epoch of the samples (for an ``IterableDataset``: passes completed when the step was drawn).
+        global_batch: The whole global batch over all ranks (``None`` for an ``IterableDataset``).
+    """
+
+    micro_batches: tuple[MicroBatch, ...]
+    plan: BatchPlan
+    rank: int
+    epoch: int
+    global_batch: GlobalBatch | None
+
+    @property
+    def num_samples(self) -> int:
+        """Real samples of this rank in the step."""
+        return sum(m.num_samples for m in self.micro_batches)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Real samples of the step over all ranks."""
+        return self.plan.global_batch_size
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return iter(self.micro_batches)
+
+    def __getitem__(self, step: int) -> MicroBatch:
+        return self.micro_batches[step]
+
+
+@dataclass
+class _Pending:
+    """Submitted worker tasks of one step: one task id per accumulation step (pads share one)."""
+
+    batch: GlobalBatch
+    task_ids: list[int]
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class ElasticDataLoader:
+    """Collated micro-batches of one rank, for whatever plan each optimizer step brings.
+
+    Args:
+        dataset: A map-style dataset (``dataset[i]``; ``__getitems__`` is used when present) or an
+            ``IterableDataset``.
+        sampler: The :class:`ElasticSampler` over ``dataset`` (required for a map-style dataset, which
+            must then have ``len(dataset) == sampler.num_samples``; not allowed for an iterable one).
+        rank: This process's data-parallel rank.
+        world_size: Data-parallel ranks; every plan passed to :meth:`next_step` must have it.
+        collate_fn: Turns a list of samples into a batch (default ``torch.utils.data.default_collate``).
+        num_workers: Worker processes loading micro-batches in parallel (0: load in this process).
+        multiprocessing_context: Start method name (``"fork"``, ``"spawn"``, ``"forkserver"``) or a
+            context object for the workers; default is torch's default for the platform.
+        worker_init_fn: Called in each worker with its id (0-based) after seeding, before any load.
+        timeout: Seconds to wait for one micro-batch from the workers before failing (0: no limit).
+        prefetch: Load the next step (under the current plan) while this one trains.
+
+    The worker pool starts at the first :meth:`next_step` and lives until :meth:`close` (or the end of a
+    ``with`` block, or garbage collection).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: ElasticSampler | None = None,
+        *,
+        rank: int,
+        world_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        multiprocessing_context: str | Any | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        timeout: float = 0.0,
+        prefetch: bool = True,
+    ) -> None:
+        self._world_size = _check_int("world_size", world_size, 1)
+        self._rank = _check_int("rank", rank, 0)
+        if self._rank >= self._world_size:
+            raise ValueError(
+                f"rank must be in 0..{self._world_size - 1} for world_size {world_size}, got {rank}"
+            )
+        self._num_workers = _check_int("num_workers", num_workers, 0)
+        if collate_fn is not None and not callable(collate_fn):
+            raise ValueError(f"collate_fn must be callable, got {collate_fn!r}")
+        if worker_init_fn is not None and not callable(worker_init_fn):
+            raise ValueError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        self._iterable = isinstance(dataset, IterableDataset)
+        if self._iterable:
+            if sampler is not None:
+                raise ValueError("an IterableDataset is read in its own order; pass sampler=None")
+            if num_workers:
+                raise ValueError(
+                    "an IterableDataset is read in the training process; set num_workers=0 (shard or "
+                    "parallelise the stream inside the dataset)"
+                )
+        else:
+            if not isinstance(sampler, ElasticSampler):
+                raise ValueError(
+                    f"a map-style dataset needs sampler=ElasticSampler(len(dataset)), got {sampler!r}"
+                )
+            length = len(dataset) if hasattr(dataset, "__len__") else None
+            if length is not None and length != sampler.num_samples:
+                raise ValueError(
+                    f"the sampler covers {sampler.num_samples} samples but the dataset has {length}; "
+                    f"build the sampler with num_samples=len(dataset)"
+                )
+        if isinstance(multiprocessing_context, str):
+            try:
+                multiprocessing_context = torch_mp.get_context(multiprocessing_context)
+            except ValueError as err:
+                raise ValueError(f"multiprocessing_context: {err}") from None
+        self._dataset = dataset
+        self._sampler = sampler
+        self._collate = collate_fn if collate_fn is not None else default_collate
+        self._context = multiprocessing_context or torch_mp.get_context()
+        self._worker_init_fn = worker_init_fn
+        self._timeout = float(timeout)
+        self._prefetch = bool(prefetch)
+        self._pool: WorkerPool | None = None
+        self._pending: _Pending | None = None
+        self._closed = False
+        # IterableDataset stream state.
+        self._iterator: Iterator[Any] | None = None
+        self._pushback: deque[Any] = deque()
+        self._last_sample: Any = None
+        self._stream_epoch = 0
+        self._drawn = 0
+
+    # -- properties ----------------------------------------------------------------------------------
+
+    @property
+    def sampler(self) -> ElasticSampler | None:
+        """The sampler (``None`` for an ``IterableDataset``)."""
+        return self._sampler
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def epoch(self) -> int:
+        """The sampler's epoch, or the passes completed over an ``IterableDataset``."""
+        return self._stream_epoch if self._sampler is None else self._sampler.epoch
+
+    @property
+    def samples_drawn(self) -> int:
+        """Samples this rank drew from an ``IterableDataset`` (0 for a map-style dataset)."""
+        return self._drawn
+
+    def worker_processes(self) -> list[Any]:
+        """The live worker processes (empty before the first step and after :meth:`close`)."""
+        return [] if self._pool is None or self._pool.closed else self._pool.processes()
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def peek_plan(self, plan: BatchPlan) -> BatchPlan:
+        """The plan :meth:`next_step` would use for ``plan`` (differs at an epoch tail); consumes nothing."""
+        self._check_plan(plan)
+        return plan if self._sampler is None else self._sampler.peek_plan(plan)
+
+    def next_step(self, plan: BatchPlan) -> StepBatch:
+        """Take the next global batch for ``plan`` and return this rank's collated micro-batches.
+
+        Raises:
+            ValueError: the plan's world size is not the loader's, or the sampler refuses the plan.
+            RuntimeError: the loader is closed, or a worker failed (nothing is consumed then).
+        """
+        self._check_plan(plan)
+        if self._closed:
+            raise RuntimeError("this ElasticDataLoader is closed; build a new one to keep loading")
+        if self._sampler is None:
+            return self._next_from_stream(plan)
+        batch = self._sampler.peek_batch(plan)
+        if self._num_workers == 0:
+            micro = self._load_inline(batch)
+        else:
+            micro = self._load_pooled(batch, plan)
+        self._sampler.commit(batch)
+        return StepBatch(tuple(micro), batch.plan, self._rank, batch.epoch, batch)
+
+    def _check_plan(self, plan: BatchPlan) -> None:
+        if not isinstance(plan, BatchPlan):
+            raise TypeError(f"plan must be a BatchPlan (see ds_adabatch.plan.plan_batch), got {plan!r}")
+        if plan.world_size != self._world_size:
+            raise ValueError(
+                f"the plan is for {plan.world_size} ranks but this loader serves rank {self._rank} of "
+                f"{self._world_size}; plan with world_size={self._world_size}"
+            )
+
+    def _micro_batches(self, batch: GlobalBatch, collated: list[Any]) -> list[MicroBatch]:
+        micro = []
+        for indices, value in zip(batch.indices(self._rank), collated):
+            micro.append(MicroBatch(value, tuple(indices), len(indices)))
+        return micro
+
+    def _load_inline(self, batch: GlobalBatch) -> list[MicroBatch]:
+        pad_value: Any = None
+        collated = []
+        for indices in batch.indices(self._rank):
+            if indices:
+                collated.append(self._collate(fetch_samples(self._dataset, indices)))
+                continue
+            if pad_value is None:
+                pad_value = self._collate(fetch_samples(self._dataset, [int(batch.as_array()[0])]))
+            collated.append(pad_value)
+        return self._micro_batches(batch, collated)
+
+    def _submit(self, batch: GlobalBatch) -> _Pending:
+        assert self._pool is not None
+        pad_id: int | None = None
+        task_ids = []
+        for indices in batch.indices(self._rank):
+            if indices:
+                task_ids.append(self._pool.submit(indices))
+                continue
+            if pad_id is None:  # all pad slots of the step share one loaded sample
+                pad_id = self._pool.submit([int(batch.as_array()[0])])
+            task_ids.append(pad_id)
+        return _Pending(batch, task_ids)
+
+    def _load_pooled(self, batch: GlobalBatch, plan: BatchPlan) -> list[MicroBatch]:
+        if self._pool is None or self._pool.closed:  # first step, or the pool broke on a dead worker
+            self._pending = None
+            self._start_pool()
+        assert self._pool is not None
+        current, self._pending = self._pending, None
+        if current is None or current.batch != batch:
+            if current is not None:  # speculation missed: the plan changed or the tail was replanned
+                self._pool.drop(current.task_ids)
+            current = self._submit(batch)
+        if self._prefetch:
+            self._pending = self._submit(self._sampler.peek_batch(plan, after=batch))
+        try:
+            results: dict[int, Any] = {}
+            for task_id in current.task_ids:
+                if task_id not in results:
+                    results[task_id] = self._pool.result(task_id)
+        except BaseException:
+            # Nothing was committed; forget every outstanding task so a retry starts clean.
+            self._pending = None
+            if not self._pool.closed:
+                self._pool.drop_all()
+            raise
+        return self._micro_batches(batch, [results[t] for t in current.task_ids])
+
+    def _start_pool(self) -> None:
+        assert self._sampler is not None
+        # Worker seeds depend on the run seed and the rank only, so a rerun repeats any randomness
+        # inside __getitem__ (augmentation) while ranks differ.
+        base_seed = (self._sampler.seed * 0x9E3779B97F4A7C15 + 1_000_003 * self._rank) % 2**63
+        self._pool = WorkerPool(
+            self._dataset,
+            self._collate,
+            num_workers=self._num_workers,
+            context=self._context,
+            base_seed=base_seed,
+            worker_init_fn=self._worker_init_fn,
+            timeout=self._timeout,
+        )
+        # Stop the workers when the loader is garbage-collected or the interpreter exits without close().
+        weakref.finalize(self, self._pool.close)
+
+    # -- IterableDataset -----------------------------------------------------------------------------
+
+    def _draw(self) -> Any:
+        if self._pushback:
+            return self._pushback.popleft()
+        if self._iterator is None:
+            self._iterator = iter(self._dataset)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            pass
+        self._stream_epoch += 1
+        set_epoch = getattr(self._dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._stream_epoch)
+        self._iterator = iter(self._dataset)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise ValueError("the IterableDataset yielded no samples after a restart; it is empty") from None
+
+    def _next_from_stream(self, plan: BatchPlan) -> StepBatch:
+        sizes = plan.micro_batch_sizes(self._rank)
+        drawn: list[tuple[list[Any], tuple[int, ...]]] = []
+        for size in sizes:
+            samples = [self._draw() for _ in range(size)]
+            drawn.append((samples, tuple(range(self._drawn, self._drawn + size))))
+            self._drawn += size
+            if samples:
+                self._last_sample = samples[-1]
+        pad_value: Any = None
+        micro = []
+        for samples, ordinals in drawn:
+            if samples:
+                micro.append(MicroBatch(self._collate(samples), ordinals, len(samples)))
+                continue
+            if pad_value is None:
+                if self._last_sample is None:  # nothing drawn yet: peek one and give it back
+                    self._last_sample = self._draw()
+                    self._pushback.append(self._last_sample)
+                pad_value = self._collate([self._last_sample])
+            micro.append(MicroBatch(pad_value, (), 0))
+        return StepBatch(tuple(micro), plan, self._rank, self._stream_epoch, None)
+
+    # -- checkpointing -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state (global counts); for an ``IterableDataset``, counters and the dataset's own."""
+        if self._sampler is not None:
+            return {"version": LOADER_STATE_VERSION, "kind": "map", "sampler": self._sampler.state_dict()}
+        state: dict[str, Any] = {
+            "version": LOADER_STATE_VERSION,
+            "kind": "iterable",
+            "epoch": self._stream_epoch,
+            "samples_drawn": self._drawn,
+        }
+        if callable(getattr(self._dataset, "state_dict", None)):
+            state["dataset"] = self._dataset.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``.
+
+        For a map-style dataset this is exact on any world size (the sampler's global counts). For an
+        ``IterableDataset`` only the counters are restored and the stream restarts, unless the dataset
+        has ``load_state_dict``; a warning says so.
+
+        Raises:
+            ValueError: the state is of another version or kind, or the sampler refuses it.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != LOADER_STATE_VERSION:
+            found = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"loader state version {found!r} is not supported; this loader reads version "
+                f"{LOADER_STATE_VERSION}"
+            )
+        kind = "map" if self._sampler is not None else "iterable"
+        if state.get("kind") != kind:
+            raise ValueError(
+                f"the state is of a {state.get('kind')!r} loader but this one reads a {kind} dataset"
+            )
+        if self._sampler is not None:
+            if self._pool is not None and self._pending is not None:
+                self._pool.drop(self._pending.task_ids)
+            self._pending = None
+            self._sampler.load_state_dict(state["sampler"])
+            return
+        self._stream_epoch = _check_int("state['epoch']", state.get("epoch"), 0)
+        self._drawn = _check_int("state['samples_drawn']", state.get("samples_drawn"), 0)
+        self._iterator, self._last_sample = None, None
+        self._pushback.clear()
+        if "dataset" in state and callable(getattr(self._dataset, "load_state_dict", None)):
+            self._dataset.load_state_dict(state["dataset"])
+        else:
+            warnings.warn(
+                "an IterableDataset without load_state_dict cannot resume exactly: the counters are "
+                "restored but the stream starts again from the dataset's beginning",
+                stacklevel=2,
+            )
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent). The loader cannot load afterwards."""
+        self._closed = True
+        self._pending = None
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> ElasticDataLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        source = "IterableDataset" if self._sampler is None else repr(self._sampler)
+        return (
+            f"ElasticDataLoader(rank {self._rank} of {self._world_size}, num_workers={self._num_workers}, "
+            f"{source})"
+        )
