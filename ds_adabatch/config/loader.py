@@ -1,0 +1,355 @@
+"""Read a full ds_config, validate its ``"adabatch"`` section, and prepare the dict for DeepSpeed.
+
+Every problem, from a missing file to a schedule that cannot be planned on the given world size, is
+reported through one :class:`ConfigError` that lists all of them with dotted paths. Validation runs in
+two stages because the runtime knows the world size only after the process group exists:
+``load_ds_config(path)`` checks everything that does not depend on it, and
+``LoadedConfig.with_world_size(n)`` adds the plan and the checks that do.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..plan import BatchPlan, PlanError, feasible_range, plan_batch
+from ._pydantic import problems_from_validation_error
+from .errors import ConfigError, ConfigProblem
+from .models import AdaBatchConfig, endpoint_problems
+
+__all__ = ["BATCH_KEYS", "SECTION", "LoadedConfig", "load_ds_config"]
+
+SECTION = "adabatch"
+"""The top-level ds_config key that holds the :class:`AdaBatchConfig`."""
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""DeepSpeed's batch keys; ds_adabatch owns them and fills them from the plan."""
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated ds_config, split into what DeepSpeed gets and what ds_adabatch uses."""
+
+    deepspeed: dict[str, Any]
+    """A new dict for ``deepspeed.initialize(config=...)``: the ds_config without ``"adabatch"``. With a
+    world size its three batch keys hold the initial plan's shape (``BatchPlan.deepspeed_batch_keys``);
+    without one they are left as written (possibly ``"auto"``, which DeepSpeed alone cannot resolve)."""
+    adabatch: AdaBatchConfig
+    """The parsed ``"adabatch"`` section."""
+    plan: BatchPlan | None
+    """The plan of the first optimizer step; None until a world size is given."""
+    source: str
+    """Where the config came from, for messages (a file path or ``"ds_config dict"``)."""
+    original: dict[str, Any] = field(repr=False, compare=False)
+    """The ds_config as read, ``"adabatch"`` and user-written batch keys included."""
+
+    @property
+    def world_size(self) -> int | None:
+        """Data-parallel ranks the plan was made for; None without a world size."""
+        return None if self.plan is None else self.plan.world_size
+
+    def with_world_size(self, world_size: int) -> LoadedConfig:
+        """The same config planned for ``world_size`` ranks (re-running every check that needs it).
+
+        Raises:
+            ConfigError: the schedule cannot be planned on ``world_size`` ranks, or DeepSpeed's batch
+                keys disagree with the plan.
+        """
+        return _validate(self.original, self.source, world_size)
+
+
+def load_ds_config(
+    source: str | os.PathLike[str] | Mapping[str, Any], *, world_size: int | None = None
+) -> LoadedConfig:
+    """Load and validate a full ds_config that holds an ``"adabatch"`` section.
+
+    Args:
+        source: path of a JSON file, or the ds_config as a dict (not modified).
+        world_size: data-parallel ranks. When given, the initial plan is made, every schedule endpoint
+            must be plannable, and DeepSpeed's batch keys are filled in; when None, only the checks
+            that do not need it run (call :meth:`LoadedConfig.with_world_size` later).
+
+    DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
+    ``gradient_accumulation_steps`` may be absent or ``"auto"``. A number must agree with the initial
+    plan: ``train_batch_size`` may be the schedule's initial global batch (the real samples per step)
+    or, for an uneven plan, the padded shape DeepSpeed sees (micro x GAS x world); the other two must
+    equal the plan's. Without a world size only ``train_batch_size`` (even plans) and the
+    micro-batch's upper bound can be checked.
+
+    Raises:
+        ConfigError: listing every problem found, each with its dotted path (``adabatch.schedule.start``).
+    """
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+    ):
+        raise ConfigError.single(
+            "world_size", "must be an integer >= 1 (the number of data-parallel ranks)", world_size
+        )
+    raw, name = _read(source)
+    return _validate(raw, name, world_size)
+
+
+def _read(source: object) -> tuple[object, str]:
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source)), "ds_config dict"
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError.single(
+            "", f"expected a path to a ds_config JSON file or a dict, got {type(source).__name__}"
+        )
+    path = Path(source)
+    name = str(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError.single("", "file not found: check the path", source=name) from None
+    except IsADirectoryError:
+        raise ConfigError.single("", "is a directory, expected a ds_config JSON file", source=name) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError.single("", f"is not UTF-8 text ({err.reason})", source=name) from None
+    except OSError as err:
+        raise ConfigError.single("", f"cannot be read: {err.strerror or err}", source=name) from None
+    duplicates: list[str] = []
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # DeepSpeed refuses duplicate keys too (dict_raise_error_on_duplicate_keys); report all of them.
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                duplicates.append(key)
+            out[key] = value
+        return out
+
+    try:
+        raw = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as err:
+        raise ConfigError.single(
+            "", f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}", source=name
+        ) from None
+    if duplicates:
+        raise ConfigError(
+            [ConfigProblem("", f"duplicate key {key!r} in a JSON object: keep one") for key in duplicates],
+            source=name,
+        )
+    return raw, name
+
+
+def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError.single(
+            "", f"the top level must be a JSON object (a ds_config), got {_json_kind(raw)}", source=name
+        )
+    problems: list[ConfigProblem] = []
+    if "elasticity" in raw:
+        problems.append(
+            ConfigProblem(
+                "elasticity",
+                "DeepSpeed 0.19.8 removed the elasticity section and rejects a config that has one: remove "
+                "it. To find global batch sizes that split evenly on many GPU counts, run "
+                "`ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M`",
+            )
+        )
+    cfg: AdaBatchConfig | None = None
+    if SECTION not in raw:
+        problems.append(
+            ConfigProblem(
+                SECTION,
+                'is missing: add an "adabatch" section, e.g. "adabatch": {"schedule": {"type": "constant", '
+                '"value": 32}, "max_micro_batch_per_gpu": 8} (`ds-adabatch schema` lists every key)',
+            )
+        )
+    else:
+        cfg, section_problems = _validate_section(raw[SECTION])
+        problems += section_problems
+    problems += _batch_key_type_problems(raw)
+
+    plan: BatchPlan | None = None
+    if cfg is not None:
+        if world_size is not None:
+            plan, plan_problems = _plan_problems(cfg, world_size)
+            problems += plan_problems
+        problems += _batch_key_agreement_problems(raw, cfg, plan)
+    if problems:
+        raise ConfigError(problems, source=name)
+    assert cfg is not None  # invariant: a missing or invalid section added a problem above
+
+    deepspeed = {key: copy.deepcopy(value) for key, value in raw.items() if key != SECTION}
+    if plan is not None:
+        deepspeed.update(plan.deepspeed_batch_keys())
+    return LoadedConfig(deepspeed, cfg, plan, name, copy.deepcopy(dict(raw)))
+
+
+def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[ConfigProblem]]:
+    try:
+        return _model_validate(section), []
+    except ValidationError as err:
+        problems = problems_from_validation_error(err, section, SECTION, AdaBatchConfig)
+        errors = err.errors(include_url=False)
+    # pydantic runs the cross-field checks only when every field is valid. To still list them next to
+    # field errors, validate again without the broken keys (optional ones fall back to defaults).
+    broken = {e["loc"][0] for e in errors if e["loc"]}
+    if not broken or not isinstance(section, Mapping) or "schedule" in broken or "schedule" not in section:
+        return None, problems
+    probe = {key: value for key, value in section.items() if key not in broken}
+    probe.setdefault("max_micro_batch_per_gpu", 1)
+    try:
+        _model_validate(probe)
+    except ValidationError as probe_err:
+        seen = {(p.path, p.message) for p in problems}
+        for extra in problems_from_validation_error(probe_err, probe, SECTION, AdaBatchConfig):
+            if (extra.path, extra.message) not in seen:
+                problems.append(extra)
+    return None, problems
+
+
+def _model_validate(section: object) -> AdaBatchConfig:
+    # JSON mode: strict about numbers and booleans, yet accepts JSON arrays where a model wants a tuple.
+    try:
+        text = json.dumps(section)
+    except (TypeError, ValueError):
+        return AdaBatchConfig.model_validate(section, strict=True)
+    return AdaBatchConfig.model_validate_json(text, strict=True)
+
+
+def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | None, list[ConfigProblem]]:
+    problems: list[ConfigProblem] = []
+    try:
+        feasible_range(
+            world_size,
+            granularity=cfg.granularity,
+            min_global_batch=cfg.min_global_batch,
+            max_global_batch=cfg.max_global_batch,
+            allow_uneven=cfg.allow_uneven,
+        )
+    except PlanError as err:
+        problems.append(
+            ConfigProblem(
+                f"{SECTION}.max_global_batch", f"{err} (world size {world_size})", cfg.max_global_batch
+            )
+        )
+    endpoints = list(cfg.schedule.endpoint_batches(world_size))
+    initial = cfg.schedule.initial_batch(world_size)
+    if initial is None:
+        problems.append(
+            ConfigProblem(f"{SECTION}.schedule", f"gives no initial global batch for world size {world_size}")
+        )
+    elif all(value != initial for _, value in endpoints):
+        endpoints.append(("", initial))
+    # Values that only exist with a world size (per-device schedules) were not seen by the model checks.
+    static = set(cfg.schedule.endpoint_batches(None))
+    fresh = [(name, value) for name, value in endpoints if (name, value) not in static]
+    for problem in endpoint_problems(fresh, cfg.min_global_batch, cfg.max_global_batch, cfg.granularity):
+        problems.append(dataclasses.replace(problem, path=f"{SECTION}.{problem.path}".rstrip(".")))
+
+    plan: BatchPlan | None = None
+    for name, value in endpoints:
+        path = f"{SECTION}.schedule" + (f".{name}" if name else "")
+        try:
+            candidate = plan_batch(
+                value, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
+            )
+        except PlanError as err:
+            problems.append(ConfigProblem(path, f"cannot be planned on {world_size} ranks: {err}", value))
+            continue
+        if value == initial and plan is None:
+            plan = candidate
+    return plan, problems
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _batch_key_type_problems(raw: Mapping[str, Any]) -> list[ConfigProblem]:
+    return [
+        ConfigProblem(
+            key,
+            'must be a positive integer or "auto"; ds_adabatch fills it from the plan, so it can also be removed',
+            raw[key],
+        )
+        for key in BATCH_KEYS
+        if key in raw and raw[key] != "auto" and not _is_count(raw[key])
+    ]
+
+
+def _batch_key_agreement_problems(
+    raw: Mapping[str, Any], cfg: AdaBatchConfig, plan: BatchPlan | None
+) -> list[ConfigProblem]:
+    """DeepSpeed's batch keys, where the user wrote numbers, against the initial plan."""
+    problems: list[ConfigProblem] = []
+    given = {key: raw[key] for key in BATCH_KEYS if _is_count(raw.get(key))}
+    if plan is None:
+        initial = cfg.schedule.initial_batch(None)
+        tbs = given.get("train_batch_size")
+        # An uneven plan's padded train_batch_size depends on the world size: checked once it is known.
+        if tbs is not None and initial is not None and not cfg.allow_uneven and tbs != initial:
+            problems.append(
+                _mismatch("train_batch_size", tbs, f"the adabatch schedule starts at {initial}", str(initial))
+            )
+        micro = given.get("train_micro_batch_size_per_gpu")
+        if micro is not None and micro > cfg.max_micro_batch_per_gpu:
+            problems.append(
+                _mismatch(
+                    "train_micro_batch_size_per_gpu",
+                    micro,
+                    f"adabatch.max_micro_batch_per_gpu is {cfg.max_micro_batch_per_gpu} and ds_adabatch picks "
+                    "the micro-batch",
+                    None,
+                )
+            )
+        return problems
+
+    keys = plan.deepspeed_batch_keys()
+    shape = plan.describe()
+    tbs = given.get("train_batch_size")
+    if tbs is not None and tbs not in (plan.global_batch_size, keys["train_batch_size"]):
+        valid = str(plan.global_batch_size)
+        if keys["train_batch_size"] != plan.global_batch_size:
+            valid += f" (real samples) or {keys['train_batch_size']} (the padded shape DeepSpeed runs)"
+        problems.append(
+            _mismatch(
+                "train_batch_size",
+                tbs,
+                f"the adabatch schedule starts at {plan.global_batch_size} ({shape})",
+                valid,
+            )
+        )
+    for key, what in (
+        ("train_micro_batch_size_per_gpu", "samples per GPU per micro-batch"),
+        ("gradient_accumulation_steps", "accumulation steps"),
+    ):
+        value = given.get(key)
+        if value is not None and value != keys[key]:
+            hint = "; to cap the micro-batch set adabatch.max_micro_batch_per_gpu" if "micro" in key else ""
+            problems.append(
+                _mismatch(
+                    key, value, f"the initial plan uses {keys[key]} {what} ({shape})", str(keys[key]), hint
+                )
+            )
+    return problems
+
+
+def _mismatch(key: str, value: int, reason: str, valid: str | None, hint: str = "") -> ConfigProblem:
+    fix = f'remove it, set it to "auto", or set it to {valid}' if valid else 'remove it or set it to "auto"'
+    return ConfigProblem(key, f"{reason}: {fix}{hint}", value)
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if value is None:
+        return "null"
+    return type(value).__name__

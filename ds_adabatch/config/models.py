@@ -1,0 +1,240 @@
+"""The ``"adabatch"`` section of a ds_config, as pydantic models.
+
+Every model forbids unknown keys (a typo must not silently fall back to a default) and validates
+strictly: ``true`` is not an integer and ``"16"`` is not a number. Checks that involve several fields
+but not the world size live in :meth:`AdaBatchConfig._cross_checks`; they raise :class:`ConfigError`
+with paths relative to the section (``schedule.start``), which the loader prefixes with ``adabatch.``.
+Checks that need the world size or DeepSpeed's own keys live in :mod:`ds_adabatch.config.loader`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import ConfigError, ConfigProblem
+from .schedules import ScheduleConfig
+
+__all__ = ["AdaBatchConfig", "DataConfig", "LogConfig", "LrScalingConfig", "endpoint_problems"]
+
+
+class _Section(BaseModel):
+    # strict: JSON configs are typed by hand, and a coerced ``true`` -> 1 hides a mistake.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class LrScalingConfig(_Section):
+    """How the learning rate follows the global batch size."""
+
+    rule: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description=(
+            "LR multiplier as the global batch B changes: 'none' keeps the scheduler's LR, 'linear' "
+            "multiplies it by B / reference_batch, 'sqrt' by sqrt(B / reference_batch). Applied on top "
+            "of whatever LR the DeepSpeed or torch scheduler sets."
+        ),
+    )
+    reference_batch: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Global batch (samples per optimizer step) at which the multiplier is 1, and the unit "
+            "that converts samples to scheduler steps under lr_schedule_unit 'samples'. "
+            "null: the schedule's initial global batch."
+        ),
+    )
+
+
+class DataConfig(_Section):
+    """The global sample stream that is cut into global batches."""
+
+    shuffle: bool = Field(
+        True,
+        description="Shuffle the sample order once per epoch; the order depends only on (seed, epoch).",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the shuffle (an integer >= 0), the same on every rank.")
+    drop_last: bool = Field(
+        False,
+        description=(
+            "Drop an epoch's final global batch when fewer samples remain than planned; otherwise it "
+            "is trained as a smaller global batch."
+        ),
+    )
+    num_workers: int = Field(
+        0, ge=0, description="DataLoader worker processes per rank (0: load in the training process)."
+    )
+
+
+class LogConfig(_Section):
+    """Where plan changes and per-step metrics are written."""
+
+    jsonl: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Path of a JSON Lines file (relative to the working directory) that rank 0 appends one "
+            "record to per optimizer step and per plan change; null: no file."
+        ),
+    )
+
+
+class AdaBatchConfig(_Section):
+    """The ``"adabatch"`` section of a ds_config: how the global batch size changes during training.
+
+    A planned global batch ``B`` (samples per optimizer step) is split as ranks x micro-batch x
+    gradient-accumulation steps by :func:`ds_adabatch.plan_batch`; the schedule proposes ``B``, and the
+    bounds, ``granularity`` and ``max_change_factor`` restrict it.
+    """
+
+    schedule: ScheduleConfig = Field(
+        description=(
+            'How the global batch size (samples per optimizer step) evolves; chosen by "type", '
+            'e.g. {"type": "linear", "start": 16, "end": 64, "ramp_samples": 100000}.'
+        )
+    )
+    max_micro_batch_per_gpu: int = Field(
+        ge=1,
+        description=(
+            "Largest micro-batch one GPU runs in a forward/backward pass, in samples; larger global "
+            "batches use more gradient-accumulation steps."
+        ),
+    )
+    min_global_batch: int | None = Field(
+        None, ge=1, description="Smallest global batch ever planned, in samples per optimizer step; null: 1."
+    )
+    max_global_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Largest global batch ever planned, in samples per optimizer step; null: unbounded.",
+    )
+    granularity: int = Field(
+        1,
+        ge=1,
+        description="Every planned global batch is a multiple of this many samples (e.g. 8 or 64).",
+    )
+    allow_uneven: bool = Field(
+        False,
+        description=(
+            "Allow micro-batches that differ by one sample between ranks and steps, so any global "
+            "batch is plannable; false: planned global batches are multiples of the world size."
+        ),
+    )
+    update_interval: int = Field(
+        1, ge=1, description="Optimizer steps between two evaluations of the schedule."
+    )
+    max_change_factor: float | None = Field(
+        None,
+        gt=1,
+        description=(
+            "A planned global batch grows or shrinks by at most this factor per schedule update "
+            "(e.g. 2.0: at most doubling or halving); null: no limit."
+        ),
+    )
+    lr_scaling: LrScalingConfig = Field(
+        default_factory=LrScalingConfig,
+        description="How the learning rate follows the global batch size.",
+    )
+    lr_schedule_unit: Literal["steps", "samples"] = Field(
+        "steps",
+        description=(
+            "What advances the LR scheduler: 'steps' one tick per optimizer step; 'samples' samples "
+            "consumed / lr_scaling.reference_batch, so a batch ramp does not stretch warmup or decay."
+        ),
+    )
+    loss_normalization: Literal["sample", "token"] = Field(
+        "sample",
+        description=(
+            "The update is the mean gradient over the global batch's samples ('sample') or over its "
+            "target tokens, labels != -100 ('token')."
+        ),
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Order of the global sample stream and data loading."
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="Metric and plan-change logs.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> AdaBatchConfig:
+        problems = self.cross_field_problems()
+        if problems:
+            # ConfigError is a ValueError: pydantic keeps it in the error's ctx, and the loader
+            # unpacks it back into one problem per dotted path.
+            raise ConfigError(problems)
+        return self
+
+    def cross_field_problems(self) -> list[ConfigProblem]:
+        """Problems between fields that do not depend on the world size (paths relative to the section)."""
+        problems: list[ConfigProblem] = []
+        lo, hi, g = self.min_global_batch, self.max_global_batch, self.granularity
+        bounds_ordered = lo is None or hi is None or lo <= hi
+        if not bounds_ordered:
+            problems.append(
+                ConfigProblem(
+                    "min_global_batch",
+                    f"is larger than max_global_batch ({hi}): make min_global_batch <= max_global_batch",
+                    lo,
+                )
+            )
+        problems += endpoint_problems(self.schedule.endpoint_batches(None), lo, hi, g)
+        if bounds_ordered and hi is not None and -(-(lo or 1) // g) * g > hi:
+            # Only the granularity restricts the batch here; the loader repeats this check with the
+            # world size (ds_adabatch.plan.feasible_range) once it is known.
+            problems.append(
+                ConfigProblem(
+                    "max_global_batch",
+                    f"no multiple of granularity ({g}) lies between min_global_batch ({lo}) and "
+                    f"max_global_batch ({hi}): widen the bounds or change granularity",
+                    hi,
+                )
+            )
+        scaling = self.lr_scaling
+        if (
+            scaling.reference_batch is not None
+            and scaling.rule == "none"
+            and self.lr_schedule_unit == "steps"
+        ):
+            problems.append(
+                ConfigProblem(
+                    "lr_scaling.reference_batch",
+                    "has no effect with lr_scaling.rule 'none' and lr_schedule_unit 'steps': set rule to "
+                    "'linear' or 'sqrt', set lr_schedule_unit to 'samples', or remove reference_batch",
+                    scaling.reference_batch,
+                )
+            )
+        return problems
+
+
+def endpoint_problems(
+    endpoints: list[tuple[str, int]], lo: int | None, hi: int | None, granularity: int
+) -> list[ConfigProblem]:
+    """Schedule values (``(field, global batch)`` pairs) outside the bounds or off the granularity.
+
+    Paths are ``schedule.<field>``, relative to the ``"adabatch"`` section.
+    """
+    problems: list[ConfigProblem] = []
+    for name, value in endpoints:
+        path = f"schedule.{name}"
+        if lo is not None and value < lo:
+            problems.append(
+                ConfigProblem(
+                    path,
+                    f"is below min_global_batch ({lo}): raise it to at least {lo} or lower min_global_batch",
+                    value,
+                )
+            )
+        if hi is not None and value > hi:
+            problems.append(
+                ConfigProblem(
+                    path,
+                    f"is above max_global_batch ({hi}): lower it to at most {hi} or raise max_global_batch",
+                    value,
+                )
+            )
+        if value % granularity:
+            below, above = (value // granularity) * granularity, (value // granularity + 1) * granularity
+            valid = f"{below} or {above}" if below else str(above)
+            problems.append(
+                ConfigProblem(path, f"is not a multiple of granularity ({granularity}): use {valid}", value)
+            )
+    return problems
