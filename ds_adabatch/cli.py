@@ -1,0 +1,399 @@
+"""``ds-adabatch``: check ds_configs, show batch plans, find elastic batch sizes, simulate schedules.
+
+Subcommands::
+
+    ds-adabatch validate CONFIG [CONFIG ...] [--world-size N]
+    ds-adabatch plan --global-batch B --world-size W --max-micro M [--uneven]
+    ds-adabatch schema
+    ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
+    ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
+
+Exit status: 0 on success; 2 on bad input or an invalid config, with a message on stderr and no
+traceback. The command imports neither DeepSpeed nor torch, so it answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._version import __version__
+from .config.errors import ConfigError
+from .plan import BatchPlan, PlanError, compatible_batch_sizes, plan_batch
+
+__all__ = ["build_parser", "format_int_ranges", "format_plan", "main", "parse_int_ranges"]
+
+PROG = "ds-adabatch"
+_MAX_STEP_COLUMNS = 12  # wider plans print each rank's sizes as runs ("4 x10, 3 x6")
+
+
+class UsageError(Exception):
+    """Bad input to a subcommand; the message is printed as is."""
+
+
+def parse_int_ranges(spec: str) -> list[int]:
+    """``"1-8,12,16"`` -> ``[1, ..., 8, 12, 16]`` (sorted, without duplicates, every value >= 1).
+
+    Raises:
+        ValueError: the text is not a comma list of integers and ``a-b`` ranges with ``1 <= a <= b``.
+    """
+    values: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            raise ValueError(f"empty entry in {spec!r}")
+        low_text, sep, high_text = part.partition("-")
+        try:
+            low = int(low_text)
+            high = int(high_text) if sep else low
+        except ValueError:
+            raise ValueError(f"{part!r} is not an integer or a range like 1-8") from None
+        if low < 1 or high < low:
+            raise ValueError(f"{part!r} must be integers >= 1 with the smaller one first, e.g. 1-8")
+        values.update(range(low, high + 1))
+    return sorted(values)
+
+
+def format_int_ranges(values: Sequence[int]) -> str:
+    """``[1, 2, 3, 5, 8, 9]`` -> ``"1-3,5,8,9"`` (the inverse of :func:`parse_int_ranges`)."""
+    out: list[str] = []
+    ordered = sorted(set(values))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if j - i < 2 else f"{ordered[i]}-{ordered[j]}")
+        if j - i == 1:
+            out.append(str(ordered[j]))
+        i = j + 1
+    return ",".join(out)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _int_ranges(text: str) -> list[int]:
+    try:
+        return parse_int_ranges(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err} (expected e.g. 1-8,12,16)") from None
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell; the first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _runs(sizes: Sequence[int]) -> str:
+    """``(4, 4, 4, 3)`` -> ``"4 x3, 3 x1"``."""
+    out: list[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        out.append(f"{sizes[i]} x{j - i}")
+        i = j
+    return ", ".join(out)
+
+
+def _keys_text(plan: BatchPlan) -> str:
+    return " ".join(f"{k}={v}" for k, v in plan.deepspeed_batch_keys().items())
+
+
+def format_plan(plan: BatchPlan) -> str:
+    """A per-rank table of ``plan`` (consecutive ranks with equal sizes share a row) and a summary."""
+    groups: list[tuple[int, int, tuple[int, ...]]] = []
+    for rank in range(plan.world_size):
+        sizes = plan.micro_batch_sizes(rank)
+        if groups and groups[-1][2] == sizes:
+            groups[-1] = (groups[-1][0], rank, sizes)
+        else:
+            groups.append((rank, rank, sizes))
+    gas = plan.gradient_accumulation_steps
+    wide = gas > _MAX_STEP_COLUMNS
+    headers = [
+        "rank",
+        *(["micro-batch sizes per accumulation step"] if wide else [f"step {s}" for s in range(gas)]),
+    ]
+    headers.append("samples per rank")
+    rows = []
+    for first, last, sizes in groups:
+        ranks = str(first) if first == last else f"{first}-{last}"
+        rows.append([ranks, *([_runs(sizes)] if wide else sizes), sum(sizes)])
+    empty = sum(sizes.count(0) * (last - first + 1) for first, last, sizes in groups)
+    summary = f"{plan.describe()}; DeepSpeed keys: {_keys_text(plan)}"
+    if empty:
+        summary += f"; {empty} empty slot{'s' if empty != 1 else ''} (run as zero-weight pads)"
+    return f"{_table(headers, rows)}\n\n{summary}"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_batch(args.global_batch, args.world_size, args.max_micro, allow_uneven=args.uneven)
+    except PlanError as err:
+        raise UsageError(f"{err} (on the command line: add --uneven)") from None
+    mode = "uneven splits allowed" if args.uneven else "even splits only"
+    print(
+        f"global batch {args.global_batch} on {args.world_size} rank{'s' if args.world_size != 1 else ''}, "
+        f"max micro-batch {args.max_micro} per GPU, {mode}\n"
+    )
+    print(format_plan(plan))
+    return 0
+
+
+def _summary_lines(loaded: Any, world_sizes: Sequence[int]) -> list[str]:
+    cfg = loaded.adabatch
+    lo = cfg.min_global_batch or 1
+    hi = cfg.max_global_batch if cfg.max_global_batch is not None else "unbounded"
+    mode = "uneven splits allowed" if cfg.allow_uneven else "even splits only"
+    lines = [
+        f"  schedule: {json.dumps(cfg.schedule.model_dump(mode='json'))}",
+        f"  global batch {lo}..{hi}, multiple of {cfg.granularity}; max micro-batch "
+        f"{cfg.max_micro_batch_per_gpu} per GPU; {mode}",
+    ]
+    if not world_sizes:
+        lines.append("  (give --world-size N to see the plans)")
+    for world in world_sizes:
+        planned = loaded.with_world_size(world)
+        lines.append(
+            f"  world size {world}: start {planned.plan.describe()}; DeepSpeed keys: {_keys_text(planned.plan)}"
+        )
+        for name, value in cfg.schedule.endpoint_batches(world):
+            if value == planned.plan.global_batch_size:
+                continue
+            plan = plan_batch(value, world, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven)
+            lines.append(f"    {name}: {plan.describe()}")
+    return lines
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .config import load_ds_config
+
+    world_sizes = args.world_size or []
+    failed = 0
+    for path in args.configs:
+        try:
+            loaded = load_ds_config(path)
+            problems = []
+            for world in world_sizes:
+                try:
+                    loaded.with_world_size(world)
+                except ConfigError as err:
+                    problems.append(f"with --world-size {world}: {err}")
+            if problems:
+                raise UsageError("\n".join(problems))
+            lines = _summary_lines(loaded, world_sizes)
+        except (ConfigError, UsageError) as err:
+            failed += 1
+            print(f"invalid: {path}\n{err}", file=sys.stderr, flush=True)
+            continue
+        print("\n".join([f"ok: {path}", *lines]), flush=True)
+    if failed and len(args.configs) > 1:
+        print(f"{failed} of {len(args.configs)} configs have problems", file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .config import AdaBatchConfig
+
+    schema = AdaBatchConfig.model_json_schema()
+    schema["title"] = 'The "adabatch" section of a ds_config'
+    print(json.dumps(schema, indent=2))
+    return 0
+
+
+def _cmd_elastic(args: argparse.Namespace) -> int:
+    if args.min_micro > args.max_micro:
+        raise UsageError(f"--min-micro ({args.min_micro}) must not exceed --max-micro ({args.max_micro})")
+    found = compatible_batch_sizes(
+        args.max_batch,
+        args.world_sizes,
+        args.max_micro,
+        min_batch_size=args.min_batch,
+        min_micro_batch_per_gpu=args.min_micro,
+        max_gradient_accumulation_steps=args.max_gas,
+        granularity=args.granularity,
+    )
+    sizes = format_int_ranges(args.world_sizes)
+    if not found:
+        raise UsageError(
+            f"no global batch between {args.min_batch} and {args.max_batch} splits evenly on any of the world "
+            f"sizes {sizes} under these limits: raise --max-batch or --max-gas, or lower --min-micro"
+        )
+    shown = found if args.top == 0 else found[: args.top]
+    print(
+        f"global batch sizes {args.min_batch}..{args.max_batch} that split evenly on world sizes {sizes} "
+        f"(max micro-batch {args.max_micro} per GPU), most world sizes first\n"
+    )
+    rows = []
+    for i, choice in enumerate(shown, 1):
+        widest = choice.world_sizes[-1]
+        plan = plan_batch(choice.global_batch_size, widest, args.max_micro)
+        rows.append(
+            [
+                i,
+                choice.global_batch_size,
+                f"{choice.coverage} of {len(args.world_sizes)}",
+                format_int_ranges(choice.world_sizes),
+                f"micro {plan.micro_batch_per_gpu} x gas {plan.gradient_accumulation_steps} on {widest}",
+            ]
+        )
+    print(_table(["#", "global batch", "valid on", "world sizes", "largest world size"], rows))
+    if len(shown) < len(found):
+        print(f"\n{len(shown)} of {len(found)} shown; --top 0 shows all")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .config import load_ds_config
+
+    loaded = load_ds_config(args.config, world_size=args.world_size)
+    try:
+        # Imported here: the simulator draws with matplotlib, which the other subcommands never need.
+        from ds_adabatch.schedules.simulate import simulate
+    except ImportError as err:
+        raise UsageError(
+            f"the simulator is not available ({err}); install the plot extra: pip install 'ds_adabatch[plot]'"
+        ) from None
+    result = simulate(
+        loaded,
+        world_size=args.world_size,
+        samples=args.samples,
+        out_png=args.out,
+        out_csv=args.csv,
+        replay=args.replay,
+    )
+    if isinstance(result, str):
+        print(result)
+    written = [args.out, *([args.csv] if args.csv else [])]
+    print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ds-adabatch`` argument parser (one subparser per subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tools for ds_adabatch: adaptive global batch size for DeepSpeed training.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of unexpected errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("validate", help="check ds_config files and print the resolved plan")
+    p.add_argument(
+        "configs", nargs="+", metavar="CONFIG", help="ds_config JSON file(s) with an adabatch section"
+    )
+    p.add_argument(
+        "--world-size",
+        type=_int_ranges,
+        metavar="N",
+        help="data-parallel ranks to plan for; a list or range such as 1,2,8 or 1-8 checks each",
+    )
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("plan", help="split a global batch into micro-batches per rank and step")
+    p.add_argument(
+        "--global-batch", type=_positive_int, required=True, metavar="B", help="samples per optimizer step"
+    )
+    p.add_argument("--world-size", type=_positive_int, required=True, metavar="W", help="data-parallel ranks")
+    p.add_argument(
+        "--max-micro", type=_positive_int, required=True, metavar="M", help="max samples per GPU per pass"
+    )
+    p.add_argument("--uneven", action="store_true", help="allow micro-batches that differ by one sample")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of the adabatch section (for editors)")
+    p.set_defaults(func=_cmd_schema)
+
+    p = sub.add_parser("elastic", help="global batch sizes that split evenly on many GPU counts")
+    p.add_argument("--max-batch", type=_positive_int, required=True, metavar="B", help="largest global batch")
+    p.add_argument(
+        "--min-batch", type=_positive_int, default=1, metavar="B", help="smallest global batch (1)"
+    )
+    p.add_argument(
+        "--world-sizes", type=_int_ranges, required=True, metavar="LIST", help="e.g. 1-16 or 1-8,12,16"
+    )
+    p.add_argument(
+        "--max-micro", type=_positive_int, required=True, metavar="M", help="max samples per GPU per pass"
+    )
+    p.add_argument(
+        "--min-micro", type=_positive_int, default=1, metavar="M", help="min micro-batch a GPU may get (1)"
+    )
+    p.add_argument("--max-gas", type=_positive_int, default=None, metavar="G", help="max accumulation steps")
+    p.add_argument(
+        "--granularity", type=_positive_int, default=1, metavar="G", help="batches are multiples of G"
+    )
+    p.add_argument("--top", type=_non_negative_int, default=10, metavar="K", help="rows to show (10; 0: all)")
+    p.set_defaults(func=_cmd_elastic)
+
+    p = sub.add_parser("simulate", help="plot the planned batch, micro, GAS and LR against samples")
+    p.add_argument("config", metavar="CONFIG", help="ds_config JSON file with an adabatch section")
+    p.add_argument("--world-size", type=_positive_int, required=True, metavar="W", help="data-parallel ranks")
+    p.add_argument(
+        "--samples", type=_positive_int, required=True, metavar="N", help="training samples to simulate"
+    )
+    p.add_argument("--out", required=True, metavar="PNG", help="plot to write")
+    p.add_argument("--csv", default=None, metavar="CSV", help="also write the plan per step as CSV")
+    p.add_argument(
+        "--replay", default=None, metavar="JSONL", help="recorded metrics for signal-driven schedules"
+    )
+    p.set_defaults(func=_cmd_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ds-adabatch`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed usage or --help / --version
+        return int(exit_.code or 0)
+    command: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return command(args)
+    except (ConfigError, PlanError, UsageError) as err:
+        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # never a traceback for the user unless asked for
+        if args.debug:
+            raise
+        print(
+            f"{PROG} {args.command}: unexpected error: {type(err).__name__}: {err} "
+            f"(run `{PROG} --debug {args.command} ...` to see the traceback)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
