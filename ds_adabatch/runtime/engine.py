@@ -1,0 +1,633 @@
+"""``AdaptiveBatchEngine``: one ``train_batch()`` = one optimizer step, at whatever batch the schedule wants.
+
+The loop of one optimizer step (every rank runs it in lockstep)::
+
+    decide    schedule(context) -> desired batch -> bounds/granularity -> plan_batch  (rank 0 broadcasts)
+    apply     new plan? -> DeepSpeed batch keys, ZeRO optimizer GAS, throughput timer, LR multiplier
+    fetch     the sampler's next global batch, cut for this rank (pads where a rank has nothing)
+    for each micro-batch:
+              set_gradient_accumulation_boundary(last)   # DeepSpeed's micro_steps counter is not used
+              loss = loss_fn(engine, batch)               # mean over the micro-batch
+              backward(loss * count * W / total, scale_wrt_gas=False)
+              step()                                      # DeepSpeed updates only on the boundary
+    account   one all-reduce: loss sum (and noise-scale sums); exact samples / tokens; metrics
+
+Everything not defined here is delegated to the wrapped ``deepspeed.DeepSpeedEngine``
+(``engine.module``, ``engine.eval()``, ``engine.global_rank``, ...), which is also ``engine.deepspeed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..plan import BatchPlan, PlanError, plan_batch, round_global_batch
+from ..schedules import BatchSizeController, ScheduleContext
+from ..signals import EmaLoss, GradientNoiseEstimator
+from . import comm
+from .lr import BatchCoupledLR
+from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
+from .weights import loss_weight
+
+__all__ = ["AdaptiveBatchEngine"]
+
+logger = logging.getLogger("ds_adabatch")
+
+_STATE_VERSION = 1
+_STATE_KEY = "ds_adabatch"
+
+
+class AdaptiveBatchEngine:
+    """A DeepSpeed engine whose global batch follows the ``"adabatch"`` schedule.
+
+    Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step.
+    """
+
+    def __init__(
+        self,
+        ds_engine: Any,
+        *,
+        loaded_config: Any,
+        controller: BatchSizeController,
+        lr: BatchCoupledLR,
+        dataloader: Any = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        token_count_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        cfg = loaded_config.adabatch
+        # Attribute names are set through __dict__ so __getattr__ (delegation) never sees them missing.
+        self.__dict__["deepspeed"] = ds_engine
+        self.config = cfg
+        self.loaded_config = loaded_config
+        self.controller = controller
+        self.lr_coupling = lr
+        self.dataloader = dataloader
+        self.loss_fn = loss_fn
+        self.token_count_fn = token_count_fn
+        self.world_size = ds_engine.dp_world_size
+        self.rank = ds_engine.global_rank
+        self.plan: BatchPlan = loaded_config.plan
+        self.global_steps = 0
+        self.global_samples = 0
+        self.global_tokens = 0
+        self.history: list[PlanChange] = []
+        self._override: tuple[int, str] | None = None
+        self._scheduled_batch = self.plan.global_batch_size
+        self.last_step_batch: Any = None
+        self.last_metrics: StepMetrics | None = None
+        self.last_loss: float | None = None
+        self.last_grad_norm: float | None = None
+        self.loss_ema = EmaLoss(beta=0.9)
+        self.noise = GradientNoiseEstimator(**self._noise_kwargs())
+        self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
+        self._apply_plan(self.plan, reason="initial plan", record=False)
+
+    # ---------------------------------------------------------------------------------------------
+    # Delegation
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["deepspeed"], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.deepspeed(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"AdaptiveBatchEngine({self.plan.describe()}, step {self.global_steps})"
+
+    # ---------------------------------------------------------------------------------------------
+    # Public state
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch: completed epochs plus the coverage of the current one."""
+        sampler = self._sampler()
+        return sampler.fractional_epoch if sampler is not None else 0.0
+
+    @property
+    def train_coverage(self) -> float:
+        """Fraction of the current epoch's samples consumed (1.0 right after an epoch's last batch)."""
+        sampler = self._sampler()
+        return sampler.train_coverage if sampler is not None else 0.0
+
+    @property
+    def lr_multiplier(self) -> float:
+        return self.lr_coupling.multiplier
+
+    def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
+        """Override the schedule: from the next step on the global batch is ``n``.
+
+        ``None`` hands control back to the schedule. ``n`` must be plannable on this world size
+        (a multiple of it, unless ``allow_uneven``); it is not rounded or bounded. Call it on every
+        rank with the same value (rank 0's value is the one applied).
+
+        Raises:
+            PlanError: ``n`` cannot be split over this world size.
+        """
+        if n is None:
+            self._override = None
+            return
+        plan_batch(
+            n, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
+        )
+        self._override = (int(n), reason)
+
+    # ---------------------------------------------------------------------------------------------
+    # One optimizer step
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Run exactly one optimizer step; return the mean loss over the global batch (same on all ranks).
+
+        Without ``data_iter`` the step takes the sampler's next global batch of exactly
+        ``plan.global_batch_size`` samples (fewer only for the last batch of an epoch). With
+        ``data_iter``, ``plan.gradient_accumulation_steps`` micro-batches are drawn from it; their real
+        sizes (the first dimension) are all-reduced and weighted, so the update is still the exact mean.
+        """
+        started = time.perf_counter()
+        self._decide_plan()
+        measure = self._should_measure_noise()
+
+        if data_iter is None:
+            if self.dataloader is None:
+                raise ValueError(
+                    "train_batch() needs data: pass training_data to ds_adabatch.initialize, or call "
+                    "train_batch(data_iter) with an iterator of micro-batches"
+                )
+            step_batch = self.dataloader.next_step(self.plan)
+            self.last_step_batch = step_batch
+            if step_batch.plan != self.plan:
+                self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+            micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
+            # An iterable dataset has no global view: the all-reduce below counts its samples.
+            total_samples = step_batch.global_batch.size if step_batch.global_batch is not None else None
+        else:
+            micro = [next(data_iter) for _ in range(self.plan.gradient_accumulation_steps)]
+            micro = [(b, _leading_dim(b)) for b in micro]
+            total_samples = None
+
+        loss_sum, tokens, total_samples, total = self._forward_backward(micro, total_samples, measure)
+
+        self.global_steps += 1
+        self.global_samples += total_samples
+        self.global_tokens += tokens
+        mean_loss = loss_sum / total
+        self.last_loss = float(mean_loss)
+        self.loss_ema.update(self.last_loss)
+        self.last_grad_norm = self._grad_norm()
+        self._after_step()
+        self._emit(started)
+        return mean_loss
+
+    def _forward_backward(
+        self, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
+    ) -> tuple[torch.Tensor, int, int, int]:
+        ds = self.deepspeed
+        device = ds.device
+        by_token = self.config.loss_normalization == "token"
+        batches = [_to_device(b, device) for b, _ in micro]
+        samples = [n for _, n in micro]
+        counts = (
+            [self._count_tokens(b) if n else 0 for b, n in zip(batches, samples)] if by_token else samples
+        )
+
+        # One small all-reduce gives every rank the totals the weights need (tokens are only known
+        # once this rank's batches are loaded; samples are known, except with a user data_iter).
+        totals = comm.all_reduce_sum([float(sum(samples)), float(sum(counts))], device)
+        total_samples = int(totals[0]) if total_samples is None else total_samples
+        total = int(totals[1])
+        if total <= 0:
+            raise ValueError("the global batch has no samples (or no target tokens) to train on")
+        # DeepSpeed steps the LR scheduler inside the boundary step(); in "samples" mode it must
+        # already see the samples this step consumes.
+        self.lr_coupling.set_samples(self.global_samples + total_samples)
+
+        probe = _NoiseProbe(ds) if measure else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        last = len(batches) - 1
+        try:
+            for i, (batch, count) in enumerate(zip(batches, counts)):
+                # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
+                # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
+                # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
+                ds.set_gradient_accumulation_boundary(i == last)
+                loss = self._micro_loss(batch)
+                weight = loss_weight(count, self.world_size, total)
+                if probe is not None:
+                    probe.begin(weight, samples[i])
+                ds.backward(loss * weight, scale_wrt_gas=False)
+                if probe is not None:
+                    probe.end()
+                    if i == last:
+                        probe.read_reduced_norm()
+                ds.step()
+                if count:
+                    loss_sum = loss_sum + loss.detach().to(torch.float64) * count
+        finally:
+            if probe is not None:
+                probe.close()
+            ds.set_gradient_accumulation_boundary(None)
+
+        extra = probe.local_sums() if probe is not None else [0.0, 0.0, 0.0]
+        reduced = comm.all_reduce_sum([loss_sum, *extra], device)
+        if probe is not None:
+            self._update_noise(reduced[1:], total_samples, probe)
+        return reduced[0], total if by_token else 0, total_samples, total
+
+    def _micro_loss(self, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            out = self.loss_fn(self, batch)
+            if isinstance(out, tuple):  # (mean loss, num_tokens) — the count was taken already
+                out = out[0]
+        else:
+            if not isinstance(batch, dict):
+                raise TypeError(
+                    f"without loss_fn a batch must be a dict for model(**batch).loss, got {type(batch).__name__}; "
+                    "pass loss_fn=lambda model, batch: ... to ds_adabatch.initialize"
+                )
+            out = self(**batch).loss
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            raise TypeError("loss_fn must return a scalar tensor: the mean loss over the micro-batch")
+        return out
+
+    def _count_tokens(self, batch: Any) -> int:
+        if self.token_count_fn is None:
+            raise ValueError('loss_normalization "token" needs a token counter')
+        return int(self.token_count_fn(batch))
+
+    # ---------------------------------------------------------------------------------------------
+    # Batch-size decisions
+    def _context(self) -> ScheduleContext:
+        noise = self.noise.noise_scale
+        return ScheduleContext(
+            step=self.global_steps,
+            samples=self.global_samples,
+            tokens=self.global_tokens,
+            epoch=self.epoch,
+            global_batch=self.plan.global_batch_size,
+            world_size=self.world_size,
+            loss=self.last_loss,
+            loss_ema=self.loss_ema.value,
+            grad_norm=self.last_grad_norm,
+            noise_scale=noise,
+            lr=self.lr_coupling.get_lr()[0] if self.lr_coupling.get_lr() else None,
+        )
+
+    def _decide_plan(self) -> None:
+        if self._override is not None:
+            batch, reason = self._override
+        else:
+            decision = self.controller.next_global_batch(self._context())
+            batch, reason = decision.global_batch, decision.reason
+        # Batch shape must be identical on every rank: rank 0's decision is the one applied.
+        batch = comm.broadcast_int(batch, self.deepspeed.device)
+        self._scheduled_batch = batch
+        plan = self._plan_for(batch)
+        if plan != self.plan:
+            self._apply_plan(plan, reason=reason, record=True)
+
+    def _plan_for(self, batch: int) -> BatchPlan:
+        return plan_batch(
+            batch, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
+        )
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool) -> None:
+        """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
+        ds = self.deepspeed
+        old = self.plan
+        keys = plan.deepspeed_batch_keys()
+        # DeepSpeed 0.19.8: set_train_micro_batch_size / set_train_batch_size only overwrite
+        # engine._config; micro first, then total (set_train_batch_size derives GAS from the micro).
+        ds.set_train_micro_batch_size(keys["train_micro_batch_size_per_gpu"])
+        ds.set_train_batch_size(keys["train_batch_size"])
+        # ZeRO 1/2/3 optimizers copy GAS at construction; stage 1/2 reads it on the CPU-offload path.
+        if hasattr(ds.optimizer, "gradient_accumulation_steps"):
+            ds.optimizer.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        # The throughput timer captured train_batch_size at construction.
+        if getattr(ds, "tput_timer", None) is not None:
+            ds.tput_timer.batch_size = plan.global_batch_size
+        old_mult = self.lr_coupling.multiplier
+        new_mult = self.lr_coupling.set_global_batch(plan.global_batch_size)
+        self.plan = plan
+        if not record:
+            return
+        event = PlanChange(
+            step=self.global_steps,
+            samples=self.global_samples,
+            old_global_batch=old.global_batch_size,
+            new_global_batch=plan.global_batch_size,
+            old_micro_batch_per_gpu=old.micro_batch_per_gpu,
+            new_micro_batch_per_gpu=plan.micro_batch_per_gpu,
+            old_gradient_accumulation_steps=old.gradient_accumulation_steps,
+            new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            world_size=plan.world_size,
+            lr_multiplier=new_mult,
+            reason=reason,
+        )
+        self.history.append(event)
+        if self.rank == 0:
+            logger.info(format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
+
+    # ---------------------------------------------------------------------------------------------
+    # Gradient-noise scale
+    def _noise_kwargs(self) -> dict[str, Any]:
+        beta = getattr(self.config.schedule, "ema_beta", None)
+        return {} if beta is None else {"ema_beta": beta}
+
+    def _should_measure_noise(self) -> bool:
+        every = getattr(self.config.schedule, "measure_every", None)
+        if not every:
+            return False
+        # The estimator needs two batch sizes: one micro-batch and the whole global batch.
+        return self.global_steps % every == 0 and self.world_size * self.plan.gradient_accumulation_steps > 1
+
+    def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: _NoiseProbe) -> None:
+        sq_sum, n_micro, inv_b_sum = (float(s) for s in sums)
+        sq_big = probe.reduced_sq_norm()
+        if n_micro < 1 or sq_big is None:
+            return
+        b_small = n_micro / inv_b_sum
+        if total_samples <= b_small:
+            return
+        self.noise.update(b_small, sq_sum / n_micro, total_samples, sq_big)
+
+    def _grad_norm(self) -> float | None:
+        norm = self.deepspeed.get_global_grad_norm()
+        if norm is None:
+            return None
+        norm = float(norm)
+        return norm if math.isfinite(norm) else None
+
+    # ---------------------------------------------------------------------------------------------
+    # Bookkeeping
+    def _after_step(self) -> None:
+        ds = self.deepspeed
+        # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
+        ds.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+
+    def _emit(self, started: float) -> None:
+        plan = self.plan
+        record = StepMetrics(
+            step=self.global_steps,
+            samples=self.global_samples,
+            tokens=self.global_tokens,
+            global_batch=plan.global_batch_size,
+            micro_batch_per_gpu=plan.micro_batch_per_gpu,
+            gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            lr=self.lr_coupling.get_lr()[0],
+            loss=self.last_loss if self.last_loss is not None else float("nan"),
+            train_coverage=self.train_coverage,
+            epoch=self.epoch,
+            lr_multiplier=self.lr_coupling.multiplier,
+            step_time_s=time.perf_counter() - started,
+            grad_norm=self.last_grad_norm,
+            noise_scale=self.noise.noise_scale,
+        )
+        self.last_metrics = record
+        self.metrics.write(record)
+
+    def _sampler(self) -> Any:
+        return getattr(self.dataloader, "sampler", None)
+
+    # ---------------------------------------------------------------------------------------------
+    # Checkpoints
+    def adabatch_state_dict(self) -> dict[str, Any]:
+        """The adabatch part of a checkpoint (global counts only, so a resume can re-shard)."""
+        return {
+            "version": _STATE_VERSION,
+            "world_size": self.world_size,
+            "global_batch": self.plan.global_batch_size,
+            "scheduled_batch": self._scheduled_batch,
+            "plan": self.plan.to_dict(),
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "global_tokens": self.global_tokens,
+            "history": [e.to_dict() for e in self.history],
+            "override": self._override,
+            "controller": self.controller.state_dict(),
+            "data": None if self.dataloader is None else self.dataloader.state_dict(),
+            "lr": self.lr_coupling.state_dict(),
+            "loss_ema": self.loss_ema.state_dict(),
+            "noise": self.noise.state_dict(),
+            "last_loss": self.last_loss,
+            "last_grad_norm": self.last_grad_norm,
+        }
+
+    def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"checkpoint holds ds_adabatch state version {state.get('version')!r}; this version "
+                f"reads {_STATE_VERSION}"
+            )
+        self.global_steps = state["global_steps"]
+        self.global_samples = state["global_samples"]
+        self.global_tokens = state["global_tokens"]
+        self.history = [PlanChange(**e) for e in state["history"]]
+        self._override = tuple(state["override"]) if state["override"] else None
+        self.controller.load_state_dict(state["controller"])
+        if self.dataloader is not None and state.get("data") is not None:
+            self.dataloader.load_state_dict(state["data"])
+        self.loss_ema.load_state_dict(state["loss_ema"])
+        self.noise.load_state_dict(state["noise"])
+        self.last_loss = state["last_loss"]
+        self.last_grad_norm = state["last_grad_norm"]
+        batch = state["global_batch"]
+        if state["world_size"] != self.world_size:
+            cfg = self.config
+            rounded = round_global_batch(
+                batch,
+                self.world_size,
+                granularity=cfg.granularity,
+                min_global_batch=cfg.min_global_batch,
+                max_global_batch=cfg.max_global_batch,
+                allow_uneven=cfg.allow_uneven,
+            )
+            if rounded != batch and self.rank == 0:
+                logger.warning(
+                    "resuming on %d ranks (checkpoint: %d): global batch %d is not plannable here, "
+                    "continuing with %d",
+                    self.world_size,
+                    state["world_size"],
+                    batch,
+                    rounded,
+                )
+            batch = rounded
+        try:
+            plan = self._plan_for(batch)
+        except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
+            raise ValueError(f"cannot resume: {err}") from err
+        self._scheduled_batch = batch
+        self._apply_plan(plan, reason="resume", record=False)
+        self.deepspeed.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **kwargs
+    ):
+        """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
+
+        Call on every rank, as with DeepSpeed.
+        """
+        ds = self.deepspeed
+        tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
+        state = dict(client_state or {})
+        state[_STATE_KEY] = self.adabatch_state_dict()
+        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
+        rng_dir = os.path.join(save_dir, tag)
+        os.makedirs(rng_dir, exist_ok=True)
+        torch.save(_rng_state(), os.path.join(rng_dir, f"adabatch_rng_rank{self.rank}.pt"))
+        comm.barrier()
+        return result
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str | None, dict]:
+        """DeepSpeed's ``load_checkpoint``, then the adabatch state; returns ``(path, client_state)``.
+
+        The client state returned excludes the adabatch entry. A different world size continues the
+        same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
+        """
+        path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if path is None:
+            return None, {}
+        client_state = dict(client_state or {})
+        state = client_state.pop(_STATE_KEY, None)
+        if state is None:
+            raise ValueError(
+                f"checkpoint {path} has no ds_adabatch state: was it saved by engine.save_checkpoint?"
+            )
+        self.load_adabatch_state_dict(state)
+        rng_file = os.path.join(os.path.dirname(path), f"adabatch_rng_rank{self.rank}.pt")
+        if state["world_size"] == self.world_size and os.path.exists(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return path, client_state
+
+    def close(self) -> None:
+        """Stop data workers and close the metrics file."""
+        self.metrics.close()
+        if self.dataloader is not None and hasattr(self.dataloader, "close"):
+            self.dataloader.close()
+
+
+class _NoiseProbe:
+    """Squared norms of each micro-batch's local gradient (before DeepSpeed reduces it).
+
+    A tensor hook on each parameter sees the gradient of the current backward pass before it is
+    accumulated or reduced — under every ZeRO stage, because DeepSpeed 0.19.8 reduces in
+    post-accumulation hooks. Dividing by the loss weight gives the gradient of one micro-batch's mean
+    loss; together with the reduced gradient of the whole batch this yields the two batch sizes the
+    noise-scale estimator needs, with no extra forward or backward pass.
+    """
+
+    def __init__(self, ds_engine: Any) -> None:
+        self.ds = ds_engine
+        self._acc = 0.0
+        self._handles = []
+        self._sq_sum = 0.0
+        self._n = 0
+        self._inv_b = 0.0
+        self._weight = 0.0
+        self._samples = 0
+        self._big: float | None = None
+        for p in ds_engine.module.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._hook))
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        self._acc += float(grad.detach().float().pow(2).sum())
+
+    def begin(self, weight: float, samples: int) -> None:
+        self._acc = 0.0
+        self._weight = weight
+        self._samples = samples
+
+    def end(self) -> None:
+        if self._samples <= 0 or self._weight <= 0:
+            return
+        scale = _loss_scale(self.ds)
+        self._sq_sum += self._acc / (self._weight * scale) ** 2
+        self._n += 1
+        self._inv_b += 1.0 / self._samples
+
+    def read_reduced_norm(self) -> None:
+        # Stages 1-3 (and DeepSpeed's bf16 optimizer) expose the norm after step() through
+        # get_global_grad_norm(); plain ZeRO 0 does not, but its .grad tensors are already all-reduced
+        # by the boundary backward, so the norm is read here, before step() zeroes them.
+        if self.ds.zero_optimization_stage() == 0:
+            total = 0.0
+            for p in self.ds.module.parameters():
+                if p.grad is not None:
+                    total += float(p.grad.detach().float().pow(2).sum())
+            self._big = total / _loss_scale(self.ds) ** 2
+
+    def reduced_sq_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return self._big
+        norm = float(norm)
+        return norm * norm if math.isfinite(norm) else None
+
+    def local_sums(self) -> list[float]:
+        return [self._sq_sum, float(self._n), self._inv_b]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _loss_scale(ds_engine: Any) -> float:
+    # fp16 multiplies the loss by a dynamic scale before backward; bf16 and fp32 use 1.
+    if not ds_engine.fp16_enabled():
+        return 1.0
+    opt = ds_engine.optimizer
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(opt, name, None)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return 1.0
+
+
+def _leading_dim(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, dict):
+        return _leading_dim(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return _leading_dim(batch[0])
+    raise TypeError(f"cannot tell the number of samples in a micro-batch of type {type(batch).__name__}")
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(v, device) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

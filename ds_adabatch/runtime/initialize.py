@@ -1,0 +1,188 @@
+"""``ds_adabatch.initialize``: ``deepspeed.initialize`` with an adaptive global batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, load_ds_config
+from ..schedules import BatchSizeController
+from .engine import AdaptiveBatchEngine
+from .lr import BatchCoupledLR
+from .weights import make_token_counter
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger("ds_adabatch")
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: str | os.PathLike | dict,
+    training_data: Any = None,
+    *,
+    model_parameters: Any = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    collate_fn: Callable | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    token_count_fn: Callable[[Any], int] | None = None,
+    **deepspeed_kwargs: Any,
+) -> tuple[AdaptiveBatchEngine, Any, Any, Any]:
+    """Build a DeepSpeed engine whose global batch follows the config's ``"adabatch"`` section.
+
+    Drop-in for ``deepspeed.initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    Args:
+        model: the ``torch.nn.Module`` to train (pipeline parallelism is not supported).
+        config: path to, or dict of, a full ds_config with an ``"adabatch"`` section. DeepSpeed's
+            batch keys are filled from the initial plan (leave them out or ``"auto"``).
+        training_data: a map-style dataset (every sample exactly once per epoch, in an order fixed by
+            ``adabatch.data.seed``) or an ``IterableDataset`` (each rank draws from its own iterator).
+            ``None``: pass micro-batches to ``train_batch(data_iter)`` yourself.
+        model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize``.
+        collate_fn: turns a list of samples into a micro-batch (default: torch's default collate).
+        loss_fn: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the micro-batch's samples (or
+            target tokens with ``loss_normalization: "token"``; it may then return
+            ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models).
+        token_count_fn: ``token_count_fn(batch) -> int`` target tokens of a micro-batch for
+            ``loss_normalization: "token"``; default counts ``labels != -100`` (shifted by one for
+            ``*ForCausalLM`` models, whose loss is over shifted labels).
+        **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``mpu``, ``dist_init_required``, ...).
+
+    Raises:
+        ConfigError: the ds_config or its ``"adabatch"`` section is invalid — raised before any
+            process group is created when the problem does not depend on the world size.
+    """
+    loaded = load_ds_config(config)
+    _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
+
+    import deepspeed
+    import deepspeed.comm as dist
+
+    _init_distributed(deepspeed, dist, deepspeed_kwargs)
+    mpu = deepspeed_kwargs.get("mpu")
+    world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
+    rank = mpu.get_data_parallel_rank() if mpu is not None else dist.get_rank()
+    loaded = loaded.with_world_size(world)
+    cfg = loaded.adabatch
+    _configure_logging(rank)
+
+    controller = BatchSizeController(cfg, world_size=world)
+    dataloader = None
+    if training_data is not None:
+        from ..data import ElasticDataLoader, ElasticSampler
+
+        is_iterable = isinstance(training_data, torch.utils.data.IterableDataset)
+        sampler = None
+        if not is_iterable:
+            sampler = ElasticSampler(
+                len(training_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last
+            )
+        dataloader = ElasticDataLoader(
+            training_data,
+            sampler,
+            rank=rank,
+            world_size=world,
+            collate_fn=collate_fn,
+            num_workers=cfg.data.num_workers,
+        )
+
+    ds_engine, _, _, ds_scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=model_parameters if model_parameters is not None else model.parameters(),
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        config=loaded.deepspeed,
+        **deepspeed_kwargs,
+    )
+    if ds_engine.optimizer is None:
+        raise ConfigError.single(
+            "optimizer", 'training needs an optimizer: add an "optimizer" section or pass optimizer=', None
+        )
+    reference = cfg.lr_scaling.reference_batch or loaded.plan.global_batch_size
+    coupled = BatchCoupledLR(
+        ds_engine.optimizer,
+        ds_scheduler,
+        unit=cfg.lr_schedule_unit,
+        reference_batch=reference,
+        rule=cfg.lr_scaling.rule,
+    )
+    # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
+    # state_dict; the coupled wrapper takes that slot so both go through it.
+    ds_engine.lr_scheduler = coupled
+
+    if cfg.loss_normalization == "token" and token_count_fn is None:
+        token_count_fn = make_token_counter(model)
+    engine = AdaptiveBatchEngine(
+        ds_engine,
+        loaded_config=loaded,
+        controller=controller,
+        lr=coupled,
+        dataloader=dataloader,
+        loss_fn=loss_fn,
+        token_count_fn=token_count_fn,
+    )
+    return engine, ds_engine.optimizer, dataloader, coupled
+
+
+def _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    try:
+        from deepspeed.pipe import PipelineModule
+
+        if isinstance(model, PipelineModule):
+            raise TypeError(
+                "ds_adabatch does not support pipeline parallelism (PipelineModule): its engine "
+                "schedules micro-batches itself; use data parallelism with ZeRO 0-3"
+            )
+    except ImportError:  # pragma: no cover - deepspeed is a dependency
+        pass
+    for name, fn in (("loss_fn", loss_fn), ("collate_fn", collate_fn), ("token_count_fn", token_count_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    if training_data is not None and not isinstance(training_data, torch.utils.data.IterableDataset):
+        if not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
+            raise TypeError(
+                "training_data must be a map-style dataset (with __len__ and __getitem__) or a "
+                f"torch.utils.data.IterableDataset, got {type(training_data).__name__}"
+            )
+        if len(training_data) == 0:
+            raise ValueError("training_data is empty")
+    if "training_data" in deepspeed_kwargs or "config_params" in deepspeed_kwargs:
+        raise TypeError("pass training data and the config as ds_adabatch.initialize's own arguments")
+
+
+def _init_distributed(deepspeed, dist, kwargs) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # A plain `python train.py` (no launcher) is a world of one; without these variables
+        # DeepSpeed would try MPI discovery.
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if kwargs.get("dist_init_required", True) is not False:
+        deepspeed.init_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _configure_logging(rank: int) -> None:
+    # Plan-change lines are INFO on rank 0; give the logger a handler unless the user configured one.
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[ds_adabatch] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False

@@ -1,0 +1,138 @@
+"""Couple the learning rate to a changing global batch.
+
+Two things change when the batch does:
+
+* ``lr_scaling`` multiplies whatever LR the scheduler (or the optimizer, without one) sets by
+  ``1``, ``B / reference`` or ``sqrt(B / reference)``.
+* ``lr_schedule_unit: "samples"`` advances the wrapped scheduler once per ``reference_batch`` samples
+  consumed instead of once per optimizer step, so a batch ramp neither stretches nor shrinks warmup
+  and decay (the samples-based schedules Megatron-LM uses).
+
+:class:`BatchCoupledLR` replaces ``engine.lr_scheduler`` on the DeepSpeed engine. DeepSpeed 0.19.8 calls
+``lr_scheduler.step()`` once per applied optimizer step (``DeepSpeedEngine._take_model_step``) and saves
+and loads ``lr_scheduler.state_dict()`` in its checkpoints, so this object sits where DeepSpeed already
+looks and its state travels in DeepSpeed's checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["BatchCoupledLR"]
+
+_STATE_VERSION = 1
+
+
+class BatchCoupledLR:
+    """A scheduler wrapper that applies the batch-size LR multiplier and the schedule unit.
+
+    The wrapped scheduler always sees unscaled learning rates: before it steps, the multiplier is
+    divided out of every parameter group, and applied again afterwards. Schedulers that read the
+    current LR (chainable torch schedulers) therefore never compound the multiplier.
+
+    Args:
+        optimizer: the optimizer whose ``param_groups`` carry the LR (DeepSpeed's wrapper is fine).
+        scheduler: the user's or DeepSpeed's scheduler, or ``None``.
+        unit: ``"steps"`` or ``"samples"``.
+        reference_batch: samples per scheduler step in ``"samples"`` mode; also the batch at which
+            the multiplier is 1.
+        rule: ``"none"``, ``"linear"`` or ``"sqrt"``.
+    """
+
+    def __init__(self, optimizer: Any, scheduler: Any, *, unit: str, reference_batch: int, rule: str):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.unit = unit
+        self.reference_batch = reference_batch
+        self.rule = rule
+        self.multiplier = 1.0
+        self.samples = 0  # samples consumed, as last told by the runtime
+        self.inner_steps = 0  # times the wrapped scheduler has stepped
+
+    # -- what the runtime calls -------------------------------------------------------------------
+    def multiplier_for(self, global_batch: int) -> float:
+        """The LR multiplier ``rule`` gives for ``global_batch``."""
+        ratio = global_batch / self.reference_batch
+        if self.rule == "linear":
+            return ratio
+        if self.rule == "sqrt":
+            return math.sqrt(ratio)
+        return 1.0
+
+    def set_global_batch(self, global_batch: int) -> float:
+        """Apply the multiplier for ``global_batch`` to the optimizer now; returns it."""
+        self._rescale(self.multiplier_for(global_batch))
+        return self.multiplier
+
+    def set_samples(self, samples: int) -> None:
+        """Tell the wrapper how many samples have been consumed once this optimizer step completes."""
+        self.samples = samples
+
+    # -- what DeepSpeed calls ---------------------------------------------------------------------
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Called by DeepSpeed once per applied optimizer step."""
+        if self.scheduler is None:
+            return
+        if self.unit == "samples":
+            target = self.samples // self.reference_batch
+            todo = target - self.inner_steps
+        else:
+            todo = 1
+        if todo <= 0:
+            return
+        saved = self.multiplier
+        self._rescale(1.0)
+        for _ in range(todo):
+            self.scheduler.step(*args, **kwargs)
+        self.inner_steps += todo
+        self._rescale(saved)
+
+    def get_lr(self) -> list[float]:
+        """The learning rates in effect (multiplier included), one per parameter group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return self.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "multiplier": self.multiplier,
+            "samples": self.samples,
+            "inner_steps": self.inner_steps,
+            "unit": self.unit,
+            "reference_batch": self.reference_batch,
+            "rule": self.rule,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"learning-rate state has version {state.get('version')!r}; this ds_adabatch reads "
+                f"version {_STATE_VERSION}"
+            )
+        # The optimizer's LRs were restored scaled by the saved multiplier; record it so the next
+        # rescale divides the right factor out.
+        self.multiplier = float(state["multiplier"])
+        self.samples = int(state["samples"])
+        self.inner_steps = int(state["inner_steps"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (last_batch_iteration, warmup_num_steps, ...) is the wrapped scheduler's.
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is None:
+            raise AttributeError(name)
+        return getattr(scheduler, name)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _rescale(self, new: float) -> None:
+        if new == self.multiplier:
+            return
+        factor = new / self.multiplier
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        self.multiplier = new

@@ -1,0 +1,56 @@
+"""Loss weights that make every optimizer step the exact mean over the global batch.
+
+DeepSpeed averages gradients over the ``W`` data-parallel ranks and, by default, divides each
+micro-batch loss by the gradient-accumulation steps. Neither is right when micro-batches differ in size
+(uneven plans, the smaller epoch-tail batch, zero-weight pads) or when the loss is a mean over tokens.
+The runtime therefore calls ``engine.backward(loss * weight, scale_wrt_gas=False)`` with
+
+    weight = count * W / total
+
+where ``count`` is the micro-batch's real samples (or target tokens) and ``total`` the global batch's,
+summed over all ranks. Summed over micro-batches and averaged over ranks this is exactly
+``(1 / total) * sum of per-item gradients``: the gradient one big batch would give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["default_token_count", "loss_weight", "make_token_counter"]
+
+IGNORE_INDEX = -100
+
+
+def loss_weight(count: int, world_size: int, total: int) -> float:
+    """``count * world_size / total``; 0 for a pad (``count == 0``)."""
+    if total <= 0:
+        raise ValueError(f"the global batch holds no samples or tokens to average over (total={total})")
+    return count * world_size / total
+
+
+def default_token_count(batch: Any, *, shifted: bool) -> int:
+    """Target tokens of a Hugging Face style batch: ``labels != -100``.
+
+    Causal language models (``*ForCausalLM``) shift labels by one inside ``forward``, so their loss
+    averages over ``labels[..., 1:]``; ``shifted`` selects that count.
+    """
+    if not isinstance(batch, Mapping) or "labels" not in batch:
+        raise ValueError(
+            'loss_normalization "token" needs batches that are dicts with a "labels" tensor, or a '
+            "token_count_fn passed to ds_adabatch.initialize, or a loss_fn returning (loss, num_tokens)"
+        )
+    labels = batch["labels"]
+    if shifted:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def make_token_counter(module: Any) -> Callable[[Any], int]:
+    """The default token counter for ``module``: shifted for causal LMs, plain otherwise."""
+    shifted = "CausalLM" in type(module).__name__ or "LMHead" in type(module).__name__
+
+    def count(batch: Any) -> int:
+        return default_token_count(batch, shifted=shifted)
+
+    return count

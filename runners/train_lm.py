@@ -1,0 +1,158 @@
+"""The main job: a byte-level GPT-2-style language model trained with a changing global batch.
+
+Run under the ``deepspeed`` launcher or torchrun, on CPU (``DS_ACCELERATOR=cpu``) or GPUs::
+
+    deepspeed --num_gpus 2 runners/train_lm.py --config ds_configs/lm_ramp.json
+    torchrun --nproc-per-node 2 runners/train_lm.py --config ds_configs/lm_ramp.json
+
+Rank 0 shows a progress bar (global batch, LR, loss, samples/s). At the end the output folder holds
+``metrics.jsonl`` (one line per optimizer step) and ``metrics.png`` (loss, global batch and LR against
+samples). ``--save-dir`` / ``--resume`` checkpoint and resume through ``engine.save_checkpoint`` /
+``engine.load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--config", default="ds_configs/lm_ramp.json", help="ds_config JSON with an adabatch section"
+    )
+    p.add_argument("--data", nargs="*", default=None, help="text files to train on (default: stdlib sources)")
+    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
+    p.add_argument("--samples", type=int, default=8192, help="stop after this many training samples")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--out", default="runs/train_lm", help="folder for metrics.jsonl and metrics.png")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64, help="bytes per training window")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
+    p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N optimizer steps")
+    p.add_argument("--resume", default=None, help="resume from the latest checkpoint in this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def load_config(path: str, out_dir: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    # The run's metrics go to the output folder unless the config names a file.
+    log = config.setdefault("adabatch", {}).setdefault("log", {})
+    if not log.get("jsonl"):
+        log["jsonl"] = os.path.join(out_dir, "metrics.jsonl")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+
+    import ds_adabatch
+    from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model
+
+    os.makedirs(args.out, exist_ok=True)
+    config = load_config(args.config, args.out)
+    jsonl = config["adabatch"]["log"]["jsonl"]
+    # Validate before anything heavy or distributed starts: a bad config is one clear message.
+    try:
+        ds_adabatch.load_ds_config(config)
+    except ds_adabatch.ConfigError as err:
+        print(f"error: {args.config}: {err}", file=sys.stderr)
+        return 2
+
+    spec = ModelSpec(layers=args.layers, width=args.width, heads=args.heads, context=args.context)
+    corpus = ByteCorpus(args.data, max_bytes=args.max_bytes)
+    train = ByteWindows(corpus.train, spec.context)
+    model = build_model(spec, seed=args.seed)
+
+    engine, _, _, _ = ds_adabatch.initialize(model, config, train)
+    rank0 = engine.global_rank == 0
+    if rank0 and not args.resume and os.path.exists(jsonl):
+        open(jsonl, "w").close()  # a fresh run starts a fresh metrics file
+    if args.resume:
+        path, _ = engine.load_checkpoint(args.resume)
+        if rank0:
+            print(f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples")
+
+    bar = None
+    if rank0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.samples, initial=engine.global_samples, unit="sample", dynamic_ncols=True)
+    started = time.perf_counter()
+    first_samples = engine.global_samples
+    while engine.global_samples < args.samples:
+        if args.max_steps is not None and engine.global_steps >= args.max_steps:
+            break
+        before = engine.global_samples
+        loss = float(engine.train_batch())
+        if bar is not None:
+            rate = (engine.global_samples - first_samples) / max(time.perf_counter() - started, 1e-9)
+            bar.update(engine.global_samples - before)
+            bar.set_postfix(
+                batch=engine.plan.global_batch_size,
+                lr=f"{engine.get_lr()[0]:.2e}",
+                loss=f"{loss:.3f}",
+                sps=f"{rate:.0f}",
+            )
+        if args.save_dir and args.save_every and engine.global_steps % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir)
+    if bar is not None:
+        bar.close()
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+    engine.close()
+
+    if rank0:
+        plot_metrics(jsonl, os.path.join(args.out, "metrics.png"))
+        print(
+            f"done: {engine.global_steps} steps, {engine.global_samples} samples, final loss "
+            f"{engine.last_loss:.4f}, {len(engine.history)} batch changes; metrics in {args.out}"
+        )
+    return 0
+
+
+def plot_metrics(jsonl: str, png: str) -> None:
+    """Loss, global batch and LR against samples, from a metrics JSONL file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(jsonl, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    samples = [r["samples"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for ax, key, label in zip(
+        axes, ("loss", "global_batch", "lr"), ("loss", "global batch", "learning rate")
+    ):
+        ax.plot(
+            samples, [r[key] for r in rows], drawstyle="steps-post" if key == "global_batch" else "default"
+        )
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("training samples")
+    fig.suptitle("ds_adabatch: byte-level LM")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
