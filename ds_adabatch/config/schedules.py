@@ -177,7 +177,7 @@ class PiecewiseScheduleConfig(ScheduleConfigBase):
         return self.points[0][1]
 
     def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
-        return [(f"points.{i}", batch) for i, (_, batch) in enumerate(self.points)]
+        return [(f"points[{i}][1]", batch) for i, (_, batch) in enumerate(self.points)]
 
     @model_validator(mode="after")
     def _sorted(self) -> PiecewiseScheduleConfig:

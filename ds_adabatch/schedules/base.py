@@ -1,0 +1,141 @@
+"""The schedule protocol: a training context in, a desired global batch out.
+
+A schedule is a callable ``schedule(ctx) -> float``. It returns the global batch it would like for
+the optimizer step described by ``ctx`` (any positive real number); the
+:class:`~ds_adabatch.schedules.BatchSizeController` applies bounds, granularity, the per-update change
+cap and rounding, so schedules never deal with plannability. Rules that remember something between
+calls (the callable's current batch, the plateau detector's history) expose a versioned
+``state_dict()`` / ``load_state_dict()`` that the runtime checkpoints.
+
+Every value in the context is global (summed or averaged over all ranks), so every rank that calls the
+same schedule with the same context takes the same decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Schedule",
+    "ScheduleContext",
+    "ScheduleError",
+    "StatefulSchedule",
+    "build_schedule",
+    "check_state",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule produced something unusable (a user function's bad result, a missing signal)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleContext:
+    """Where training stands before one optimizer step, as every rank sees it.
+
+    Counters describe the past: ``step`` is the number of completed optimizer steps (the first
+    ``train_batch()`` runs at step 0), ``samples`` and ``tokens`` what all ranks consumed before this
+    step. Signals are the latest all-reduced measurements, ``None`` when not measured (yet).
+    """
+
+    step: int
+    """Completed optimizer steps."""
+    samples: int
+    """Training samples consumed before this step, all ranks together."""
+    global_batch: int
+    """The global batch of the previous step (the initial batch at step 0), in samples."""
+    world_size: int
+    """Data-parallel ranks."""
+    tokens: int | None = None
+    """Tokens consumed before this step, all ranks together; None when the runtime does not count them."""
+    epoch: float = 0.0
+    """Fractional epochs consumed (samples / dataset size)."""
+    loss: float | None = None
+    """Latest global-mean training loss (all-reduced)."""
+    loss_ema: float | None = None
+    """Smoothed global-mean loss, if the runtime keeps one."""
+    grad_norm: float | None = None
+    """Latest global gradient norm (L2, after reduction, before clipping)."""
+    noise_scale: float | None = None
+    """Latest gradient-noise scale estimate B_simple, in samples."""
+    lr: float | None = None
+    """Learning rate of the latest step."""
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """A batch-size rule: ``schedule(ctx)`` is the desired global batch (samples, > 0).
+
+    ``name`` is the config's ``type``; ``requires`` names the context signals (``"loss"``,
+    ``"noise_scale"``, ``"tokens"``, ...) the rule reads, so callers know what to measure. A rule may
+    set ``last_reason`` (one line saying why it returned what it did) for logging.
+    """
+
+    name: str
+    requires: frozenset[str]
+
+    def __call__(self, ctx: ScheduleContext) -> float: ...
+
+
+@runtime_checkable
+class StatefulSchedule(Schedule, Protocol):
+    """A schedule that remembers something between calls; the runtime checkpoints its state."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def check_state(state: Any, *, kind: str, version: int) -> None:
+    """Refuse a state dict that was not written by ``kind`` at ``version``, with a sentence."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{kind} state must be a dict, got {type(state).__name__}")
+    if state.get("kind") != kind:
+        raise ValueError(f"this state was written by {state.get('kind')!r}, not by {kind!r}")
+    if state.get("version") != version:
+        raise ValueError(
+            f"{kind} state has version {state.get('version')!r}; this ds_adabatch reads version {version}"
+        )
+
+
+def build_schedule(
+    config: Any,
+    *,
+    world_size: int,
+    min_global_batch: int | None = None,
+    max_global_batch: int | None = None,
+) -> Schedule:
+    """The rule for a schedule config model (one member of ``ScheduleConfig``).
+
+    ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
+    batch (``loss_plateau``) stay inside them, as the controller's output does.
+
+    Raises:
+        ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
+        ValueError: the config's ``type`` is unknown.
+    """
+    # Imported here: the rule modules import this one for ScheduleContext.
+    from .noise import GradientNoiseSchedule
+    from .plateau import LossPlateauSchedule
+    from .ramps import ConstantSchedule, LinearSchedule, PiecewiseSchedule, StepSchedule
+    from .user import CallableSchedule
+
+    kind = getattr(config, "type", None)
+    if kind == "callable":
+        return CallableSchedule(config)
+    if kind == "loss_plateau":
+        return LossPlateauSchedule(
+            config, min_global_batch=min_global_batch, max_global_batch=max_global_batch
+        )
+    simple = {
+        "constant": ConstantSchedule,
+        "linear": LinearSchedule,
+        "step": StepSchedule,
+        "piecewise": PiecewiseSchedule,
+        "gradient_noise": GradientNoiseSchedule,
+    }
+    if kind not in simple:
+        known = ", ".join(sorted([*simple, "callable", "loss_plateau"]))
+        raise ValueError(f"unknown schedule type {kind!r}; known types: {known}")
+    return simple[kind](config)

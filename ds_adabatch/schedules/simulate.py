@@ -1,0 +1,253 @@
+"""Dry-run a config's schedule: the plan it would make at every optimizer step, as a CSV and a plot.
+
+``ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png`` calls :func:`simulate`. The
+run is exact for schedules of the training clock (``constant``, ``linear``, ``step``, ``piecewise``,
+``callable``). Schedules driven by measurements (``loss_plateau``, ``gradient_noise``) need the
+measurements of a recorded run: ``--replay metrics.jsonl``, one JSON object per line with at least
+``samples`` (samples consumed when the record was written) and any of ``loss``, ``loss_ema``,
+``noise_scale``, ``grad_norm``, ``lr``, ``tokens``, ``epoch``. At each simulated step the context gets,
+for every signal, the latest value recorded at or before the simulated sample count (held, not
+interpolated: the simulated run has different batch sizes, so the recorded curve is only a proxy);
+``tokens`` is interpolated linearly in samples. Lines without ``samples`` (other log events) are
+skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..plan import plan_batch
+from .base import ScheduleContext
+from .controller import BatchSizeController
+from .lr import lr_multiplier
+
+__all__ = ["CSV_COLUMNS", "simulate"]
+
+CSV_COLUMNS = (
+    "step",
+    "samples",
+    "tokens",
+    "global_batch",
+    "micro_batch_per_gpu",
+    "gradient_accumulation_steps",
+    "even",
+    "lr_multiplier",
+    "desired",
+    "reason",
+)
+"""Columns of the CSV and keys of each returned row; ``samples`` / ``tokens`` are counted before the step."""
+
+_SIGNALS = ("loss", "loss_ema", "grad_norm", "noise_scale", "lr", "epoch")
+_MEASURED = frozenset({"loss", "loss_ema", "grad_norm", "noise_scale", "lr"})
+
+
+class _Replay:
+    """Signals of a recorded run, looked up by samples consumed."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        series: dict[str, list[tuple[float, float]]] = {key: [] for key in (*_SIGNALS, "tokens")}
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{self.path}:{number}: not a JSON object ({exc.msg})") from None
+                if not isinstance(record, dict) or not _is_number(record.get("samples")):
+                    continue
+                for key, points in series.items():
+                    value = record.get(key)
+                    if value is None:
+                        continue
+                    if not _is_number(value):
+                        raise ValueError(f"{self.path}:{number}: {key!r} must be a number, got {value!r}")
+                    points.append((float(record["samples"]), float(value)))
+        if not any(series.values()):
+            raise ValueError(f"{self.path} holds no record with a numeric 'samples' and a signal to replay")
+        # Records are expected in order; sorting (stable) also accepts logs merged from several files.
+        self.series = {key: sorted(points, key=lambda p: p[0]) for key, points in series.items()}
+        self.keys = {key: [s for s, _ in points] for key, points in self.series.items()}
+
+    def has(self, key: str) -> bool:
+        return bool(self.series[key])
+
+    def held(self, key: str, samples: int) -> float | None:
+        """The latest value of ``key`` recorded at or before ``samples``."""
+        i = bisect.bisect_right(self.keys[key], samples) - 1
+        return None if i < 0 else self.series[key][i][1]
+
+    def tokens(self, samples: int) -> float | None:
+        """Tokens at ``samples``, interpolated between records (proportional outside them)."""
+        points = self.series["tokens"]
+        if not points:
+            return None
+        i = bisect.bisect_right(self.keys["tokens"], samples)
+        if 0 < i < len(points):
+            (s0, t0), (s1, t1) = points[i - 1], points[i]
+            return t0 if s1 == s0 else t0 + (t1 - t0) * (samples - s0) / (s1 - s0)
+        s_ref, t_ref = points[-1] if i else points[0]
+        return t_ref * samples / s_ref if s_ref > 0 else t_ref
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def simulate(
+    loaded_config: Any,
+    *,
+    world_size: int,
+    samples: int,
+    out_png: str | os.PathLike[str] | None,
+    out_csv: str | os.PathLike[str] | None = None,
+    replay: str | os.PathLike[str] | None = None,
+    tokens_per_sample: int = 0,
+    max_steps: int = 2_000_000,
+) -> list[dict[str, Any]]:
+    """Step the config's batch-size controller through ``samples`` samples and record every plan.
+
+    Args:
+        loaded_config: a ``LoadedConfig`` (anything with ``.adabatch``, an ``AdaBatchConfig``).
+        world_size: data-parallel ranks to plan for.
+        samples: training samples to simulate; the last step may run past it.
+        out_png: where to draw global batch, micro-batch, GAS and LR multiplier against samples
+            (None: no plot).
+        out_csv: where to write the rows; default: ``out_png`` with a ``.csv`` suffix (no CSV when both
+            are None).
+        replay: JSONL of a recorded run whose signals feed measurement-driven schedules.
+        tokens_per_sample: tokens per sample (e.g. the sequence length) for the ``tokens`` clock;
+            0: take tokens from ``replay`` if it records them, else schedules keyed on tokens refuse.
+        max_steps: refuse to simulate more optimizer steps than this.
+
+    Returns:
+        One dict per optimizer step with the keys of :data:`CSV_COLUMNS`.
+
+    Raises:
+        ValueError: a measurement-driven schedule without ``replay``, a token-keyed schedule without a
+            token count, bad arguments, or a run longer than ``max_steps``.
+    """
+    for name, value, low in (("world_size", world_size, 1), ("samples", samples, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if isinstance(tokens_per_sample, bool) or not isinstance(tokens_per_sample, int) or tokens_per_sample < 0:
+        raise ValueError(f"tokens_per_sample must be an integer >= 0, got {tokens_per_sample!r}")
+    cfg = loaded_config.adabatch
+    controller = BatchSizeController(cfg, world_size)
+    schedule = controller.schedule
+    data = _Replay(replay) if replay is not None else None
+
+    measured = sorted(schedule.requires & _MEASURED)
+    if measured and data is None:
+        raise ValueError(
+            f"the {schedule.name} schedule is driven by measured {', '.join(measured)}; simulating it "
+            f"needs a recorded run: pass --replay metrics.jsonl (one JSON object per optimizer step with "
+            f"'samples' and {', '.join(repr(m) for m in measured)})"
+        )
+    for key in measured:
+        if data is not None and not data.has(key):
+            raise ValueError(f"the {schedule.name} schedule reads {key!r}, which {data.path} never records")
+    count_tokens = tokens_per_sample > 0 or (data is not None and data.has("tokens"))
+    if "tokens" in schedule.requires and not count_tokens:
+        raise ValueError(
+            f"the {schedule.name} schedule is keyed on tokens; give tokens_per_sample (e.g. the sequence "
+            f"length) or a replay that records 'tokens'"
+        )
+
+    scaling = getattr(cfg, "lr_scaling", None)
+    rule = getattr(scaling, "rule", "none")
+    batch = controller.initial_global_batch()
+    reference = getattr(scaling, "reference_batch", None) or batch
+    allow_uneven = bool(getattr(cfg, "allow_uneven", False))
+
+    rows: list[dict[str, Any]] = []
+    step = consumed = 0
+    while consumed < samples:
+        if step >= max_steps:
+            raise ValueError(
+                f"simulating {samples} samples takes more than {max_steps} optimizer steps; simulate "
+                f"fewer samples"
+            )
+        if tokens_per_sample:
+            tokens: int | None = consumed * tokens_per_sample
+        elif data is not None and count_tokens:
+            tokens = round(data.tokens(consumed) or 0)
+        else:
+            tokens = None
+        signals = {key: data.held(key, consumed) for key in _SIGNALS} if data is not None else {}
+        epoch = signals.pop("epoch", None)
+        ctx = ScheduleContext(
+            step=step,
+            samples=consumed,
+            tokens=tokens,
+            epoch=epoch or 0.0,
+            global_batch=batch,
+            world_size=world_size,
+            **signals,
+        )
+        decision = controller.next_global_batch(ctx)
+        batch = decision.global_batch
+        plan = plan_batch(batch, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=allow_uneven)
+        rows.append(
+            {
+                "step": step,
+                "samples": consumed,
+                "tokens": tokens,
+                "global_batch": batch,
+                "micro_batch_per_gpu": plan.micro_batch_per_gpu,
+                "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+                "even": plan.is_even,
+                "lr_multiplier": lr_multiplier(rule, batch, reference),
+                "desired": decision.desired,
+                "reason": decision.reason,
+            }
+        )
+        consumed += batch
+        step += 1
+
+    if out_csv is None and out_png is not None:
+        out_csv = Path(out_png).with_suffix(".csv")
+    if out_csv is not None:
+        _write_csv(rows, Path(out_csv))
+    if out_png is not None:
+        title = f"{schedule.name} schedule on {world_size} rank{'s' if world_size != 1 else ''}"
+        _plot(rows, Path(out_png), title)
+    return rows
+
+
+def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row[k] is None else row[k] for k in CSV_COLUMNS})
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    # Imported here so that importing ds_adabatch.schedules never needs matplotlib. The Figure API
+    # renders with Agg without touching pyplot's global backend.
+    from matplotlib.figure import Figure
+
+    x = [row["samples"] for row in rows]
+    panels = (
+        ("global_batch", "global batch"),
+        ("micro_batch_per_gpu", "micro-batch / GPU"),
+        ("gradient_accumulation_steps", "GAS"),
+        ("lr_multiplier", "LR multiplier"),
+    )
+    fig = Figure(figsize=(9, 9), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for ax, (key, label) in zip(axes, panels):
+        ax.plot(x, [row[key] for row in rows], drawstyle="steps-post", linewidth=1.2)
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("samples consumed")
+    fig.savefig(path, dpi=110, format="png")
