@@ -229,11 +229,7 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
             allow_uneven=cfg.allow_uneven,
         )
     except PlanError as err:
-        problems.append(
-            ConfigProblem(
-                f"{SECTION}.max_global_batch", f"{err} (world size {world_size})", cfg.max_global_batch
-            )
-        )
+        problems.append(ConfigProblem(f"{SECTION}.max_global_batch", str(err), cfg.max_global_batch))
     endpoints = list(cfg.schedule.endpoint_batches(world_size))
     initial = cfg.schedule.initial_batch(world_size)
     if initial is None:
@@ -246,7 +242,9 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
     static = set(cfg.schedule.endpoint_batches(None))
     fresh = [(name, value) for name, value in endpoints if (name, value) not in static]
     for problem in endpoint_problems(fresh, cfg.min_global_batch, cfg.max_global_batch, cfg.granularity):
-        problems.append(dataclasses.replace(problem, path=f"{SECTION}.{problem.path}".rstrip(".")))
+        path = f"{SECTION}.{problem.path}".rstrip(".")
+        message = f"as a global batch on {world_size} ranks, {problem.message}"
+        problems.append(dataclasses.replace(problem, path=path, message=message))
 
     plan: BatchPlan | None = None
     for name, value in endpoints:
@@ -321,16 +319,13 @@ def _batch_key_agreement_problems(
                 valid,
             )
         )
-    for key, what in (
-        ("train_micro_batch_size_per_gpu", "samples per GPU per micro-batch"),
-        ("gradient_accumulation_steps", "accumulation steps"),
-    ):
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = given.get(key)
         if value is not None and value != keys[key]:
             hint = "; to cap the micro-batch set adabatch.max_micro_batch_per_gpu" if "micro" in key else ""
             problems.append(
                 _mismatch(
-                    key, value, f"the initial plan uses {keys[key]} {what} ({shape})", str(keys[key]), hint
+                    key, value, f"the initial plan has {key} = {keys[key]} ({shape})", str(keys[key]), hint
                 )
             )
     return problems
