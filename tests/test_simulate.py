@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -96,6 +97,7 @@ def test_replay_feeds_the_recorded_loss(tmp_path):
     # A recorded run: loss falls for 400 samples, then is flat.
     records = [{"samples": s, "loss": max(1.0, 3.0 - s / 200)} for s in range(16, 1600, 16)]
     records.insert(3, {"event": "plan_change", "global_batch": 16})  # non-step lines are skipped
+    records.insert(5, {"samples": 60, "loss": math.nan})  # a step without a loss is skipped
     replay = write_jsonl(tmp_path / "metrics.jsonl", records)
     cfg = loaded(
         {"type": "loss_plateau", "start": 16, "window": 3, "patience": 2, "cooldown": 2, "ema_beta": 0.0},

@@ -8,8 +8,8 @@ measurements of a recorded run: ``--replay metrics.jsonl``, one JSON object per 
 ``noise_scale``, ``grad_norm``, ``lr``, ``tokens``, ``epoch``. At each simulated step the context gets,
 for every signal, the latest value recorded at or before the simulated sample count (held, not
 interpolated: the simulated run has different batch sizes, so the recorded curve is only a proxy);
-``tokens`` is interpolated linearly in samples. Lines without ``samples`` (other log events) are
-skipped.
+``tokens`` is interpolated linearly in samples. Lines without ``samples`` (other log events) and
+values that are ``null`` or ``NaN`` are skipped.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class _Replay:
                     continue
                 for key, points in series.items():
                     value = record.get(key)
-                    if value is None:
+                    # null and NaN (a step that measured nothing) count as missing, not as errors.
+                    if value is None or (isinstance(value, float) and math.isnan(value)):
                         continue
                     if not _is_number(value):
                         raise ValueError(f"{self.path}:{number}: {key!r} must be a number, got {value!r}")
