@@ -1,0 +1,218 @@
+"""``ds-adabatch`` end to end through a subprocess (exit codes, output, no tracebacks), plus helpers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from ds_adabatch import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted(str(p) for p in (ROOT / "ds_configs").glob("*.json"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "ds_adabatch.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert "Traceback" not in result.stderr, f"a traceback reached the user:\n{result.stderr}"
+    return result
+
+
+def write(path: Path, config: dict) -> str:
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_version() -> None:
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"ds-adabatch {cli.__version__}"
+
+
+def test_validate_examples_with_world_sizes() -> None:
+    result = run("validate", *EXAMPLES, "--world-size", "1,2,8")
+    assert result.returncode == 0, result.stderr
+    for path in EXAMPLES:
+        assert f"ok: {path}" in result.stdout
+    assert "world size 8: start global 16 = micro 2 x gas 1 on 8 ranks" in result.stdout
+    assert "train_batch_size=" in result.stdout
+
+
+def test_validate_reports_every_problem_of_every_file(tmp_path: Path) -> None:
+    bad = write(
+        tmp_path / "bad.json",
+        {
+            "train_batch_size": 32,
+            "adabatch": {
+                "schedule": {"type": "linear", "start": 16, "end": 64, "ramp_samples": 0},
+                "max_micro_batch_per_gpu": 0,
+                "data": {"shufle": True},
+            },
+        },
+    )
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"adabatch": {,}}')
+    result = run("validate", EXAMPLES[0], bad, str(broken), str(tmp_path / "missing.json"))
+    assert result.returncode == 2
+    assert f"ok: {EXAMPLES[0]}" in result.stdout
+    for needle in (
+        f"invalid: {bad}",
+        "adabatch.schedule: ramp_samples must be > 0",
+        "adabatch.max_micro_batch_per_gpu: must be >= 1",
+        "adabatch.data.shufle: is not a known key: did you mean 'shuffle'",
+        "invalid JSON at line 1, column 15",
+        "file not found",
+        "3 of 4 configs have problems",
+    ):
+        assert needle in result.stderr, f"{needle!r} not in stderr:\n{result.stderr}"
+
+
+def test_validate_fails_for_an_unplannable_world_size(tmp_path: Path) -> None:
+    config = write(
+        tmp_path / "c.json",
+        {"adabatch": {"schedule": {"type": "constant", "value": 16}, "max_micro_batch_per_gpu": 4}},
+    )
+    result = run("validate", config, "--world-size", "2,3")
+    assert result.returncode == 2
+    assert "with --world-size 3" in result.stderr
+    assert "adabatch.schedule.value: cannot be planned on 3 ranks" in result.stderr
+    assert "15, 18" in result.stderr
+
+
+def test_plan_table() -> None:
+    result = run("plan", "--global-batch", "17", "--world-size", "2", "--max-micro", "4", "--uneven")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[2].split() == ["rank", "step", "0", "step", "1", "step", "2", "samples", "per", "rank"]
+    assert lines[3].split() == ["0", "3", "3", "3", "9"]
+    assert lines[4].split() == ["1", "3", "3", "2", "8"]
+    assert "global 17 = micro 3 x gas 3 on 2 ranks (uneven)" in lines[-1]
+    assert "train_batch_size=18" in lines[-1]
+
+
+def test_plan_infeasible_and_bad_arguments() -> None:
+    result = run("plan", "--global-batch", "17", "--world-size", "2", "--max-micro", "4")
+    assert result.returncode == 2
+    assert "16, 18" in result.stderr and "--uneven" in result.stderr
+    result = run("plan", "--global-batch", "many", "--world-size", "0", "--max-micro", "4")
+    assert result.returncode == 2
+    assert "--global-batch" in result.stderr
+
+
+def test_schema_is_json_schema_of_the_section() -> None:
+    result = run("schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert {"schedule", "max_micro_batch_per_gpu", "lr_scaling", "data", "log"} <= set(schema["properties"])
+    assert schema["additionalProperties"] is False
+
+
+def test_elastic_table() -> None:
+    result = run("elastic", "--max-batch", "64", "--world-sizes", "1-8", "--max-micro", "8", "--top", "2")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert rows[0][:5] == ["1", "60", "6", "of", "8"] and rows[0][5] == "1-6"
+    assert rows[1][:2] == ["2", "48"] and rows[1][5] == "1-4,6,8"
+    assert "--top 0 shows all" in result.stdout
+
+
+def test_elastic_bad_input() -> None:
+    result = run("elastic", "--max-batch", "64", "--world-sizes", "8-1", "--max-micro", "8")
+    assert result.returncode == 2
+    assert "--world-sizes" in result.stderr
+    result = run("elastic", "--max-batch", "3", "--world-sizes", "4-8", "--max-micro", "8")
+    assert result.returncode == 2
+    assert "no global batch" in result.stderr
+
+
+def test_usage_errors() -> None:
+    result = run()
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+    result = run("simulate", EXAMPLES[0], "--world-size", "2", "--samples", "100")  # no --out
+    assert result.returncode == 2
+    assert "--out" in result.stderr
+
+
+def test_cli_imports_neither_torch_nor_deepspeed() -> None:
+    code = (
+        "import sys; from ds_adabatch.cli import main; "
+        f"rc = main(['validate', {EXAMPLES[0]!r}, '--world-size', '2']); "
+        "rc |= main(['plan', '--global-batch', '8', '--world-size', '2', '--max-micro', '4']); "
+        "rc |= main(['schema']); "
+        "print('heavy:', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)); "
+        "sys.exit(rc)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "heavy: []" in result.stdout
+
+
+# In-process: the simulate hook and the last-resort error handler.
+
+
+def test_simulate_calls_the_simulator(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
+    calls = []
+    fake = types.ModuleType("ds_adabatch.schedules.simulate")
+    fake.simulate = lambda loaded, **kwargs: calls.append((loaded, kwargs))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ds_adabatch.schedules.simulate", fake)
+    out, csv = str(tmp_path / "plan.png"), str(tmp_path / "plan.csv")
+    args = ["simulate", EXAMPLES[0], "--world-size", "2", "--samples", "5000", "--out", out, "--csv", csv]
+    assert cli.main(args) == 0
+    ((loaded, kwargs),) = calls
+    assert loaded.plan is not None and loaded.plan.world_size == 2
+    assert kwargs == {"world_size": 2, "samples": 5000, "out_png": out, "out_csv": csv, "replay": None}
+    assert out in capsys.readouterr().out
+
+
+def test_simulate_reports_config_errors_before_simulating(tmp_path: Path, capsys) -> None:
+    bad = write(tmp_path / "bad.json", {"adabatch": {"schedule": {"type": "constant", "value": 3}}})
+    assert cli.main(["simulate", bad, "--world-size", "2", "--samples", "10", "--out", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert "adabatch.max_micro_batch_per_gpu: is required" in err
+
+
+def test_unexpected_errors_become_one_message(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "plan_batch", broken)
+    assert cli.main(["plan", "--global-batch", "8", "--world-size", "2", "--max-micro", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "unexpected error: RuntimeError: boom" in err and "Traceback" not in err
+    with pytest.raises(RuntimeError):
+        cli.main(["--debug", "plan", "--global-batch", "8", "--world-size", "2", "--max-micro", "4"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "values"),
+    [("4", [4]), ("1-4", [1, 2, 3, 4]), ("1-3,8, 12,2", [1, 2, 3, 8, 12]), ("16,16", [16])],
+)
+def test_parse_int_ranges(spec: str, values: list[int]) -> None:
+    assert cli.parse_int_ranges(spec) == values
+
+
+@pytest.mark.parametrize("spec", ["", "0", "4-1", "a", "1,,2", "1-", "-3"])
+def test_parse_int_ranges_rejects(spec: str) -> None:
+    with pytest.raises(ValueError):
+        cli.parse_int_ranges(spec)
+
+
+def test_format_int_ranges_inverts_parse() -> None:
+    assert cli.format_int_ranges([1, 2, 3, 5, 8, 9, 12]) == "1-3,5,8,9,12"
+    for spec in ("1-16", "1-3,5,7-9", "2,4,6", "1,2"):
+        assert cli.parse_int_ranges(
+            cli.format_int_ranges(cli.parse_int_ranges(spec))
+        ) == cli.parse_int_ranges(spec)
