@@ -50,7 +50,8 @@ LOADER_STATE_VERSION = 1
 """Version of :meth:`ElasticDataLoader.state_dict`."""
 
 
-@dataclass(frozen=True)
+# Identity equality: batches hold tensors, whose == is elementwise.
+@dataclass(frozen=True, eq=False)
 class MicroBatch:
     """One forward/backward pass of one rank.
 
@@ -72,7 +73,8 @@ class MicroBatch:
         return self.num_samples == 0
 
 
-@dataclass(frozen=True)
+# Identity equality: batches hold tensors, whose == is elementwise.
+@dataclass(frozen=True, eq=False)
 class StepBatch:
     """This rank's micro-batches for one optimizer step.
 
@@ -141,7 +143,7 @@ class ElasticDataLoader:
             context object for the workers; default is torch's default for the platform.
         worker_init_fn: Called in each worker with its id (0-based) after seeding, before any load.
         timeout: Seconds to wait for one micro-batch from the workers before failing (0: no limit).
-        prefetch: Load the next step (under the current plan) while this one trains.
+        prefetch: With workers, load the next step (under the current plan) while this one trains.
 
     The worker pool starts at the first :meth:`next_step` and lives until :meth:`close` (or the end of a
     ``with`` block, or garbage collection).

@@ -18,6 +18,8 @@ Round keys come from ``(seed, epoch)`` through splitmix64, so every epoch has it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 __all__ = ["MAX_NUM_SAMPLES", "EpochOrder", "epoch_order"]
@@ -96,7 +98,7 @@ class EpochOrder:
             x = self._permute(x)
         return x
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         """Iterate over the whole epoch in chunks computed with :meth:`take` (memory stays bounded)."""
         chunk = 1 << 16
         for start in range(0, self.num_samples, chunk):

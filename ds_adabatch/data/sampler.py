@@ -284,7 +284,7 @@ class ElasticSampler:
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan (see ds_adabatch.plan.plan_batch), got {plan!r}")
         n, want = self._num_samples, plan.global_batch_size
-        (epoch, position), skipped = cursor, 0
+        epoch, position = cursor
         if position == n:  # the previous batch ended the epoch; roll over now, not then
             epoch, position = epoch + 1, 0
         remaining = n - position
@@ -296,10 +296,9 @@ class ElasticSampler:
                     f"global batch {want} is larger than the dataset ({n} samples) and drop_last=True "
                     f"would skip every sample; request at most {n} samples or use drop_last=False"
                 )
-            skipped = remaining
-            return epoch + 1, 0, skipped, plan
+            return epoch + 1, 0, remaining, plan
         tail = plan_batch(remaining, plan.world_size, plan.max_micro_batch_per_gpu, allow_uneven=True)
-        return epoch, position, skipped, tail
+        return epoch, position, 0, tail
 
     def peek_plan(self, plan: BatchPlan, *, after: GlobalBatch | None = None) -> BatchPlan:
         """The plan :meth:`next_batch` would use for ``plan`` (its tail replan at an epoch's end), cheaply.
