@@ -272,28 +272,44 @@ def _cmd_elastic(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .config import load_ds_config
 
     loaded = load_ds_config(args.config, world_size=args.world_size)
+    if args.replay is not None and not Path(args.replay).is_file():
+        raise UsageError(f"--replay {args.replay}: file not found")
+    extra = {"tokens_per_sample": args.tokens_per_sample} if args.tokens_per_sample else {}
     try:
-        # Imported here: the simulator draws with matplotlib, which the other subcommands never need.
+        # Imported here: the simulator may draw with matplotlib, which the other subcommands never need.
         from ds_adabatch.schedules.simulate import simulate
+
+        rows = simulate(
+            loaded,
+            world_size=args.world_size,
+            samples=args.samples,
+            out_png=args.out,
+            out_csv=args.csv,
+            replay=args.replay,
+            **extra,
+        )
     except ImportError as err:
         raise UsageError(
-            f"the simulator is not available ({err}); install the plot extra: pip install 'ds_adabatch[plot]'"
+            f"the simulator needs a package that is not installed ({err}); install the plot extra: "
+            "pip install 'ds_adabatch[plot]'"
         ) from None
-    result = simulate(
-        loaded,
-        world_size=args.world_size,
-        samples=args.samples,
-        out_png=args.out,
-        out_csv=args.csv,
-        replay=args.replay,
-    )
-    if isinstance(result, str):
-        print(result)
-    written = [args.out, *([args.csv] if args.csv else [])]
-    print(f"wrote {', '.join(written)}")
+    except (ValueError, OSError) as err:  # the simulator refusing a request, or an unwritable --out
+        raise UsageError(str(err)) from None
+    if isinstance(rows, list) and rows and isinstance(rows[0], dict) and "global_batch" in rows[0]:
+        batches = [row["global_batch"] for row in rows]
+        print(
+            f"{len(rows)} optimizer steps over {args.samples} samples on {args.world_size} ranks: global batch "
+            f"{batches[0]} -> {batches[-1]} (range {min(batches)}..{max(batches)})"
+        )
+    csv = args.csv or str(Path(args.out).with_suffix(".csv"))
+    written = [path for path in (args.out, csv) if Path(path).is_file()]
+    if written:
+        print(f"wrote {', '.join(written)}")
     return 0
 
 
@@ -364,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, metavar="CSV", help="also write the plan per step as CSV")
     p.add_argument(
         "--replay", default=None, metavar="JSONL", help="recorded metrics for signal-driven schedules"
+    )
+    p.add_argument(
+        "--tokens-per-sample",
+        type=_non_negative_int,
+        default=0,
+        metavar="T",
+        help="tokens per sample (e.g. sequence length) for schedules keyed on tokens",
     )
     p.set_defaults(func=_cmd_simulate)
     return parser

@@ -14,6 +14,7 @@ from ds_adabatch import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(str(p) for p in (ROOT / "ds_configs").glob("*.json"))
+ZERO0 = str(ROOT / "ds_configs" / "zero0.json")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -62,9 +63,9 @@ def test_validate_reports_every_problem_of_every_file(tmp_path: Path) -> None:
     )
     broken = tmp_path / "broken.json"
     broken.write_text('{"adabatch": {,}}')
-    result = run("validate", EXAMPLES[0], bad, str(broken), str(tmp_path / "missing.json"))
+    result = run("validate", ZERO0, bad, str(broken), str(tmp_path / "missing.json"))
     assert result.returncode == 2
-    assert f"ok: {EXAMPLES[0]}" in result.stdout
+    assert f"ok: {ZERO0}" in result.stdout
     for needle in (
         f"invalid: {bad}",
         "adabatch.schedule: ramp_samples must be > 0",
@@ -139,7 +140,7 @@ def test_usage_errors() -> None:
     result = run()
     assert result.returncode == 2
     assert "usage:" in result.stderr
-    result = run("simulate", EXAMPLES[0], "--world-size", "2", "--samples", "100")  # no --out
+    result = run("simulate", ZERO0, "--world-size", "2", "--samples", "100")  # no --out
     assert result.returncode == 2
     assert "--out" in result.stderr
 
@@ -147,7 +148,7 @@ def test_usage_errors() -> None:
 def test_cli_imports_neither_torch_nor_deepspeed() -> None:
     code = (
         "import sys; from ds_adabatch.cli import main; "
-        f"rc = main(['validate', {EXAMPLES[0]!r}, '--world-size', '2']); "
+        f"rc = main(['validate', {ZERO0!r}, '--world-size', '2']); "
         "rc |= main(['plan', '--global-batch', '8', '--world-size', '2', '--max-micro', '4']); "
         "rc |= main(['schema']); "
         "print('heavy:', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)); "
@@ -166,15 +167,24 @@ def test_cli_imports_neither_torch_nor_deepspeed() -> None:
 def test_simulate_calls_the_simulator(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
     calls = []
     fake = types.ModuleType("ds_adabatch.schedules.simulate")
-    fake.simulate = lambda loaded, **kwargs: calls.append((loaded, kwargs))  # type: ignore[attr-defined]
+
+    def simulate(loaded, **kwargs):
+        calls.append((loaded, kwargs))
+        for path in (kwargs["out_png"], kwargs["out_csv"]):
+            Path(path).write_text("")
+        return [{"global_batch": 16}, {"global_batch": 24}]
+
+    fake.simulate = simulate  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ds_adabatch.schedules.simulate", fake)
     out, csv = str(tmp_path / "plan.png"), str(tmp_path / "plan.csv")
-    args = ["simulate", EXAMPLES[0], "--world-size", "2", "--samples", "5000", "--out", out, "--csv", csv]
+    args = ["simulate", ZERO0, "--world-size", "2", "--samples", "5000", "--out", out, "--csv", csv]
     assert cli.main(args) == 0
     ((loaded, kwargs),) = calls
     assert loaded.plan is not None and loaded.plan.world_size == 2
     assert kwargs == {"world_size": 2, "samples": 5000, "out_png": out, "out_csv": csv, "replay": None}
-    assert out in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 optimizer steps over 5000 samples on 2 ranks: global batch 16 -> 24" in printed
+    assert f"wrote {out}, {csv}" in printed
 
 
 def test_simulate_reports_config_errors_before_simulating(tmp_path: Path, capsys) -> None:
@@ -216,3 +226,12 @@ def test_format_int_ranges_inverts_parse() -> None:
         assert cli.parse_int_ranges(
             cli.format_int_ranges(cli.parse_int_ranges(spec))
         ) == cli.parse_int_ranges(spec)
+
+
+def test_simulate_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    result = run("simulate", ZERO0, "--world-size", "2", "--samples", "2000", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.is_file() and out.stat().st_size > 0
+    assert "optimizer steps over 2000 samples on 2 ranks" in result.stdout
