@@ -191,6 +191,16 @@ def test_all_problems_are_listed_at_once() -> None:
     assert str(info.value).startswith(f"{len(paths)} problems in ds_config dict:")
 
 
+def test_cross_checks_run_despite_a_broken_schedule() -> None:
+    cfg = valid_config()
+    cfg["adabatch"].update(schedule={"type": "linear", "sta": 3}, min_global_batch=64, max_global_batch=32)
+    with pytest.raises(ConfigError) as info:
+        load_ds_config(cfg)
+    paths = info.value.paths
+    assert {"adabatch.schedule.sta", "adabatch.schedule.start", "adabatch.min_global_batch"} <= set(paths)
+    assert len(paths) == len(set(paths)) == 5, paths  # sta, start, end, ramp_samples, min > max
+
+
 def test_messages_say_what_would_be_valid() -> None:
     cases = [
         (top(train_batch_size=32), None, ['set it to "auto"', "16", "32"]),

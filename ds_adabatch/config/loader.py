@@ -193,18 +193,24 @@ def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[Conf
         problems = problems_from_validation_error(err, section, SECTION, AdaBatchConfig)
         errors = err.errors(include_url=False)
     # pydantic runs the cross-field checks only when every field is valid. To still list them next to
-    # field errors, validate again without the broken keys (optional ones fall back to defaults).
+    # field errors, validate again without the broken keys (optional ones fall back to defaults). A
+    # broken schedule is replaced by a stand-in whose own findings are dropped, so that the checks
+    # between the other fields (min <= max, lr_scaling) still run.
     broken = {e["loc"][0] for e in errors if e["loc"]}
-    if not broken or not isinstance(section, Mapping) or "schedule" in broken or "schedule" not in section:
+    if not broken or not isinstance(section, Mapping):
         return None, problems
     probe = {key: value for key, value in section.items() if key not in broken}
+    stand_in = "schedule" not in probe
+    if stand_in:
+        probe["schedule"] = {"type": "constant", "value": 1}
     probe.setdefault("max_micro_batch_per_gpu", 1)
     try:
         _model_validate(probe)
     except ValidationError as probe_err:
         seen = {(p.path, p.message) for p in problems}
         for extra in problems_from_validation_error(probe_err, probe, SECTION, AdaBatchConfig):
-            if (extra.path, extra.message) not in seen:
+            about_stand_in = stand_in and extra.path.startswith(f"{SECTION}.schedule")
+            if (extra.path, extra.message) not in seen and not about_stand_in:
                 problems.append(extra)
     return None, problems
 
