@@ -18,11 +18,14 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .config.errors import ConfigError
 from .plan import BatchPlan, PlanError, compatible_batch_sizes, plan_batch
+
+if TYPE_CHECKING:  # pragma: no cover - imported lazily below to keep pydantic off the fast paths
+    from .config import LoadedConfig
 
 __all__ = ["build_parser", "format_int_ranges", "format_plan", "main", "parse_int_ranges"]
 
@@ -168,7 +171,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary_lines(loaded: Any, world_sizes: Sequence[int]) -> list[str]:
+def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfig]) -> list[str]:
     cfg = loaded.adabatch
     lo = cfg.min_global_batch or 1
     hi = cfg.max_global_batch if cfg.max_global_batch is not None else "unbounded"
@@ -178,10 +181,9 @@ def _summary_lines(loaded: Any, world_sizes: Sequence[int]) -> list[str]:
         f"  global batch {lo}..{hi}, multiple of {cfg.granularity}; max micro-batch "
         f"{cfg.max_micro_batch_per_gpu} per GPU; {mode}",
     ]
-    if not world_sizes:
+    if not planned_by_world:
         lines.append("  (give --world-size N to see the plans)")
-    for world in world_sizes:
-        planned = loaded.with_world_size(world)
+    for world, planned in planned_by_world.items():
         lines.append(
             f"  world size {world}: start {planned.plan.describe()}; DeepSpeed keys: {_keys_text(planned.plan)}"
         )
@@ -202,14 +204,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         try:
             loaded = load_ds_config(path)
             problems = []
+            planned_by_world = {}
             for world in world_sizes:
                 try:
-                    loaded.with_world_size(world)
+                    planned_by_world[world] = loaded.with_world_size(world)
                 except ConfigError as err:
                     problems.append(f"with --world-size {world}: {err}")
             if problems:
                 raise UsageError("\n".join(problems))
-            lines = _summary_lines(loaded, world_sizes)
+            lines = _summary_lines(loaded, planned_by_world)
         except (ConfigError, UsageError) as err:
             failed += 1
             print(f"invalid: {path}\n{err}", file=sys.stderr, flush=True)
