@@ -45,6 +45,7 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
 
 def mse_loss(model, batch):
+    """Mean squared error over the micro-batch (cast to the model's dtype for bf16)."""
     x, y = batch
     dtype = next(model.module.parameters()).dtype
     return ((model(x.to(dtype)).float() - y) ** 2).mean()
@@ -165,10 +166,310 @@ def run_offload(out_dir: str) -> None:
     engine.close()
 
 
+def grow(step: int, batch_size: int, interval: int = 2, increment: int = 1) -> int:
+    """The seed's scheduler: +increment every interval steps (per device)."""
+    if step % interval == 0 and step > 0:
+        return batch_size + increment
+    return batch_size
+
+
+# --- token normalisation -------------------------------------------------------------------------
+class MaskedTargets(torch.utils.data.Dataset):
+    """Each sample has 3 targets of which 1-3 count (the rest masked): a loss averaged over tokens."""
+
+    def __init__(self, n: int = 48, seed: int = 11):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 5, generator=g)
+        self.y = torch.randn(n, 3, generator=g)
+        self.mask = (torch.arange(3)[None, :] < torch.randint(1, 4, (n, 1), generator=g)).float()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], self.mask[i]
+
+
+def make_token_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def masked_loss(model, batch):
+    x, y, m = batch
+    return (((model(x) - y) ** 2) * m).sum() / m.sum()
+
+
+def phase_tokens(out_dir: str) -> None:
+    data = MaskedTargets()
+    cfg = ds_config(2, extra={"adabatch": {"loss_normalization": "token"}})
+    engine, *_ = ds_adabatch.initialize(
+        make_token_model(), cfg, data, loss_fn=masked_loss, token_count_fn=lambda b: int(b[2].sum())
+    )
+    batches = []
+    for b in (8, 13, 6, 16):
+        engine.set_global_batch_size(b)
+        engine.train_batch()
+        batches.append(engine.last_step_batch.global_batch.all_indices())
+    got = full_params(engine)
+    if engine.global_rank == 0:
+        model = make_token_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        for idx in batches:
+            opt.zero_grad()
+            masked_loss(model, (data.x[idx], data.y[idx], data.mask[idx])).backward()
+            opt.step()
+        want = torch.cat([p.detach().flatten() for p in model.parameters()])
+        write(
+            out_dir,
+            "tokens_z2",
+            {
+                "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+                "tokens": engine.global_tokens,
+                "want_tokens": int(sum(float(data.mask[idx].sum()) for idx in batches)),
+            },
+        )
+    engine.close()
+
+
+# --- gradient-noise scale ------------------------------------------------------------------------
+NOISE_DIM, NOISE_SIGMA = 8, 1.0
+
+
+class GaussianRegression(torch.utils.data.Dataset):
+    """x ~ N(0, I_n), y = x . w* + eps: per-sample gradient (x.d - eps) x for 0.5 (x.w - y)^2."""
+
+    def __init__(self, n: int = 64 * 80, seed: int = 5):
+        g = torch.Generator().manual_seed(seed)
+        self.w_star = torch.ones(NOISE_DIM) / NOISE_DIM**0.5  # |d| = 1 from w = 0
+        self.x = torch.randn(n, NOISE_DIM, generator=g)
+        self.y = self.x @ self.w_star + NOISE_SIGMA * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def half_mse(model, batch):
+    x, y = batch
+    return 0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()
+
+
+def phase_noise(out_dir: str, stages=(0, 2, 3)) -> None:
+    truth = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
+    for stage in stages:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(NOISE_DIM, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        cfg = ds_config(
+            stage,
+            lr=0.0,
+            extra={
+                "adabatch": {
+                    "schedule": {
+                        "type": "gradient_noise",
+                        "start": 64,
+                        "warmup_steps": 10**6,
+                        "measure_every": 1,
+                        "ema_beta": 0.9,
+                    },
+                    "max_micro_batch_per_gpu": 8,
+                    "allow_uneven": False,
+                }
+            },
+        )
+        engine, *_ = ds_adabatch.initialize(model, cfg, GaussianRegression(), loss_fn=half_mse)
+        for _ in range(60):
+            engine.train_batch()
+        if engine.global_rank == 0:
+            write(
+                out_dir,
+                f"noise_z{stage}",
+                {
+                    "estimate": engine.noise.noise_scale,
+                    "truth": truth,
+                    "plan": engine.plan.describe(),
+                },
+            )
+        engine.close()
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+CKPT_STEPS, CKPT_AT = 6, 3
+
+
+def make_dropout_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+
+
+CKPT_SCHEDULES = {
+    "linear": {"type": "linear", "start": 4, "end": 16, "ramp_samples": 40},
+    "callable": {"type": "callable", "function": "engine_worker:grow", "start": 2, "per": "device"},
+    "plateau": {
+        "type": "loss_plateau",
+        "start": 4,
+        "window": 2,
+        "patience": 1,
+        "cooldown": 0,
+        "threshold": 10.0,
+        "factor": 1.5,
+    },
+    "noise": {"type": "gradient_noise", "start": 8, "warmup_steps": 2, "measure_every": 1, "hysteresis": 0.0},
+}
+CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [(0, "callable"), (0, "plateau"), (0, "noise")]
+
+
+def ckpt_config(stage: int, schedule: str) -> dict:
+    return ds_config(
+        stage,
+        extra={
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": 0.01,
+                    "warmup_num_steps": 5,
+                    "warmup_type": "linear",
+                },
+            },
+            "adabatch": {
+                "schedule": CKPT_SCHEDULES[schedule],
+                "max_micro_batch_per_gpu": 4,
+                "lr_scaling": {"rule": "sqrt"},
+                "lr_schedule_unit": "samples",
+                "min_global_batch": 2,
+                "max_global_batch": 32,
+            },
+        },
+    )
+
+
+def ckpt_record(engine) -> dict:
+    return {
+        "loss": float(engine.last_loss),
+        "indices": engine.last_step_batch.global_batch.all_indices(),
+        "plan": [
+            engine.plan.global_batch_size,
+            engine.plan.micro_batch_per_gpu,
+            engine.plan.gradient_accumulation_steps,
+        ],
+        "lr": engine.get_lr()[0],
+    }
+
+
+def phase_ckpt_save(out_dir: str) -> None:
+    for stage, schedule in CKPT_CASES:
+        name = f"ckpt_{schedule}_z{stage}"
+        engine, *_ = ds_adabatch.initialize(
+            make_dropout_model(), ckpt_config(stage, schedule), Regression(), loss_fn=mse_loss
+        )
+        steps = []
+        for k in range(CKPT_STEPS):
+            if k == CKPT_AT:
+                engine.save_checkpoint(os.path.join(out_dir, name))
+            engine.train_batch()
+            steps.append(ckpt_record(engine))
+        if engine.global_rank == 0:
+            write(
+                out_dir,
+                f"{name}_full",
+                {
+                    "steps": steps,
+                    "world_size": engine.world_size,
+                    "history": [e.to_dict() for e in engine.history],
+                },
+            )
+        engine.close()
+
+
+def phase_ckpt_resume(out_dir: str) -> None:
+    cases = CKPT_CASES if dist.get_world_size() > 1 else [(0, "linear")]
+    for stage, schedule in cases:
+        name = f"ckpt_{schedule}_z{stage}"
+        engine, *_ = ds_adabatch.initialize(
+            make_dropout_model(), ckpt_config(stage, schedule), Regression(), loss_fn=mse_loss
+        )
+        engine.load_checkpoint(os.path.join(out_dir, name))
+        start = engine.global_steps
+        steps = []
+        for _ in range(start, CKPT_STEPS):
+            engine.train_batch()
+            steps.append(ckpt_record(engine))
+        if engine.global_rank == 0:
+            write(out_dir, f"{name}_resumed_w{engine.world_size}", {"start": start, "steps": steps})
+        engine.close()
+
+
+def phase_single(out_dir: str) -> None:
+    """One rank: the exactness sequence (compared with 2 ranks), cross-world resume, the LR schedule."""
+    run_sequence(0, False, out_dir, "single_z0_fp32")
+    run_sequence(2, False, out_dir, "single_z2_fp32")
+    phase_ckpt_resume(out_dir)
+    phase_lr(out_dir)
+
+
+LR_RAMP = {"type": "linear", "start": 4, "end": 16, "ramp_samples": 48}
+
+
+def phase_lr(out_dir: str) -> None:
+    cfg = ds_config(
+        0,
+        extra={
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": 0.1,
+                    "warmup_num_steps": 10,
+                    "warmup_type": "linear",
+                },
+            },
+            "adabatch": {
+                "schedule": LR_RAMP,
+                "max_micro_batch_per_gpu": 4,
+                "allow_uneven": False,
+                "lr_scaling": {"rule": "sqrt", "reference_batch": 4},
+                "lr_schedule_unit": "samples",
+            },
+        },
+    )
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=200), loss_fn=mse_loss)
+    rows = []
+    for _ in range(10):
+        samples_before = engine.global_samples
+        engine.train_batch()
+        m = engine.last_metrics
+        rows.append(
+            {
+                "samples_before": samples_before,
+                "batch": m.global_batch,
+                "lr": m.lr,
+                "multiplier": m.lr_multiplier,
+                "samples_after": m.samples,
+            }
+        )
+    write(out_dir, "lr_ramp", {"rows": rows})
+    engine.close()
+
+
+PHASES = {
+    "exact": lambda d: (phase_exact(d), phase_tokens(d), phase_noise(d), phase_ckpt_save(d)),
+    "resume": phase_ckpt_resume,
+    "single": phase_single,
+}
+
+
 def main() -> None:
     phase, out_dir = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed()
-    {"exact": phase_exact}[phase](out_dir)
+    PHASES[phase](out_dir)
     dist.barrier()
 
 

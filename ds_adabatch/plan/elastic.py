@@ -77,7 +77,10 @@ def compatible_batch_sizes(
             plan = plan_batch(batch, w, max_micro_batch_per_gpu)
             if plan.micro_batch_per_gpu < min_micro_batch_per_gpu:
                 continue
-            if max_gradient_accumulation_steps and plan.gradient_accumulation_steps > max_gradient_accumulation_steps:
+            if (
+                max_gradient_accumulation_steps
+                and plan.gradient_accumulation_steps > max_gradient_accumulation_steps
+            ):
                 continue
             valid.append(w)
         if valid:

@@ -38,10 +38,19 @@ class BatchPlan:
     """The bound the plan was solved under (samples per forward pass)."""
 
     def __post_init__(self) -> None:
-        # Invariants of a constructed plan; user input is checked in plan_batch.
-        assert self.world_size >= 1 and self.gradient_accumulation_steps >= 1
-        assert 1 <= self.global_batch_size
-        assert self.micro_batch_per_gpu <= self.max_micro_batch_per_gpu
+        # plan_batch builds valid plans; this guards plans built by hand or loaded from a checkpoint.
+        for name in (
+            "global_batch_size",
+            "world_size",
+            "gradient_accumulation_steps",
+            "max_micro_batch_per_gpu",
+        ):
+            _check_positive_int(name, getattr(self, name))
+        if self.micro_batch_per_gpu > self.max_micro_batch_per_gpu:
+            raise PlanError(
+                f"a micro-batch of {self.micro_batch_per_gpu} exceeds max_micro_batch_per_gpu "
+                f"{self.max_micro_batch_per_gpu}: use more gradient_accumulation_steps"
+            )
 
     @property
     def _slots(self) -> int:

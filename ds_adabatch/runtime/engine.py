@@ -70,6 +70,8 @@ class AdaptiveBatchEngine:
         self.dataloader = dataloader
         self.loss_fn = loss_fn
         self.token_count_fn = token_count_fn
+        # Tokens are counted when the loss is normalised by them or a schedule is keyed on them.
+        self.counts_tokens = cfg.loss_normalization == "token" or "tokens" in controller.schedule.requires
         self.world_size = ds_engine.dp_world_size
         self.rank = ds_engine.global_rank
         self.plan: BatchPlan = loaded_config.plan
@@ -148,6 +150,7 @@ class AdaptiveBatchEngine:
         started = time.perf_counter()
         self._decide_plan()
         measure = self._should_measure_noise()
+        lr_used = self.lr_coupling.get_lr()[0]
 
         if data_iter is None:
             if self.dataloader is None:
@@ -159,6 +162,7 @@ class AdaptiveBatchEngine:
             self.last_step_batch = step_batch
             if step_batch.plan != self.plan:
                 self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+                lr_used = self.lr_coupling.get_lr()[0]
             micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
             # An iterable dataset has no global view: the all-reduce below counts its samples.
             total_samples = step_batch.global_batch.size if step_batch.global_batch is not None else None
@@ -177,7 +181,7 @@ class AdaptiveBatchEngine:
         self.loss_ema.update(self.last_loss)
         self.last_grad_norm = self._grad_norm()
         self._after_step()
-        self._emit(started)
+        self._emit(started, lr_used)
         return mean_loss
 
     def _forward_backward(
@@ -188,15 +192,19 @@ class AdaptiveBatchEngine:
         by_token = self.config.loss_normalization == "token"
         batches = [_to_device(b, device) for b, _ in micro]
         samples = [n for _, n in micro]
-        counts = (
-            [self._count_tokens(b) if n else 0 for b, n in zip(batches, samples)] if by_token else samples
+        tokens = (
+            [self._count_tokens(b) if n else 0 for b, n in zip(batches, samples)]
+            if self.counts_tokens
+            else []
         )
+        counts = tokens if by_token else samples
 
         # One small all-reduce gives every rank the totals the weights need (tokens are only known
         # once this rank's batches are loaded; samples are known, except with a user data_iter).
-        totals = comm.all_reduce_sum([float(sum(samples)), float(sum(counts))], device)
+        totals = comm.all_reduce_sum([float(sum(samples)), float(sum(counts)), float(sum(tokens))], device)
         total_samples = int(totals[0]) if total_samples is None else total_samples
         total = int(totals[1])
+        total_tokens = int(totals[2])
         if total <= 0:
             raise ValueError("the global batch has no samples (or no target tokens) to train on")
         # DeepSpeed steps the LR scheduler inside the boundary step(); in "samples" mode it must
@@ -233,7 +241,7 @@ class AdaptiveBatchEngine:
         reduced = comm.all_reduce_sum([loss_sum, *extra], device)
         if probe is not None:
             self._update_noise(reduced[1:], total_samples, probe)
-        return reduced[0], total if by_token else 0, total_samples, total
+        return reduced[0], total_tokens, total_samples, total
 
     def _micro_loss(self, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -253,7 +261,10 @@ class AdaptiveBatchEngine:
 
     def _count_tokens(self, batch: Any) -> int:
         if self.token_count_fn is None:
-            raise ValueError('loss_normalization "token" needs a token counter')
+            raise ValueError(
+                'counting tokens (loss_normalization "token" or a tokens-keyed schedule) needs '
+                "token_count_fn passed to ds_adabatch.initialize"
+            )
         return int(self.token_count_fn(batch))
 
     # ---------------------------------------------------------------------------------------------
@@ -263,7 +274,7 @@ class AdaptiveBatchEngine:
         return ScheduleContext(
             step=self.global_steps,
             samples=self.global_samples,
-            tokens=self.global_tokens,
+            tokens=self.global_tokens if self.counts_tokens else None,
             epoch=self.epoch,
             global_batch=self.plan.global_batch_size,
             world_size=self.world_size,
@@ -332,13 +343,13 @@ class AdaptiveBatchEngine:
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale
     def _noise_kwargs(self) -> dict[str, Any]:
-        beta = getattr(self.config.schedule, "ema_beta", None)
-        return {} if beta is None else {"ema_beta": beta}
+        schedule = self.config.schedule
+        return {"ema_beta": schedule.ema_beta} if schedule.type == "gradient_noise" else {}
 
     def _should_measure_noise(self) -> bool:
-        every = getattr(self.config.schedule, "measure_every", None)
-        if not every:
+        if self.config.schedule.type != "gradient_noise":
             return False
+        every = self.config.schedule.measure_every
         # The estimator needs two batch sizes: one micro-batch and the whole global batch.
         return self.global_steps % every == 0 and self.world_size * self.plan.gradient_accumulation_steps > 1
 
@@ -367,16 +378,16 @@ class AdaptiveBatchEngine:
         ds.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
 
-    def _emit(self, started: float) -> None:
+    def _emit(self, started: float, lr_used: float) -> None:
         plan = self.plan
         record = StepMetrics(
             step=self.global_steps,
             samples=self.global_samples,
-            tokens=self.global_tokens,
+            tokens=self.global_tokens if self.counts_tokens else None,
             global_batch=plan.global_batch_size,
             micro_batch_per_gpu=plan.micro_batch_per_gpu,
             gradient_accumulation_steps=plan.gradient_accumulation_steps,
-            lr=self.lr_coupling.get_lr()[0],
+            lr=lr_used,
             loss=self.last_loss if self.last_loss is not None else float("nan"),
             train_coverage=self.train_coverage,
             epoch=self.epoch,

@@ -117,7 +117,8 @@ def initialize(
     # state_dict; the coupled wrapper takes that slot so both go through it.
     ds_engine.lr_scheduler = coupled
 
-    if cfg.loss_normalization == "token" and token_count_fn is None:
+    needs_tokens = cfg.loss_normalization == "token" or "tokens" in controller.schedule.requires
+    if needs_tokens and token_count_fn is None:
         token_count_fn = make_token_counter(model)
     engine = AdaptiveBatchEngine(
         ds_engine,

@@ -45,11 +45,16 @@ class PlanChange:
 
 @dataclass
 class StepMetrics:
-    """What one optimizer step did (identical on every rank)."""
+    """What one optimizer step did (identical on every rank).
+
+    ``lr`` is the learning rate the step's update used (multiplier included); ``samples`` and
+    ``tokens`` count everything consumed up to and including this step; ``tokens`` is ``None``
+    unless tokens are counted (``loss_normalization: "token"`` or a tokens-keyed schedule).
+    """
 
     step: int
     samples: int
-    tokens: int
+    tokens: int | None
     global_batch: int
     micro_batch_per_gpu: int
     gradient_accumulation_steps: int
@@ -108,10 +113,11 @@ class MetricsWriter:
                 ("Train/adabatch/lr", record.lr, x),
                 ("Train/adabatch/loss", record.loss, x),
                 ("Train/adabatch/samples", record.samples, x),
-                ("Train/adabatch/tokens", record.tokens, x),
                 ("Train/adabatch/train_coverage", record.train_coverage, x),
                 ("Train/adabatch/epoch", record.epoch, x),
             ]
+            if record.tokens is not None:
+                events.append(("Train/adabatch/tokens", record.tokens, x))
             if record.noise_scale is not None:
                 events.append(("Train/adabatch/noise_scale", record.noise_scale, x))
             self.monitor.write_events(events)
