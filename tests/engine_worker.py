@@ -471,6 +471,8 @@ def main() -> None:
     deepspeed.init_distributed()
     PHASES[phase](out_dir)
     dist.barrier()
+    # gloo can abort at interpreter exit unless the group is torn down first.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
