@@ -411,7 +411,41 @@ def phase_single(out_dir: str) -> None:
     run_sequence(0, False, out_dir, "single_z0_fp32")
     run_sequence(2, False, out_dir, "single_z2_fp32")
     phase_ckpt_resume(out_dir)
+    resume_universal(out_dir)
     phase_lr(out_dir)
+
+
+def resume_universal(out_dir: str) -> None:
+    """A 2-rank ZeRO-2 checkpoint, converted to DeepSpeed's universal format, resumed on this world size."""
+    import subprocess
+
+    name = "ckpt_linear_z2"
+    folder = os.path.join(out_dir, name)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            os.path.join(folder, f"global_step{CKPT_AT}"),
+            "--output_folder",
+            os.path.join(folder, f"global_step{CKPT_AT}_universal"),
+            "--inject_missing_state",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    cfg = ckpt_config(2, "linear")
+    cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = ds_adabatch.initialize(make_dropout_model(), cfg, Regression(), loss_fn=mse_loss)
+    engine.load_checkpoint(folder, tag=f"global_step{CKPT_AT}_universal")
+    start = engine.global_steps
+    steps = []
+    for _ in range(start, CKPT_STEPS):
+        engine.train_batch()
+        steps.append(ckpt_record(engine))
+    write(out_dir, f"{name}_universal_w{engine.world_size}", {"start": start, "steps": steps})
+    engine.close()
 
 
 LR_RAMP = {"type": "linear", "start": 4, "end": 16, "ramp_samples": 48}

@@ -147,12 +147,15 @@ def test_stateful_schedules_changed_the_batch(results):
         assert len(set(plans[3:])) > 1 or plans[3] != plans[0], f"{case}: batch never changed: {plans}"
 
 
-def test_resume_on_another_world_size_continues_the_stream(results):
-    full = _read(results, "ckpt_linear_z0_full")
-    resumed = _read(results, "ckpt_linear_z0_resumed_w1")
-    assert full["world_size"] == 2
+@pytest.mark.parametrize("name", ["ckpt_linear_z0_resumed_w1", "ckpt_linear_z2_universal_w1"])
+def test_resume_on_another_world_size_continues_the_stream(results, name):
+    # ZeRO 0 reloads natively; ZeRO 2 through DeepSpeed's universal checkpoint conversion.
+    full = _read(results, name.split("_resumed")[0].split("_universal")[0] + "_full")
+    resumed = _read(results, name)
+    assert full["world_size"] == 2 and resumed["start"] == 3
     want = [s["indices"] for s in full["steps"][resumed["start"] :]]
     assert [s["indices"] for s in resumed["steps"]] == want, "2 -> 1 ranks must continue the same samples"
+    assert [s["plan"][0] for s in resumed["steps"]] == [s["plan"][0] for s in full["steps"][3:]]
 
 
 def test_lr_multiplier_and_samples_based_schedule(results):
