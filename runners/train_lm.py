@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
     p.add_argument("--save-every", type=int, default=0, help="also save every N optimizer steps")
-    p.add_argument("--resume", default=None, help="resume from the latest checkpoint in this folder")
+    p.add_argument("--resume", default=None, help="resume from the latest checkpoint in this folder (if any)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -86,9 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and not args.resume and os.path.exists(jsonl):
         open(jsonl, "w").close()  # a fresh run starts a fresh metrics file
     if args.resume:
-        path, _ = engine.load_checkpoint(args.resume)
+        # A missing checkpoint is a fresh start, so one command line serves first start and restarts.
+        path, _ = (
+            engine.load_checkpoint(args.resume)
+            if os.path.exists(os.path.join(args.resume, "latest"))
+            else (None, {})
+        )
         if rank0:
-            print(f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples")
+            print(
+                f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples"
+                if path
+                else f"no checkpoint in {args.resume}: starting fresh"
+            )
 
     bar = None
     if rank0 and not args.no_progress:
