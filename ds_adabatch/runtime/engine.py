@@ -504,6 +504,8 @@ class AdaptiveBatchEngine:
             return None, {}
         client_state = dict(client_state or {})
         state = client_state.pop(_STATE_KEY, None)
+        if kwargs.get("load_module_only"):
+            return path, client_state  # weights only: the run's batch and data state start fresh
         if state is None:
             raise ValueError(
                 f"checkpoint {path} has no ds_adabatch state: was it saved by engine.save_checkpoint?"
