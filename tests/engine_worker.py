@@ -472,6 +472,12 @@ def phase_lr(out_dir: str) -> None:
                 "lr_scaling": {"rule": "sqrt", "reference_batch": 4},
                 "lr_schedule_unit": "samples",
             },
+            # Per-step metrics must reach whatever monitor the ds_config enables.
+            "csv_monitor": {
+                "enabled": True,
+                "output_path": os.path.join(out_dir, "monitor"),
+                "job_name": "lr",
+            },
         },
     )
     engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=200), loss_fn=mse_loss)

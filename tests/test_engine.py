@@ -172,3 +172,14 @@ def test_lr_multiplier_and_samples_based_schedule(results):
         )
         assert math.isclose(r["multiplier"], math.sqrt(r["batch"] / 4), rel_tol=1e-12)
     assert rows[-1]["batch"] == 16, "the ramp must reach its end"
+
+
+def test_metrics_reach_deepspeed_monitor(results):
+    folder = results / "monitor" / "lr"
+    files = {p.name for p in folder.glob("*.csv")} if folder.exists() else set()
+    assert any("global_batch" in f for f in files), (
+        f"no global-batch series in DeepSpeed's CSV monitor: {files}"
+    )
+    series = next(folder.glob("*adabatch_global_batch*.csv")).read_text().splitlines()
+    values = [float(line.split(",")[1]) for line in series[1:]]
+    assert len(values) == 10 and values[0] == 4 and values[-1] == 16, f"monitor global batch: {values}"
