@@ -1,0 +1,62 @@
+"""The callback that keeps the Trainer's epoch, step budget and progress bar true to the sample stream.
+
+It runs first among the Trainer's callbacks, so on every ``on_step_end``:
+
+* ``state.epoch`` is the fractional epoch of samples trained (not steps / steps-per-epoch);
+* the next step's plan is decided (a checkpoint saved at this step then holds that decision);
+* with ``num_train_epochs`` ending training, ``state.max_steps`` is the steps done plus an estimate of
+  those left at the current batch, and equals the steps done once the epochs are trained, which is
+  where transformers' ``DefaultFlowCallback`` stops training (and saves / evaluates at the end);
+* the progress bar's total follows that estimate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .transformers import AdaptiveBatchSizeTrainer
+
+__all__ = ["AdaptiveBatchCallback"]
+
+
+class AdaptiveBatchCallback(TrainerCallback):
+    """Placed first in ``trainer.callback_handler.callbacks`` by ``AdaptiveBatchSizeTrainer``."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        batch_state = self.trainer.batch_state
+        if batch_state is None:
+            return
+        state.epoch = batch_state.epoch
+        step = state.global_step
+        batch_state.plan_for_step(step)
+        if batch_state.epoch_based:
+            state.max_steps = batch_state.step_budget(step)
+            self._set_bar_total(state.max_steps)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        bar = self._bar()
+        if bar is not None:
+            self._set_bar_total(bar.n)
+        if self.trainer.batch_state is not None:
+            self.trainer.batch_state.close()
+
+    def _bar(self) -> Any:
+        # transformers 5.23 ProgressCallback.training_bar: a tqdm bar created on rank 0 with
+        # total=state.max_steps at on_train_begin and never resized by the Trainer.
+        for callback in self.trainer.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback):
+                return getattr(callback, "training_bar", None)
+        return None
+
+    def _set_bar_total(self, total: int) -> None:
+        bar = self._bar()
+        if bar is not None and bar.total != total:
+            bar.total = total
+            bar.refresh()

@@ -1,0 +1,106 @@
+"""What one optimizer step of the Trainer integration does to DeepSpeed, the LR scheduler and the loss.
+
+Plain functions over the objects transformers and accelerate build, each naming the version of the
+internals it relies on, so the Trainer subclass stays a thin list of overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ds_adabatch.plan import BatchPlan
+from ds_adabatch.runtime.lr import BatchCoupledLR
+from ds_adabatch.runtime.weights import IGNORE_INDEX
+
+from ._trainer_state import LrSettings
+
+__all__ = [
+    "apply_plan_to_engine",
+    "count_target_tokens",
+    "couple_scheduler",
+    "loss_shifts_labels",
+    "seed_deepspeed_batch_keys",
+]
+
+
+def seed_deepspeed_batch_keys(config: dict[str, Any], plan: BatchPlan) -> None:
+    """Write the batch keys the DeepSpeed engine is built with (the plan's micro-batch, GAS 1).
+
+    accelerate 1.15 ``Accelerator._prepare_deepspeed`` reads them from the plugin's config dict; with a
+    GAS other than its own (1) it warns and takes DeepSpeed's, so the engine starts at GAS 1 and the
+    first step sets the plan's real shape (:func:`apply_plan_to_engine`).
+    """
+    micro = plan.micro_batch_per_gpu
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = 1
+    config["train_batch_size"] = micro * plan.world_size
+
+
+def apply_plan_to_engine(engine: Any, plan: BatchPlan) -> None:
+    """Make a DeepSpeed engine's batch keys, ZeRO optimizer GAS and throughput timer match ``plan``."""
+    keys = plan.deepspeed_batch_keys()
+    # DeepSpeed 0.19.8: these only rewrite engine._config; micro first, the total derives GAS from it.
+    # The accumulation boundary itself is set explicitly on every micro-batch.
+    engine.set_train_micro_batch_size(keys["train_micro_batch_size_per_gpu"])
+    engine.set_train_batch_size(keys["train_batch_size"])
+    # ZeRO 1/2 optimizers copy GAS at construction and read it on the CPU-offload path.
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    # The throughput timer captured the batch size at construction.
+    if getattr(engine, "tput_timer", None) is not None:
+        engine.tput_timer.batch_size = plan.global_batch_size
+
+
+def couple_scheduler(
+    scheduler: Any, *, optimizer: Any, engine: Any, lr: LrSettings
+) -> tuple[Any, BatchCoupledLR | None]:
+    """Put a ``BatchCoupledLR`` where the scheduler is stepped; returns (the Trainer's scheduler, coupling).
+
+    ``engine`` is the DeepSpeed engine once accelerate has built it, else None.
+    """
+    if isinstance(scheduler, BatchCoupledLR):
+        return scheduler, scheduler
+    if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return scheduler, None  # stepped with metrics by evaluate(), not a function of samples
+    settings = {"unit": lr.unit, "reference_batch": lr.reference_batch, "rule": lr.rule}
+    if engine is not None and type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":
+        # DeepSpeed 0.19.8 steps engine.lr_scheduler inside its boundary step() and checkpoints its
+        # state_dict; accelerate 1.15's DeepSpeedSchedulerWrapper (step() a no-op) reads get_last_lr
+        # and state_dict from .scheduler. The coupling takes both slots.
+        if not isinstance(engine.lr_scheduler, BatchCoupledLR):
+            engine.lr_scheduler = BatchCoupledLR(engine.optimizer, engine.lr_scheduler, **settings)
+        scheduler.scheduler = engine.lr_scheduler
+        return scheduler, engine.lr_scheduler
+    # A scheduler the Trainer steps itself (no DeepSpeed, or DeepSpeed with the Trainer's scheduler):
+    # transformers 5.23 saves and loads it as scheduler.pt through state_dict / load_state_dict.
+    coupled = BatchCoupledLR(optimizer, scheduler, **settings)
+    return coupled, coupled
+
+
+def loss_shifts_labels(model: Any, trainer_flag: bool) -> bool:
+    """Whether ``model``'s loss predicts ``labels[..., 1:]`` (a causal LM), so only those are counted.
+
+    transformers 5.23 sets ``Trainer._loss_shifts_labels`` (``trainer_flag``) from
+    ``LOSS_MAPPING[model.loss_type]``, which misses models whose ``loss_type`` is None (a
+    ``GPT2LMHeadModel`` built from a config): their ``loss_function`` still falls back to the causal
+    loss, which shifts.
+    """
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    config = getattr(model, "config", None)
+    causal = getattr(model, "loss_function", None) is ForCausalLMLoss
+    return bool(trainer_flag or (causal and not getattr(config, "is_encoder_decoder", False)))
+
+
+def count_target_tokens(batch: Mapping[str, Any], shifted: bool) -> int:
+    """Target tokens of a micro-batch, as transformers 5.23 ``Trainer._get_num_items_in_batch`` counts."""
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    elif shifted:
+        labels = batch["labels"][..., 1:]
+    else:
+        labels = batch["labels"]
+    return int(labels.ne(IGNORE_INDEX).sum())

@@ -1,0 +1,332 @@
+"""The batch side of an ``AdaptiveBatchSizeTrainer`` run: schedule, plan, sample stream, checkpoint state.
+
+:class:`AdaptiveBatchState` owns what the Hugging Face ``Trainer`` does not know about: the
+:class:`~ds_adabatch.schedules.BatchSizeController` that picks each optimizer step's global batch, the
+:class:`~ds_adabatch.data.ElasticSampler` cursor (every sample once per epoch whatever the batch), this
+rank's :class:`~ds_adabatch.data.ElasticDataLoader`, and the JSON state a checkpoint needs to continue
+the same sample stream. It does not import transformers; the Trainer subclass drives it.
+
+It is built by ``_trainer_setup.build_batch_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
+from ds_adabatch.plan import BatchPlan, plan_batch, round_global_batch
+from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+from ds_adabatch.schedules.user import CallableSchedule
+from ds_adabatch.signals import EmaLoss
+
+from ._trainer_dist import broadcast_int
+
+__all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
+
+logger = logging.getLogger("ds_adabatch")
+
+STATE_FILE = "adabatch_state.json"
+"""Name of the JSON file an ``AdaptiveBatchSizeTrainer`` checkpoint holds next to ``trainer_state.json``."""
+
+_STATE_VERSION = 1
+_STATE_KIND = "AdaptiveBatchSizeTrainer"
+_SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr"})
+
+
+@dataclass(frozen=True)
+class LrSettings:
+    """How the learning-rate schedule follows the batch (see ``ds_adabatch.runtime.lr.BatchCoupledLR``)."""
+
+    unit: str
+    """``"samples"``: the scheduler advances once per ``reference_batch`` samples; ``"steps"``: once per
+    optimizer step."""
+    reference_batch: int
+    """Samples per scheduler tick in ``"samples"`` mode, and the batch at which the LR multiplier is 1."""
+    rule: str
+    """LR multiplier rule as the global batch changes: ``"none"``, ``"linear"`` or ``"sqrt"``."""
+
+
+class AdaptiveBatchState:
+    """Schedule, plan and sample stream of one training run; every rank holds an identical copy.
+
+    Decisions are taken on every rank from the same global values and rank 0's answer is broadcast,
+    so every rank always runs the same plan.
+    """
+
+    def __init__(
+        self,
+        config: AdaBatchConfig,
+        controller: BatchSizeController,
+        loader: ElasticDataLoader,
+        *,
+        dataset: Any,
+        device: torch.device,
+        num_train_epochs: float,
+        max_steps: int,
+        lr: LrSettings,
+        loss_normalization: str | None,
+    ) -> None:
+        self.config = config
+        self.controller = controller
+        self.loader = loader
+        self.dataset = dataset
+        """The training dataset (columns the model does not take already removed)."""
+        self.sampler: ElasticSampler = loader.sampler
+        self.world_size = loader.world_size
+        self.rank = loader.rank
+        self.device = device
+        self.num_train_epochs = float(num_train_epochs)
+        self.max_steps = int(max_steps)
+        self.lr = lr
+        self.loss_normalization = loss_normalization
+        """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
+        self.scheduled_batch = controller.initial_global_batch()
+        """The global batch the schedule chose for the latest decided step (before any epoch-tail replan)."""
+        self.initial_plan = self.plan_for(self.scheduled_batch)
+        self.plan: BatchPlan = self.initial_plan
+        """The plan of the latest step run (an epoch's smaller tail batch included)."""
+        self.last_step: StepBatch | None = None
+        """This rank's micro-batches of the latest step (indices, sizes, pads)."""
+        self.last_loss: float | None = None
+        self.last_lr: float | None = None
+        self.tokens = 0
+        self.loss_ema = EmaLoss(beta=0.9)
+        self._decided: tuple[int, BatchPlan] | None = None
+        missing = controller.schedule.requires - _SUPPORTED_SIGNALS
+        if missing:
+            raise ValueError(
+                f"the {controller.schedule.name} schedule needs {', '.join(sorted(missing))}, which "
+                "AdaptiveBatchSizeTrainer does not measure; use ds_adabatch.initialize (the DeepSpeed "
+                "runtime) for it, or pick another schedule"
+            )
+
+    # -- progress ------------------------------------------------------------------------------------
+    @property
+    def epoch_based(self) -> bool:
+        """True when ``num_train_epochs`` (not ``max_steps``) ends training."""
+        return self.max_steps <= 0
+
+    @property
+    def train_coverage(self) -> float:
+        """Fraction of the current epoch's samples trained (1.0 right after an epoch's last batch)."""
+        return self.sampler.train_coverage
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch: completed epochs plus the current one's coverage."""
+        return self.sampler.fractional_epoch
+
+    @property
+    def samples_consumed(self) -> int:
+        """Samples trained over all epochs and ranks."""
+        return self.sampler.samples_consumed
+
+    @property
+    def needs_loss(self) -> bool:
+        return bool({"loss", "loss_ema"} & self.controller.schedule.requires)
+
+    @property
+    def needs_tokens(self) -> bool:
+        return "tokens" in self.controller.schedule.requires
+
+    # -- decisions -----------------------------------------------------------------------------------
+    def plan_for(self, global_batch: int) -> BatchPlan:
+        cfg = self.config
+        return plan_batch(
+            global_batch, self.world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
+        )
+
+    def plan_for_step(self, step: int) -> BatchPlan:
+        """The plan of optimizer step ``step`` (completed steps before it); decided once, then cached.
+
+        Call it on every rank at the same point: the decision is broadcast from rank 0.
+        """
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        ctx = ScheduleContext(
+            step=step,
+            samples=self.sampler.samples_consumed,
+            global_batch=self.scheduled_batch,
+            world_size=self.world_size,
+            tokens=self.tokens if self.needs_tokens else None,
+            epoch=self.sampler.fractional_epoch,
+            loss=self.last_loss,
+            loss_ema=self.loss_ema.value,
+            lr=self.last_lr,
+        )
+        decision = self.controller.next_global_batch(ctx)
+        batch = broadcast_int(decision.global_batch, self.device)
+        plan = self.plan_for(batch)
+        if batch != self.scheduled_batch and self.rank == 0:
+            logger.info(
+                "step %d: global batch %d -> %s (%s)",
+                step,
+                self.scheduled_batch,
+                plan.describe(),
+                decision.reason,
+            )
+        self.scheduled_batch = batch
+        self._decided = (step, plan)
+        return plan
+
+    def next_batch_epoch(self, step: int) -> int:
+        """The epoch the next global batch (of step ``step``) is drawn from."""
+        return self.sampler.peek_batch(self.plan_for_step(step)).epoch
+
+    def finished(self, step: int) -> bool:
+        """True when ``num_train_epochs`` are trained (the next batch would start at or past it)."""
+        if not self.epoch_based:
+            return False
+        nxt = self.sampler.peek_batch(self.plan_for_step(step))
+        start = nxt.epoch + nxt.start / self.sampler.num_samples
+        return nxt.epoch >= math.ceil(self.num_train_epochs) or start >= self.num_train_epochs - 1e-9
+
+    def steps_left(self, step: int) -> int:
+        """Optimizer steps still to run if the batch of step ``step`` were kept (for the progress bar)."""
+        n, drop = self.sampler.num_samples, self.sampler.drop_last
+        batch = self.plan_for_step(step).global_batch_size
+        epoch, pos = self.sampler.epoch, self.sampler.position
+        if pos >= n:
+            epoch, pos = epoch + 1, 0
+        target = self.num_train_epochs
+
+        def part(start: int, stop: int) -> int:
+            left = max(0, stop - start)
+            return left // batch if drop and stop == n else -(-left // batch)
+
+        def epoch_stop(e: int) -> int:
+            return n if e + 1 <= target else math.ceil((target - e) * n)
+
+        if epoch >= target:
+            return 0
+        steps = part(pos, epoch_stop(epoch))
+        epoch += 1
+        full = max(0, math.floor(target) - epoch)
+        steps += full * part(0, n)
+        epoch += full
+        if epoch < target:
+            steps += part(0, epoch_stop(epoch))
+        return steps
+
+    def step_budget(self, step: int) -> int:
+        """``step`` when the epochs are trained, else ``step`` plus at least one more (an estimate)."""
+        return step if self.finished(step) else step + max(1, self.steps_left(step))
+
+    def planned_samples(self) -> int:
+        """Samples ``num_train_epochs`` hold at the initial batch (an epoch tail dropped with drop_last)."""
+        n, b = self.sampler.num_samples, self.initial_plan.global_batch_size
+        per_epoch = n - (n % b if self.sampler.drop_last else 0)
+        return math.ceil(self.num_train_epochs * per_epoch)
+
+    def scheduler_steps(self) -> int:
+        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set)."""
+        if not self.epoch_based:
+            return self.max_steps
+        unit = self.lr.reference_batch if self.lr.unit == "samples" else self.initial_plan.global_batch_size
+        return max(1, math.ceil(self.planned_samples() / unit))
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self, global_step: int) -> dict[str, Any]:
+        """Global counts only, so a resume on another world size continues the same stream."""
+        nxt = None
+        if self._decided is not None and self._decided[0] == global_step:
+            nxt = {"step": global_step, "global_batch": self._decided[1].global_batch_size}
+        return {
+            "kind": _STATE_KIND,
+            "version": _STATE_VERSION,
+            "world_size": self.world_size,
+            "global_step": global_step,
+            "scheduled_batch": self.scheduled_batch,
+            "next": nxt,
+            "controller": self.controller.state_dict(),
+            "data": self.loader.state_dict(),
+            "last_loss": self.last_loss,
+            "loss_ema": self.loss_ema.state_dict(),
+            "tokens": self.tokens,
+            "last_lr": self.last_lr,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], global_step: int) -> None:
+        """Continue from :meth:`state_dict`'s output at ``global_step`` completed optimizer steps.
+
+        Raises:
+            ValueError: the state is of another kind or version, or of another step than the Trainer's.
+        """
+        if state.get("kind") != _STATE_KIND or state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"{STATE_FILE} holds {state.get('kind')!r} state version {state.get('version')!r}; this "
+                f"AdaptiveBatchSizeTrainer reads {_STATE_KIND!r} version {_STATE_VERSION}"
+            )
+        if state["global_step"] != global_step:
+            raise ValueError(
+                f"{STATE_FILE} was written at step {state['global_step']} but trainer_state.json says "
+                f"{global_step}; the checkpoint folder mixes two saves"
+            )
+        self.controller.load_state_dict(state["controller"])
+        self.loader.load_state_dict(state["data"])
+        self.last_loss = state["last_loss"]
+        self.loss_ema.load_state_dict(state["loss_ema"])
+        self.tokens = int(state["tokens"])
+        self.last_lr = state["last_lr"]
+        same_world = state["world_size"] == self.world_size
+        self.scheduled_batch = self._replan(state["scheduled_batch"], same_world)
+        self._decided = None
+        nxt = state.get("next")
+        if nxt is not None and nxt["step"] == global_step:
+            # The schedule was already asked for this step before the save; asking again would advance
+            # a stateful rule (a user's batch_size_scheduler) twice.
+            batch = self._replan(nxt["global_batch"], same_world)
+            self.scheduled_batch = batch
+            self._decided = (global_step, self.plan_for(batch))
+
+    def _replan(self, batch: int, same_world: bool) -> int:
+        if same_world:
+            return int(batch)
+        schedule = self.controller.schedule
+        if isinstance(schedule, CallableSchedule) and schedule.per == "device":
+            batch = schedule.current * self.world_size
+        cfg = self.config
+        return round_global_batch(
+            batch,
+            self.world_size,
+            granularity=cfg.granularity,
+            min_global_batch=cfg.min_global_batch,
+            max_global_batch=cfg.max_global_batch,
+            allow_uneven=cfg.allow_uneven,
+        )
+
+    def save(self, folder: str, global_step: int) -> None:
+        """Write :data:`STATE_FILE` into ``folder`` (one rank is enough: the state is global)."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, STATE_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(self.state_dict(global_step), f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def load(self, folder: str, global_step: int) -> None:
+        """Read :data:`STATE_FILE` from a checkpoint folder.
+
+        Raises:
+            ValueError: the folder has no such file (it was not saved by an AdaptiveBatchSizeTrainer).
+        """
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{folder} has no {STATE_FILE}: it was not saved by AdaptiveBatchSizeTrainer, so the "
+                "sample cursor and batch schedule cannot be restored; resume from one of its checkpoints"
+            )
+        with open(path, encoding="utf-8") as f:
+            self.load_state_dict(json.load(f), global_step)
+
+    def close(self) -> None:
+        """Stop the data workers."""
+        self.loader.close()
