@@ -1,0 +1,313 @@
+"""AdaptiveBatchSizeTrainer checks on real gloo ranks, run under torchrun by tests/test_hf_trainer.py.
+
+Usage: torchrun --nproc-per-node N tests/hf_worker.py OUT_DIR {ds|ddp} SCENARIO [SCENARIO ...]
+
+Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts on them):
+
+* ``seed``: the seed's scheduler (+1 sample per device every 5 steps) for 4 epochs of 10 samples, with
+  the default ``use_cpu=False`` (the duplicate-training fix must make the ranks one group), saving a
+  checkpoint after step 6; then a second trainer resumes from it and runs to the end.
+* ``exact``: one optimizer step of a tiny GPT-2 (labels partly -100) with the same global batch split
+  as 1 x 8 and 4 x 2 (and, with DeepSpeed, unevenly), compared with a plain-PyTorch big-batch SGD step.
+
+The helpers (datasets, model builders, the recording callback) are also used by the single-process
+tests in tests/test_hf_trainer.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
+
+SEED_SAMPLES = 10
+SEED_EPOCHS = 4
+SAVE_AT = 6
+EXACT_SAMPLES = 32
+SEQ = 12
+LR = 0.5
+
+
+def custom_batch_size_scheduler(step: int, batch_size: int, interval: int = 5, increment: int = 1) -> int:
+    """The seed's README scheduler, verbatim in behaviour."""
+    if step % interval == 0 and step > 0:
+        return batch_size + increment
+    return batch_size
+
+
+class IndexRegression(torch.utils.data.Dataset):
+    """Sample i is the point (i/10, 1) -> i/10: a model whose loss depends on which samples it saw."""
+
+    def __init__(self, n: int = SEED_SAMPLES) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.tensor([i / 10, 1.0]), "labels": torch.tensor(i / 10)}
+
+
+class Regressor(torch.nn.Module):
+    """A linear model with a mean-squared-error loss (no **kwargs: the Trainer normalises by samples)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Byte windows whose labels end in -100 runs of different lengths (samples differ in tokens)."""
+
+    def __init__(self, n: int = EXACT_SAMPLES, seq: int = SEQ) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 256, (n, seq), generator=g)
+        self.keep = [2 + (i * 5) % (seq - 1) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].clone()
+        labels[self.keep[i] :] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+class StepRecorder(TrainerCallback):
+    """Records, per optimizer step, what this rank trained and where the sample stream stands."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+        self.trainer = trainer
+        self.steps: list[dict[str, Any]] = []
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        bs = self.trainer.batch_state
+        step = bs.last_step
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "sizes": [m.num_samples for m in step.micro_batches],
+                "indices": [list(m.indices) for m in step.micro_batches],
+                "coverage": bs.train_coverage,
+                "epoch": state.epoch,
+                "plan": [
+                    step.plan.global_batch_size,
+                    step.plan.micro_batch_per_gpu,
+                    step.plan.gradient_accumulation_steps,
+                ],
+                "workers": len(bs.loader.worker_processes()),
+            }
+        )
+
+
+def ds_config(adabatch: dict | None = None, *, with_optimizer: bool = False) -> dict:
+    cfg: dict[str, Any] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
+    if with_optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+        cfg["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        }
+    if adabatch is not None:
+        cfg["adabatch"] = adabatch
+    return cfg
+
+
+def _args(out: Path, **kw: Any) -> TrainingArguments:
+    base = {
+        "output_dir": str(out),
+        "report_to": [],
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+    }
+    return TrainingArguments(**{**base, **kw})
+
+
+def run_seed(out: Path, ds: bool, *, use_cpu: bool = False, extra_args: dict | None = None) -> dict:
+    """The seed's scheduler for 4 epochs, a checkpoint after step 6, then a resumed second run."""
+    common = {
+        "per_device_train_batch_size": 1,
+        "num_train_epochs": SEED_EPOCHS,
+        "learning_rate": 0.05,
+        "warmup_steps": 2,
+        "seed": 11,
+        "use_cpu": use_cpu,
+        "deepspeed": ds_config(with_optimizer=True) if ds else None,
+        **(extra_args or {}),
+    }
+    scheduler = partial(custom_batch_size_scheduler, interval=5, increment=1)
+    first = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=scheduler,
+        model=Regressor(),
+        args=_args(out / "first", save_strategy="steps", save_steps=SAVE_AT, **common),
+        train_dataset=IndexRegression(),
+    )
+    rec1 = StepRecorder(first)
+    first.add_callback(rec1)
+    first.train()
+    second = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=scheduler,
+        model=Regressor(seed=5),  # other weights: the checkpoint must restore them
+        args=_args(out / "second", **common),
+        train_dataset=IndexRegression(),
+    )
+    rec2 = StepRecorder(second)
+    second.add_callback(rec2)
+    second.train(resume_from_checkpoint=str(out / "first" / f"checkpoint-{SAVE_AT}"))
+    return {
+        "world_size": first.args.world_size,
+        "first": rec1.steps,
+        "second": rec2.steps,
+        "first_logs": first.state.log_history,
+        "second_logs": second.state.log_history,
+        "checkpoints": sorted(p.name for p in (out / "first").iterdir() if p.name.startswith("checkpoint-")),
+        "final_param_diff": float((flat(first.model) - flat(second.model)).abs().max()),
+        "max_steps": [first.state.max_steps, second.state.max_steps],
+    }
+
+
+def reference_step(model: torch.nn.Module, samples: list[dict]) -> torch.Tensor:
+    """Plain PyTorch: one SGD step on the mean loss over all samples' target tokens (or samples)."""
+    model = copy.deepcopy(model)
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    model(**batch)["loss"].backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return flat(model)
+
+
+def run_exact(out: Path, ds: bool) -> dict:
+    """One SGD step with one global batch split several ways, against a big-batch reference.
+
+    GPT-2 cases normalise by target tokens (the Trainer's num_items_in_batch path); the regression
+    cases by samples. Uneven splits need the "adabatch" section (allow_uneven), so DeepSpeed only.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_rank = 8
+    cases: dict[str, tuple[dict, int, bool]] = {"1x8": ({}, 1, True), "4x2": ({}, 4, True)}
+    if ds:
+        cases["uneven"] = ({"allow_uneven": True}, 3, True)
+        cases["uneven_sample"] = ({"allow_uneven": True}, 3, False)
+    results: dict[str, Any] = {}
+    params: dict[str, torch.Tensor] = {}
+    for name, (extra, max_micro, by_token) in cases.items():
+        data = TokenWindows() if by_token else IndexRegression(EXACT_SAMPLES)
+        batch = per_rank * world - (2 if extra else 0)
+        model = tiny_gpt2() if by_token else Regressor()
+        start = copy.deepcopy(model)
+        adabatch = {
+            "schedule": {"type": "constant", "value": batch},
+            "max_micro_batch_per_gpu": max_micro,
+            **extra,
+        }
+        args = _args(
+            out / f"exact_{name}",
+            max_steps=1,
+            per_device_train_batch_size=per_rank,
+            learning_rate=LR,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            weight_decay=0.0,
+            use_cpu=True,
+            deepspeed=ds_config(adabatch) if ds else None,
+        )
+        trainer = AdaptiveBatchSizeTrainer(
+            model=model, args=args, train_dataset=data, max_micro_batch_per_gpu=None if ds else max_micro
+        )
+        trainer.train()
+        plan = trainer.batch_state.plan
+        chosen = trainer.batch_state.last_step.global_batch.all_indices()
+        after = flat(trainer.model)
+        reference = reference_step(start, [data[i] for i in chosen])
+        params[name] = after
+        results[name] = {
+            "plan": [plan.global_batch_size, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps],
+            "sizes": [m.num_samples for m in trainer.batch_state.last_step.micro_batches],
+            "diff_vs_reference": float((after - reference).abs().max()),
+            "update": float((after - flat(start)).abs().max()),
+        }
+    results["diff_1x8_vs_4x2"] = float((params["1x8"] - params["4x2"]).abs().max())
+    return results
+
+
+RAMP = {
+    "schedule": {"type": "linear", "start": 2, "end": 8, "ramp_samples": 16},
+    "max_micro_batch_per_gpu": 2,
+    "granularity": 2,
+}
+RAMP_SAMPLES = 16
+
+
+def run_ramp(out: Path, ds: bool) -> dict:
+    """No scheduler: the DeepSpeed config's "adabatch" section ramps the global batch (2 epochs)."""
+    trainer = AdaptiveBatchSizeTrainer(
+        model=Regressor(),
+        args=_args(out, num_train_epochs=2, use_cpu=True, deepspeed=ds_config(RAMP, with_optimizer=True)),
+        train_dataset=IndexRegression(RAMP_SAMPLES),
+    )
+    recorder = StepRecorder(trainer)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return {"steps": recorder.steps, "logs": trainer.state.log_history}
+
+
+SCENARIOS = {"seed": run_seed, "exact": run_exact, "ramp": run_ramp}
+
+
+def main(argv: list[str]) -> None:
+    out, backend, *names = argv
+    out_dir = Path(out)
+    for name in names:
+        result = SCENARIOS[name](out_dir / f"{name}_{backend}", backend == "ds")
+        rank = int(os.environ.get("RANK", "0"))
+        (out_dir / f"{name}_{backend}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,464 @@
+"""``AdaptiveBatchSizeTrainer`` (Hugging Face Trainer integration).
+
+Two torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``use_cpu=False``) serve the
+multi-rank tests: one with DeepSpeed ZeRO-2, one with plain DDP. Each runs the seed's scheduler with a
+checkpoint and a resume, one optimizer step split several ways against a big-batch reference and,
+with DeepSpeed, a config-driven ramp. The single-process tests train in this process without
+DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+WORKER = HERE / "hf_worker.py"
+
+# The seed's logs (2 ranks, 10 samples, +1 sample per device every 5 steps, dataloader_drop_last False):
+# per-device samples, train_coverage and fractional epoch after each optimizer step.
+SEED_SIZES = [1, 1, 1, 1, 1, 2, 2, 1, 2, 2, 1, 3, 2]
+SEED_COVERAGE = [0.2, 0.4, 0.6, 0.8, 1.0, 0.4, 0.8, 1.0, 0.4, 0.8, 1.0, 0.6, 1.0]
+SEED_EPOCHS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.4, 1.8, 2.0, 2.4, 2.8, 3.0, 3.6, 4.0]
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, backend: str, *scenarios: str) -> Path:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        str(out),
+        backend,
+        *scenarios,
+    ]
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    (out / f"{backend}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"hf_worker ({backend}: {', '.join(scenarios)}) failed with exit {proc.returncode}:\n"
+            f"{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds_results(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "ramp")
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("hf_ddp"), "ddp", "seed", "exact")
+
+
+def _read(out: Path, scenario: str, backend: str, rank: int) -> dict:
+    path = out / f"{scenario}_{backend}_rank{rank}.json"
+    assert path.exists(), f"the worker wrote no {path.name}; see {out / (backend + '.log')}"
+    return json.loads(path.read_text())
+
+
+def _results(request, backend: str) -> Path:
+    return request.getfixturevalue(f"{backend}_results")
+
+
+def _epochs_of(steps_by_rank: list[list[dict]]) -> list[list[int]]:
+    """All ranks' trained indices, cut into epochs where train_coverage reaches 1.0."""
+    epochs, current = [], []
+    for per_rank in zip(*steps_by_rank):
+        for step in per_rank:
+            current += [i for micro in step["indices"] for i in micro]
+        if per_rank[0]["coverage"] == 1.0:
+            epochs.append(current)
+            current = []
+    assert not current, f"samples {current} were trained after the last complete epoch"
+    return epochs
+
+
+BACKENDS = [pytest.param("ds", marks=pytest.mark.multirank), pytest.param("ddp", marks=pytest.mark.multirank)]
+
+
+# -- the seed's scheduler on 2 ranks -----------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_scheduler_grows_the_per_device_batch_as_in_the_seed_logs(request, backend):
+    out = _results(request, backend)
+    for rank in (0, 1):
+        steps = _read(out, "seed", backend, rank)["first"]
+        sizes = [sum(s["sizes"]) for s in steps]
+        assert sizes == SEED_SIZES, (
+            f"rank {rank}: per-device samples per step {sizes}, seed logs {SEED_SIZES}"
+        )
+        coverage = [round(s["coverage"], 6) for s in steps]
+        assert coverage == SEED_COVERAGE, f"rank {rank}: train_coverage {coverage}, expected {SEED_COVERAGE}"
+        epochs = [round(s["epoch"], 6) for s in steps]
+        assert epochs == SEED_EPOCHS, f"rank {rank}: state.epoch {epochs}, expected {SEED_EPOCHS}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_sample_is_trained_once_per_epoch_across_ranks(request, backend):
+    out = _results(request, backend)
+    runs = [_read(out, "seed", backend, rank)["first"] for rank in (0, 1)]
+    epochs = _epochs_of(runs)
+    assert len(epochs) == 4, f"expected 4 epochs ending at train_coverage 1.0, got {len(epochs)}"
+    for e, indices in enumerate(epochs):
+        assert sorted(indices) == list(range(10)), (
+            f"epoch {e}: trained {sorted(indices)}, not each of 0..9 once"
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logs_carry_coverage_epoch_and_batch_shape(request, backend):
+    result = _read(_results(request, backend), "seed", backend, 0)
+    logs = [entry for entry in result["first_logs"] if "loss" in entry]
+    assert len(logs) == len(SEED_SIZES), f"expected one training log per step, got {len(logs)}"
+    for entry, steps in zip(logs, result["first"]):
+        missing = {
+            "train_coverage",
+            "epoch",
+            "global_batch_size",
+            "micro_batch_size",
+            "gradient_accumulation_steps",
+        }
+        missing -= entry.keys()
+        assert not missing, f"step {entry['step']}: log lacks {sorted(missing)}"
+        shape = [entry["global_batch_size"], entry["micro_batch_size"], entry["gradient_accumulation_steps"]]
+        assert shape == steps["plan"], (
+            f"step {entry['step']}: logged batch shape {shape}, trained {steps['plan']}"
+        )
+    coverage = [round(e["train_coverage"], 6) for e in logs]
+    assert coverage == SEED_COVERAGE, f"logged train_coverage {coverage}"
+    assert result["max_steps"] == [13, 13], f"state.max_steps {result['max_steps']} != the 13 steps trained"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicate_training_is_turned_into_one_data_parallel_group(request, backend):
+    # The worker passes use_cpu=False on a CPU machine: without the fix each rank would train alone.
+    out = _results(request, backend)
+    first, second = (_read(out, "seed", backend, rank) for rank in (0, 1))
+    assert first["world_size"] == second["world_size"] == 2, "the Trainer did not see both ranks"
+    for a, b in zip(first["first"], second["first"]):
+        left = {i for m in a["indices"] for i in m}
+        right = {i for m in b["indices"] for i in m}
+        assert not left & right, f"step {a['step']}: both ranks trained samples {sorted(left & right)}"
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_mid_epoch_continues_the_same_samples_and_batch(request, backend):
+    out = _results(request, backend)
+    for rank in (0, 1):
+        result = _read(out, "seed", backend, rank)
+        assert "checkpoint-6" in result["checkpoints"], f"no checkpoint-6 saved: {result['checkpoints']}"
+        expected = [(s["step"], s["indices"], s["plan"]) for s in result["first"][6:]]
+        resumed = [(s["step"], s["indices"], s["plan"]) for s in result["second"]]
+        assert resumed == expected, f"rank {rank}: resumed steps {resumed} differ from the run's {expected}"
+        assert result["final_param_diff"] < 1e-6, (
+            f"rank {rank}: final weights differ by {result['final_param_diff']}"
+        )
+    logs = _read(out, "seed", backend, 0)
+    before = {e["step"]: (e["loss"], e["learning_rate"]) for e in logs["first_logs"] if "loss" in e}
+    after = {
+        e["step"]: (e["loss"], e["learning_rate"])
+        for e in logs["second_logs"]
+        if "loss" in e and e["step"] > 6
+    }
+    assert sorted(after) == list(range(7, 14)), f"resumed run logged steps {sorted(after)}"
+    for step, (loss, lr) in after.items():
+        assert loss == pytest.approx(before[step][0], rel=1e-5), (
+            f"step {step}: loss {loss} vs {before[step][0]}"
+        )
+        assert lr == pytest.approx(before[step][1], rel=1e-9, abs=1e-12), (
+            f"step {step}: lr {lr} vs {before[step][1]}"
+        )
+
+
+# -- exactness ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_step_split_1x8_or_4x2_gives_the_same_parameters(request, backend):
+    result = _read(_results(request, backend), "exact", backend, 0)
+    assert result["1x8"]["plan"] == [16, 1, 8] and result["4x2"]["plan"] == [16, 4, 2], (
+        f"plans {result['1x8']['plan']} / {result['4x2']['plan']}, expected micro 1 x GAS 8 and 4 x 2"
+    )
+    assert result["diff_1x8_vs_4x2"] < TOL, f"1x8 and 4x2 differ by {result['diff_1x8_vs_4x2']}"
+    for name in ("1x8", "4x2"):
+        case = result[name]
+        assert case["update"] > 1e-3, f"{name}: the step barely moved the weights ({case['update']})"
+        assert case["diff_vs_reference"] < TOL, (
+            f"{name}: weights differ from the big-batch token-mean SGD step by {case['diff_vs_reference']}"
+        )
+
+
+@pytest.mark.multirank
+def test_uneven_splits_match_the_reference_by_tokens_and_by_samples(ds_results):
+    for rank, sizes in ((0, [3, 2, 2]), (1, [3, 2, 2])):
+        result = _read(ds_results, "exact", "ds", rank)
+        for name in ("uneven", "uneven_sample"):
+            case = result[name]
+            assert case["plan"] == [14, 3, 3], f"{name}: plan {case['plan']}, expected 14 = micro 3 x GAS 3"
+            assert case["sizes"] == sizes, (
+                f"{name} rank {rank}: micro-batches {case['sizes']}, expected {sizes}"
+            )
+            assert case["update"] > 1e-3, f"{name}: the step barely moved the weights"
+            assert case["diff_vs_reference"] < TOL, (
+                f"{name}: off the reference by {case['diff_vs_reference']}"
+            )
+
+
+@pytest.mark.multirank
+def test_config_section_drives_the_batch_without_a_scheduler(ds_results):
+    from hf_worker import RAMP, RAMP_SAMPLES
+
+    from ds_adabatch.config import AdaBatchConfig
+    from ds_adabatch.data import ElasticSampler
+    from ds_adabatch.plan import plan_batch
+    from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+
+    # The same schedule, planner and sample stream replayed in this process.
+    config = AdaBatchConfig.model_validate(RAMP)
+    controller = BatchSizeController(config, 2)
+    sampler = ElasticSampler(RAMP_SAMPLES, seed=42)
+    expected, batch, step = [], controller.initial_global_batch(), 0
+    while sampler.fractional_epoch < 2:
+        ctx = ScheduleContext(step=step, samples=sampler.samples_consumed, global_batch=batch, world_size=2)
+        batch = controller.next_global_batch(ctx).global_batch
+        taken = sampler.next_batch(plan_batch(batch, 2, config.max_micro_batch_per_gpu))
+        expected.append(
+            [
+                taken.plan.global_batch_size,
+                taken.plan.micro_batch_per_gpu,
+                taken.plan.gradient_accumulation_steps,
+            ]
+        )
+        step += 1
+    steps = _read(ds_results, "ramp", "ds", 0)["steps"]
+    assert [s["plan"] for s in steps] == expected, (
+        f"trained plans {[s['plan'] for s in steps]}, expected {expected}"
+    )
+    assert len({tuple(p) for p in expected}) > 2, "the ramp should change the batch several times"
+
+
+# -- one process, no DeepSpeed -----------------------------------------------------------------------
+def _trainer(tmp_path, dataset, *, scheduler=None, model=None, max_micro=None, eval_dataset=None, **args):
+    from hf_worker import Regressor, StepRecorder
+    from transformers import TrainingArguments
+
+    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+
+    base = {
+        "output_dir": str(tmp_path),
+        "report_to": [],
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "per_device_train_batch_size": 1,
+        "learning_rate": 0.05,
+    }
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=scheduler,
+        model=model if model is not None else Regressor(),
+        args=TrainingArguments(**{**base, **args}),
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        max_micro_batch_per_gpu=max_micro,
+    )
+    recorder = StepRecorder(trainer)
+    trainer.add_callback(recorder)
+    return trainer, recorder
+
+
+def _seed_scheduler():
+    from functools import partial
+
+    from hf_worker import custom_batch_size_scheduler
+
+    return partial(custom_batch_size_scheduler, interval=5, increment=1)
+
+
+def test_single_process_without_deepspeed_trains_every_sample_once_per_epoch(tmp_path):
+    from hf_worker import IndexRegression
+
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(),
+        scheduler=_seed_scheduler(),
+        num_train_epochs=2,
+        dataloader_num_workers=2,
+        eval_strategy="epoch",
+        eval_dataset=IndexRegression(4),
+    )
+    trainer.train()
+    sizes = [sum(s["sizes"]) for s in rec.steps]
+    assert sizes == [1, 1, 1, 1, 1, 2, 2, 1, 2, 2, 3, 3], f"samples per step {sizes}"
+    epochs = _epochs_of([rec.steps])
+    assert [sorted(e) for e in epochs] == [list(range(10))] * 2, f"epochs trained {epochs}"
+    assert max(s["workers"] for s in rec.steps) == 2, "the 2 dataloader workers never ran"
+    assert trainer.state.max_steps == trainer.state.global_step == 12, (
+        f"max_steps {trainer.state.max_steps} / global_step {trainer.state.global_step}, expected 12"
+    )
+    # Linear decay over the 20 samples of 2 epochs (one scheduler tick per initial batch of 1 sample).
+    assert trainer.lr_scheduler.inner_steps == 20, (
+        f"LR schedule ticked {trainer.lr_scheduler.inner_steps} times"
+    )
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12), (
+        "LR did not reach 0 at the end"
+    )
+    evals = [e["epoch"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert evals == [1.0, 2.0], f"eval_strategy='epoch' evaluated at epochs {evals}"
+
+
+def test_max_steps_ends_training_across_epoch_boundaries(tmp_path):
+    from hf_worker import IndexRegression
+
+    trainer, rec = _trainer(tmp_path, IndexRegression(6), scheduler=_seed_scheduler(), max_steps=8)
+    trainer.train()
+    assert trainer.state.global_step == 8, f"trained {trainer.state.global_step} steps, max_steps=8"
+    sizes = [sum(s["sizes"]) for s in rec.steps]
+    assert sizes == [1, 1, 1, 1, 1, 1, 2, 2], (
+        f"samples per step {sizes} (step 6 is the epoch's 1-sample tail)"
+    )
+    first = [i for s in rec.steps[:6] for m in s["indices"] for i in m]
+    assert sorted(first) == list(range(6)), f"first epoch trained {first}"
+    assert trainer.lr_scheduler.inner_steps == 8, "with max_steps the LR schedule advances once per step"
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_dataloader_drop_last_skips_each_epoch_tail(tmp_path):
+    from hf_worker import IndexRegression
+
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(7),
+        per_device_train_batch_size=2,
+        num_train_epochs=2,
+        dataloader_drop_last=True,
+    )
+    trainer.train()
+    assert [s["sizes"] for s in rec.steps] == [[2]] * 6, f"micro-batches {[s['sizes'] for s in rec.steps]}"
+    for e in range(2):
+        got = [i for s in rec.steps[3 * e : 3 * e + 3] for m in s["indices"] for i in m]
+        assert len(set(got)) == 6, f"epoch {e}: trained {got}, expected 6 distinct of the 7 samples"
+    assert rec.steps[2]["coverage"] == pytest.approx(6 / 7), "the dropped tail still counts as trained"
+    assert trainer.state.global_step == trainer.state.max_steps == 6
+
+
+def test_fractional_epochs_stop_by_samples_and_accumulation_comes_from_args(tmp_path):
+    from hf_worker import IndexRegression
+
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(10),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1.5,
+    )
+    trainer.train()
+    assert [s["plan"] for s in rec.steps] == [[2, 1, 2]] * 8, f"plans {[s['plan'] for s in rec.steps]}"
+    assert rec.steps[-1]["epoch"] == pytest.approx(1.6), (
+        f"stopped at epoch {rec.steps[-1]['epoch']}, not past 1.5"
+    )
+    assert trainer.args.gradient_accumulation_steps == 1, "the Trainer's own loop must see one item per step"
+    assert trainer.user_gradient_accumulation_steps == 2
+
+
+def test_tokens_seen_count_every_real_token_once(tmp_path):
+    from hf_worker import SEQ, TokenWindows, tiny_gpt2
+
+    trainer, _ = _trainer(
+        tmp_path,
+        TokenWindows(8),
+        model=tiny_gpt2(),
+        per_device_train_batch_size=4,
+        max_micro=2,
+        num_train_epochs=1,
+        include_num_input_tokens_seen="all",
+    )
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == 8 * SEQ, (
+        f"counted {trainer.state.num_input_tokens_seen} tokens"
+    )
+
+
+def test_a_bad_scheduler_answer_is_reported(tmp_path):
+    from hf_worker import IndexRegression
+
+    from ds_adabatch.schedules import ScheduleError
+
+    trainer, _ = _trainer(tmp_path, IndexRegression(), scheduler=lambda step, bs: 0 if step == 2 else bs)
+    with pytest.raises(ScheduleError, match="positive int"):
+        trainer.train()
+
+
+def test_resume_needs_the_adabatch_state_file(tmp_path):
+    from hf_worker import IndexRegression
+
+    from ds_adabatch.integrations._trainer_state import STATE_FILE
+
+    trainer, _ = _trainer(tmp_path, IndexRegression(), max_steps=2, save_strategy="steps", save_steps=2)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / STATE_FILE).is_file(), (
+        f"no {STATE_FILE} in {sorted(p.name for p in checkpoint.iterdir())}"
+    )
+    (checkpoint / STATE_FILE).unlink()
+    again, _ = _trainer(tmp_path, IndexRegression(), max_steps=4)
+    with pytest.raises(ValueError, match=STATE_FILE):
+        again.train(resume_from_checkpoint=str(checkpoint))
+
+
+# -- the duplicate-training guard, without launching ---------------------------------------------------
+def test_guard_raises_naming_use_cpu_where_it_cannot_fix(monkeypatch):
+    from ds_adabatch.integrations._trainer_dist import ensure_data_parallel_group
+
+    args = SimpleNamespace(world_size=1, device=torch.device("mps"), use_cpu=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"use_cpu=True") as err:
+        ensure_data_parallel_group(args)
+    assert "2-fold duplicate training" in str(err.value)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ensure_data_parallel_group(args) is args, "a world of one needs no fix"
+
+
+def test_importing_the_package_does_not_import_transformers():
+    code = (
+        "import sys, ds_adabatch, ds_adabatch.integrations\n"
+        "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)\n"
+        "ds_adabatch.integrations.AdaptiveBatchSizeTrainer\n"
+        "assert 'transformers' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"lazy import broken:\n{proc.stderr[-2000:]}"
+
+
+def test_steps_left_estimate_is_exact_for_a_constant_batch():
+    # A pure check of the progress estimate: 2 epochs of 10 samples at 4 per step, tails included.
+    from ds_adabatch.integrations._trainer_state import AdaptiveBatchState
+
+    fake = SimpleNamespace(
+        sampler=SimpleNamespace(num_samples=10, drop_last=False, epoch=0, position=0),
+        plan_for_step=lambda step: SimpleNamespace(global_batch_size=4),
+        num_train_epochs=2.0,
+    )
+    assert AdaptiveBatchState.steps_left(fake, 0) == 2 * math.ceil(10 / 4)
+    fake.sampler.drop_last = True
+    assert AdaptiveBatchState.steps_left(fake, 0) == 2 * (10 // 4)
+    fake.sampler.position, fake.num_train_epochs = 8, 1.0
+    assert AdaptiveBatchState.steps_left(fake, 0) == 0, "an undersized tail with drop_last is no step"
