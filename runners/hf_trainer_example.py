@@ -1,0 +1,105 @@
+"""Hugging Face Trainer demo: the per-device batch grows by one sample every 5 optimizer steps.
+
+A byte-level GPT-2 (built from a config, nothing downloaded) trains on windows of a few standard-library
+source files with ``AdaptiveBatchSizeTrainer``. Every rank prints, per optimizer step, its local batch
+size and the sample indices it trained; rank 0's logs carry ``train_coverage``, the fractional
+``epoch``, the global batch, the micro-batch and the accumulation steps. Any ``TrainingArguments`` flag
+works (``--num_train_epochs``, ``--max_steps``, ``--dataloader_drop_last``, ``--save_steps``, ...).
+
+    torchrun --nproc-per-node 2 runners/hf_trainer_example.py
+    torchrun --nproc-per-node 2 runners/hf_trainer_example.py --deepspeed ds_configs/hf_zero2.json
+
+With ``--use_config_schedule`` (and a ``--deepspeed`` config) the config's ``"adabatch"`` section drives
+the global batch instead of the scheduler function.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+from transformers import HfArgumentParser, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
+from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model, stdlib_sources  # noqa: E402
+
+
+def custom_batch_size_scheduler(step: int, batch_size: int, interval: int = 5, increment: int = 1) -> int:
+    """step: optimizer steps completed; batch_size: the current per-device batch (samples per step)."""
+    if step % interval == 0 and step > 0:
+        return batch_size + increment
+    return batch_size
+
+
+@dataclass
+class DemoArguments:
+    interval: int = field(default=5, metadata={"help": "grow the per-device batch every this many steps"})
+    increment: int = field(default=1, metadata={"help": "samples added to the per-device batch each time"})
+    samples: int = field(default=20, metadata={"help": "training windows (samples) in the dataset"})
+    source_files: int = field(default=3, metadata={"help": "standard-library .py files to read"})
+    use_config_schedule: bool = field(
+        default=False, metadata={"help": "let the --deepspeed config's adabatch section drive the batch"}
+    )
+
+
+class LocalBatchPrinter(TrainerCallback):
+    """Prints what this rank trained in each optimizer step, as the seed's demo does."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        step = self.trainer.batch_state.last_step
+        indices = [i for m in step.micro_batches for i in m.indices]
+        micro = [m.num_samples for m in step.micro_batches]
+        print(
+            f"step {state.global_step} rank {args.process_index}: local batch size {step.num_samples} "
+            f"(micro-batches {micro}), indices {indices}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = HfArgumentParser((TrainingArguments, DemoArguments))
+    parser.set_defaults(
+        output_dir="runs/hf_trainer_example",
+        num_train_epochs=3,
+        per_device_train_batch_size=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        learning_rate=1e-3,
+        ddp_find_unused_parameters=False,
+        # Without GPUs the ranks train as one gloo group only with use_cpu (the trainer would otherwise
+        # switch it on with a warning).
+        use_cpu=not torch.cuda.is_available(),
+    )
+    training_args, demo = parser.parse_args_into_dataclasses()
+
+    spec = ModelSpec(layers=2, width=64, heads=4, context=64)
+    corpus = ByteCorpus(stdlib_sources()[: demo.source_files])
+    dataset = ByteWindows(corpus.train, spec.context, limit=demo.samples)
+    scheduler = None
+    if not demo.use_config_schedule:
+        scheduler = partial(custom_batch_size_scheduler, interval=demo.interval, increment=demo.increment)
+
+    trainer = AdaptiveBatchSizeTrainer(
+        batch_size_scheduler=scheduler,
+        model=build_model(spec, seed=training_args.seed),
+        args=training_args,
+        train_dataset=dataset,
+    )
+    trainer.add_callback(LocalBatchPrinter(trainer))
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
