@@ -1,6 +1,8 @@
 """AdaptiveBatchSizeTrainer checks on real gloo ranks, run under torchrun by tests/test_hf_trainer.py.
 
-Usage: torchrun --nproc-per-node N tests/hf_worker.py OUT_DIR {ds|ddp} SCENARIO [SCENARIO ...]
+Usage: torchrun --nproc-per-node N tests/hf_worker.py OUT_DIR {ds|zero3|ddp} SCENARIO [SCENARIO ...]
+
+``ds`` is DeepSpeed ZeRO-2, ``zero3`` DeepSpeed ZeRO-3, ``ddp`` the Trainer without DeepSpeed.
 
 Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts on them):
 
@@ -8,7 +10,9 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
   the default ``use_cpu=False`` (the duplicate-training fix must make the ranks one group), saving a
   checkpoint after step 6; then a second trainer resumes from it and runs to the end.
 * ``exact``: one optimizer step of a tiny GPT-2 (labels partly -100) with the same global batch split
-  as 1 x 8 and 4 x 2 (and, with DeepSpeed, unevenly), compared with a plain-PyTorch big-batch SGD step.
+  as 1 x 8 and 4 x 2 (and, with DeepSpeed, unevenly and with a zero-weight pad), compared with a
+  plain-PyTorch big-batch SGD step.
+* ``ramp``: no scheduler; the DeepSpeed config's "adabatch" section ramps the global batch.
 
 The helpers (datasets, model builders, the recording callback) are also used by the single-process
 tests in tests/test_hf_trainer.py.
@@ -38,6 +42,8 @@ SAVE_AT = 6
 EXACT_SAMPLES = 32
 SEQ = 12
 LR = 0.5
+ZERO_STAGE = 2
+"""DeepSpeed ZeRO stage of the configs built here (the ``zero3`` backend sets 3)."""
 
 
 def custom_batch_size_scheduler(step: int, batch_size: int, interval: int = 5, increment: int = 1) -> int:
@@ -135,7 +141,7 @@ def ds_config(adabatch: dict | None = None, *, with_optimizer: bool = False) -> 
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": ZERO_STAGE},
         "steps_per_print": 10**9,
     }
     if with_optimizer:
@@ -231,11 +237,13 @@ def run_exact(out: Path, ds: bool) -> dict:
     if ds:
         cases["uneven"] = ({"allow_uneven": True}, 3, True)
         cases["uneven_sample"] = ({"allow_uneven": True}, 3, False)
+        cases["padded"] = ({"allow_uneven": True}, 1, True)
     results: dict[str, Any] = {}
     params: dict[str, torch.Tensor] = {}
     for name, (extra, max_micro, by_token) in cases.items():
         data = TokenWindows() if by_token else IndexRegression(EXACT_SAMPLES)
-        batch = per_rank * world - (2 if extra else 0)
+        # Uneven: 14 samples on 2 ranks as 3+2+2 | 3+2+2; padded: 3 samples as 1+1 | 1+pad.
+        batch = 3 if name == "padded" else per_rank * world - (2 if extra else 0)
         model = tiny_gpt2() if by_token else Regressor()
         start = copy.deepcopy(model)
         adabatch = {
@@ -299,10 +307,14 @@ SCENARIOS = {"seed": run_seed, "exact": run_exact, "ramp": run_ramp}
 
 
 def main(argv: list[str]) -> None:
+    global ZERO_STAGE
     out, backend, *names = argv
+    if backend not in ("ds", "zero3", "ddp"):
+        raise SystemExit(f"backend must be ds (ZeRO-2), zero3 or ddp, not {backend!r}")
+    ZERO_STAGE = 3 if backend == "zero3" else 2
     out_dir = Path(out)
     for name in names:
-        result = SCENARIOS[name](out_dir / f"{name}_{backend}", backend == "ds")
+        result = SCENARIOS[name](out_dir / f"{name}_{backend}", backend != "ddp")
         rank = int(os.environ.get("RANK", "0"))
         (out_dir / f"{name}_{backend}_rank{rank}.json").write_text(json.dumps(result, indent=1))
     if torch.distributed.is_initialized():

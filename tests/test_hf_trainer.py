@@ -1,7 +1,7 @@
 """``AdaptiveBatchSizeTrainer`` (Hugging Face Trainer integration).
 
-Two torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``use_cpu=False``) serve the
-multi-rank tests: one with DeepSpeed ZeRO-2, one with plain DDP. Each runs the seed's scheduler with a
+Three torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``use_cpu=False``) serve
+the multi-rank tests: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3 and plain DDP. Each runs the seed's scheduler with a
 checkpoint and a resume, one optimizer step split several ways against a big-batch reference and,
 with DeepSpeed, a config-driven ramp. The single-process tests train in this process without
 DeepSpeed.
@@ -67,6 +67,11 @@ def ds_results(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def zero3_results(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("hf_zero3"), "zero3", "seed", "exact")
+
+
+@pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory) -> Path:
     return _launch(tmp_path_factory.mktemp("hf_ddp"), "ddp", "seed", "exact")
 
@@ -94,7 +99,8 @@ def _epochs_of(steps_by_rank: list[list[dict]]) -> list[list[int]]:
     return epochs
 
 
-BACKENDS = [pytest.param("ds", marks=pytest.mark.multirank), pytest.param("ddp", marks=pytest.mark.multirank)]
+BACKENDS = [pytest.param(b, marks=pytest.mark.multirank) for b in ("ds", "zero3", "ddp")]
+DEEPSPEED = [pytest.param(b, marks=pytest.mark.multirank) for b in ("ds", "zero3")]
 
 
 # -- the seed's scheduler on 2 ranks -----------------------------------------------------------------
@@ -207,16 +213,18 @@ def test_one_step_split_1x8_or_4x2_gives_the_same_parameters(request, backend):
         )
 
 
-@pytest.mark.multirank
-def test_uneven_splits_match_the_reference_by_tokens_and_by_samples(ds_results):
-    for rank, sizes in ((0, [3, 2, 2]), (1, [3, 2, 2])):
-        result = _read(ds_results, "exact", "ds", rank)
-        for name in ("uneven", "uneven_sample"):
+@pytest.mark.parametrize("backend", DEEPSPEED)
+def test_uneven_and_padded_splits_match_the_reference(request, backend):
+    out = _results(request, backend)
+    # 14 samples on 2 ranks, max micro 3: 3+2+2 on each rank; 3 samples, max micro 1: 1+1 | 1+pad.
+    expected = {"uneven": ([14, 3, 3], [[3, 2, 2], [3, 2, 2]]), "padded": ([3, 1, 2], [[1, 1], [1, 0]])}
+    expected["uneven_sample"] = expected["uneven"]
+    for rank in (0, 1):
+        result = _read(out, "exact", backend, rank)
+        for name, (plan, sizes) in expected.items():
             case = result[name]
-            assert case["plan"] == [14, 3, 3], f"{name}: plan {case['plan']}, expected 14 = micro 3 x GAS 3"
-            assert case["sizes"] == sizes, (
-                f"{name} rank {rank}: micro-batches {case['sizes']}, expected {sizes}"
-            )
+            assert case["plan"] == plan, f"{name}: plan {case['plan']}, expected {plan}"
+            assert case["sizes"] == sizes[rank], f"{name} rank {rank}: micro-batches {case['sizes']}"
             assert case["update"] > 1e-3, f"{name}: the step barely moved the weights"
             assert case["diff_vs_reference"] < TOL, (
                 f"{name}: off the reference by {case['diff_vs_reference']}"
