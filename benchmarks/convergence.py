@@ -26,7 +26,7 @@ samples).
 
 Usage::
 
-    python benchmarks/convergence.py                          # 5 runs x seeds 0 and 1 (1-2 h on 2 cores)
+    python benchmarks/convergence.py                          # 5 runs x seeds 0 and 1 (up to ~2 h on 2 cores)
     python benchmarks/convergence.py --quick                  # smoke test: loose target, one seed, ~1 min
     python benchmarks/convergence.py --runs fixed-8 gradient-noise --seeds 0 --cap 20000
     python benchmarks/convergence.py --nproc 2                # 2 data-parallel ranks through torchrun
