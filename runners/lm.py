@@ -117,11 +117,16 @@ def build_model(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
 def validation_loss(
     model: torch.nn.Module, windows: ByteWindows, *, count: int = 128, batch: int = 64
 ) -> float:
-    """Mean next-byte loss over the first ``count`` validation windows (a fixed set)."""
+    """Mean next-byte loss over ``count`` fixed validation windows, spread evenly over the held-out set.
+
+    Evenly spaced windows sample every held-out chunk (many files), not one stretch of one file.
+    """
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
-    idx = list(range(min(count, len(windows))))
+    count = min(count, len(windows))
+    stride = len(windows) // count
+    idx = [i * stride for i in range(count)]
     for s in range(0, len(idx), batch):
         items = [windows[i] for i in idx[s : s + batch]]
         ids = torch.stack([it["input_ids"] for it in items])
