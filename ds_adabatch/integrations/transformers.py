@@ -1,20 +1,14 @@
 """``AdaptiveBatchSizeTrainer``: a Hugging Face ``Trainer`` whose batch size changes while it trains.
 
-Usage (the per-device batch grows by one sample every 5 optimizer steps)::
+Usage: ``AdaptiveBatchSizeTrainer(batch_size_scheduler=fn, model=..., args=..., train_dataset=...)`` with
+``fn(step, batch_size) -> batch_size``; ``runners/hf_trainer_example.py`` is a complete demo.
 
-    from functools import partial
-    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
-
-    def custom_batch_size_scheduler(step, batch_size, interval=5, increment=1):
-        if step % interval == 0 and step > 0:
-            return batch_size + increment
-        return batch_size
-
-    trainer = AdaptiveBatchSizeTrainer(
-        batch_size_scheduler=partial(custom_batch_size_scheduler, interval=5, increment=1),
-        model=model, args=training_args, train_dataset=dataset, data_collator=collate_fn,
-    )
-    trainer.train()
+Where the global batch comes from: the scheduler (samples per device per optimizer step, started at
+``per_device_train_batch_size x gradient_accumulation_steps``, largest forward pass
+``per_device_train_batch_size`` unless ``max_micro_batch_per_gpu`` says otherwise), else the
+``"adabatch"`` section of the DeepSpeed config in ``TrainingArguments(deepspeed=...)``, else a constant
+``per_device_train_batch_size x gradient_accumulation_steps x world size``. A section next to a scheduler
+still sets bounds, granularity, the largest micro-batch, LR coupling and loss normalisation.
 
 Design (written against transformers 5.23 and accelerate 1.15). The Trainer's outer loop is kept, so
 callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
@@ -38,7 +32,11 @@ the inside of one optimizer step change:
   does); with ``max_steps`` once per optimizer step. An ``"adabatch"`` section's ``lr_schedule_unit``
   and ``lr_scaling`` override both.
 * Checkpoints hold ``adabatch_state.json`` (schedule, sampler cursor, next decision) next to
-  ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, on any world size.
+  ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, also on another
+  world size (whether DeepSpeed reloads its own state there depends on its ZeRO stage).
+* On a machine without GPUs, ``torchrun`` with the default ``use_cpu=False`` would give every rank a
+  world of one (N-fold duplicate training); the arguments are rebuilt with ``use_cpu=True`` so the
+  ranks train as one gloo data-parallel group (a warning says so), and elsewhere a clear error is raised.
 """
 
 from __future__ import annotations
