@@ -197,6 +197,39 @@ def test_resume_mid_epoch_continues_the_same_samples_and_batch(request, backend)
         )
 
 
+@pytest.mark.multirank
+def test_a_two_rank_checkpoint_resumes_on_one_process_with_the_same_stream(ddp_results, tmp_path):
+    from hf_worker import IndexRegression
+
+    two = [_read(ddp_results, "seed", "ddp", rank)["first"] for rank in (0, 1)]
+
+    def global_order(steps_by_rank):  # slot order: accumulation step k of every rank, then k + 1
+        order = []
+        for per_rank in zip(*steps_by_rank):
+            for k in range(len(per_rank[0]["indices"])):
+                order += [i for step in per_rank for i in step["indices"][k]]
+        return order
+
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(),
+        scheduler=_seed_scheduler(),
+        num_train_epochs=4,
+        learning_rate=0.05,
+        warmup_steps=2,
+        seed=11,
+    )
+    trainer.train(resume_from_checkpoint=str(ddp_results / "seed_ddp" / "first" / "checkpoint-6"))
+    # The per-device batch (2) carries over, so one process takes 2 samples per step where 2 ranks took 4.
+    assert [sum(s["sizes"]) for s in rec.steps[:3]] == [2, 2, 2], f"steps {rec.steps[:3]}"
+    rest_of_epoch = global_order([steps[6:8] for steps in two])
+    resumed = global_order([rec.steps[:3]])
+    assert resumed == rest_of_epoch, f"after the resume: {resumed}; the 2-rank run trained {rest_of_epoch}"
+    assert rec.steps[2]["coverage"] == 1.0 and rec.steps[2]["epoch"] == pytest.approx(2.0)
+    for e, indices in enumerate(_epochs_of([rec.steps[3:]])):
+        assert sorted(indices) == list(range(10)), f"epoch {e + 3} after the resume trained {indices}"
+
+
 # -- exactness ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_step_split_1x8_or_4x2_gives_the_same_parameters(request, backend):
@@ -413,6 +446,24 @@ def test_a_bad_scheduler_answer_is_reported(tmp_path):
     trainer, _ = _trainer(tmp_path, IndexRegression(), scheduler=lambda step, bs: 0 if step == 2 else bs)
     with pytest.raises(ScheduleError, match="positive int"):
         trainer.train()
+
+
+def test_resume_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
+    from hf_worker import IndexRegression, flat
+
+    common = {"per_device_train_batch_size": 2, "num_train_epochs": 2, "seed": 3}
+    first, rec1 = _trainer(tmp_path / "a", IndexRegression(), save_strategy="steps", save_steps=5, **common)
+    first.train()
+    second, rec2 = _trainer(tmp_path / "b", IndexRegression(), **common)
+    second.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-5"))
+    expected = [(s["step"], s["indices"], s["epoch"]) for s in rec1.steps[5:]]
+    resumed = [(s["step"], s["indices"], s["epoch"]) for s in rec2.steps]
+    assert resumed == expected, f"resumed {resumed}, uninterrupted {expected}"
+    assert torch.equal(flat(first.model), flat(second.model)), "the resumed run ended with other weights"
+    lr1, lr2 = first.lr_scheduler.state_dict(), second.lr_scheduler.state_dict()
+    assert lr1["samples"] == lr2["samples"] == 20 and lr1["inner_steps"] == lr2["inner_steps"], (
+        f"LR coupling state after the runs: {lr1} vs {lr2}"
+    )
 
 
 def test_resume_needs_the_adabatch_state_file(tmp_path):
