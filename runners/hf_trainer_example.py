@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # DeepSpeed's CPU accelerator (gloo); must be chosen before DeepSpeed is imported.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
@@ -58,11 +61,12 @@ class LocalBatchPrinter(TrainerCallback):
         step = self.trainer.batch_state.last_step
         indices = [i for m in step.micro_batches for i in m.indices]
         micro = [m.num_samples for m in step.micro_batches]
-        print(
+        # One write per line, so the ranks' lines do not interleave mid-line.
+        sys.stdout.write(
             f"step {state.global_step} rank {args.process_index}: local batch size {step.num_samples} "
-            f"(micro-batches {micro}), indices {indices}",
-            flush=True,
+            f"(micro-batches {micro}), indices {indices}\n"
         )
+        sys.stdout.flush()
 
 
 def main() -> None:
