@@ -483,3 +483,111 @@ def test_lr_multiplier():
         lr_multiplier("cubic", 512, 128)
     with pytest.raises(ValueError, match="reference_batch must be a number > 0"):
         lr_multiplier("linear", 512, 0)
+
+
+# ---------------------------------------------------------------- signal-driven defaults
+
+
+def test_gradient_noise_default_warmup_is_one_ema_time_constant():
+    # Defaults: a measurement every step and an EMA of about 20 measurements -> 20 steps held.
+    default = build_schedule(schedule(type="gradient_noise", start=8), world_size=1)
+    assert default.measure_every == 1 and default.warmup_steps == 20
+    sparse = build_schedule(schedule(type="gradient_noise", start=8, measure_every=10), world_size=1)
+    assert sparse.warmup_steps == 200, "the warm-up counts measurements, not steps"
+    given = build_schedule(schedule(type="gradient_noise", start=8, warmup_steps=7), world_size=1)
+    assert given.warmup_steps == 7, "an explicit warmup_steps wins"
+    c = {"samples": 0, "global_batch": 8, "world_size": 1, "noise_scale": 100.0}
+    assert default(ScheduleContext(step=19, **c)) == 8
+    assert default(ScheduleContext(step=20, **c)) > 8
+
+
+def _lr_warmup_run(rule, steps: int, warmup: int, loss: float = 2.0) -> list[float]:
+    """Feed a flat loss while the LR rises linearly for ``warmup`` steps, then stays constant."""
+    out = []
+    batch = int(rule.current)
+    for step in range(1, steps + 1):
+        lr = 1e-3 * min(step, warmup) / warmup
+        out.append(
+            rule(ScheduleContext(step=step, samples=0, global_batch=batch, world_size=1, loss=loss, lr=lr))
+        )
+        batch = int(out[-1])
+    return out
+
+
+def test_plateau_holds_while_the_lr_warms_up():
+    cfg = schedule(type="loss_plateau", start=8)
+    rule = build_schedule(cfg, world_size=1, min_global_batch=8, max_global_batch=1024)
+    batches = _lr_warmup_run(rule, 300, warmup=200)
+    # A flat loss is a plateau, but not while the LR still rises: the first growth needs a full
+    # post-warmup patience (the window is already full of flat losses).
+    first = batches.index(16) + 1
+    assert batches[:200] == [8] * 200
+    assert first == 200 + cfg.patience, first
+    off = build_schedule(
+        schedule(type="loss_plateau", start=8, hold_while_lr_rises=False),
+        world_size=1,
+        min_global_batch=8,
+        max_global_batch=1024,
+    )
+    assert _lr_warmup_run(off, 300, warmup=200).index(16) + 1 < 200, "without the option it grows in warmup"
+
+
+def test_plateau_lr_change_with_the_batch_is_not_a_warmup():
+    rule = build_schedule(
+        schedule(type="loss_plateau", start=8, window=2, patience=1, cooldown=0, ema_beta=0.0),
+        world_size=1,
+        max_global_batch=32,
+    )
+
+    def at(step, batch, lr):
+        return rule(ScheduleContext(step=step, samples=0, global_batch=batch, world_size=1, loss=1.0, lr=lr))
+
+    assert at(1, 8, 1e-3) == 8  # window not full
+    assert at(2, 8, 1e-3) == 16  # flat at a constant LR: grow
+    # The LR coupling raised the LR with the batch: same LR schedule, so still a plateau -> grow.
+    assert at(3, 16, 1.4e-3) == 32
+    assert at(4, 32, 2.0e-3) == 32 and "plateau" in rule.last_reason  # at the ceiling
+    # A rise at an unchanged batch is a warmup: hold.
+    assert at(5, 32, 3.0e-3) == 32 and "rising" in rule.last_reason
+
+
+def test_plateau_state_keeps_the_lr_memory_and_reads_older_states():
+    cfg = schedule(type="loss_plateau", start=8)
+    rule = build_schedule(cfg, world_size=1)
+    rule(ScheduleContext(step=1, samples=0, global_batch=8, world_size=1, loss=2.0, lr=1e-3))
+    state = rule.state_dict()
+    assert state["last_lr"] == 1e-3 and state["last_lr_batch"] == 8
+    twin = build_schedule(cfg, world_size=1)
+    twin.load_state_dict(state)
+    assert twin.state_dict() == state
+    older = {k: v for k, v in state.items() if k not in ("last_lr", "last_lr_batch")}
+    fresh = build_schedule(cfg, world_size=1)
+    fresh.load_state_dict(older)
+    assert fresh.last_lr is None and fresh.history == rule.history
+
+
+def test_plateau_defaults_grow_in_proportion_to_the_samples_of_a_power_law_loss():
+    # A loss falling like a power of the samples seen, with no plateau at all: the default rule's
+    # window spans 50 steps, i.e. 50 x batch samples, so each doubling comes after about twice the
+    # samples of the previous one (the batch grows roughly in proportion to the samples).
+    cfg = adabatch(
+        {"type": "loss_plateau", "start": 8},
+        min_global_batch=8,
+        max_global_batch=512,
+        max_micro_batch_per_gpu=512,
+    )
+    controller = BatchSizeController(cfg, 1)
+    batch, samples, grown_at = 8, 0, []
+    for step in range(40_000):
+        loss = 1.0 + 4.0 * (1.0 + samples / 100.0) ** -0.3
+        c = ScheduleContext(step=step, samples=samples, global_batch=batch, world_size=1, loss=loss)
+        new = controller.next_global_batch(c).global_batch
+        if new != batch:
+            grown_at.append(samples)
+        batch = new
+        samples += batch
+        if batch == 128:
+            break
+    assert len(grown_at) == 4, grown_at
+    gaps = [b / a for a, b in zip(grown_at, grown_at[1:])]
+    assert all(1.5 < g < 3.0 for g in gaps), (grown_at, gaps)

@@ -253,12 +253,22 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
     After ``patience`` consecutive plateau evaluations the batch is multiplied (``direction: "grow"``)
     or divided (``"shrink"``) by ``factor``, then ``cooldown`` evaluations pass without any change.
     Every other evaluation (including those before the window is full) multiplies the batch by
-    ``otherwise_factor`` if it is set, and holds it if not. The rule keeps its own unrounded batch,
-    clamped to ``min_global_batch`` / ``max_global_batch``, so small factors add up across the
-    controller's rounding.
+    ``otherwise_factor`` if it is set, and holds it if not. With ``hold_while_lr_rises``, evaluations
+    whose learning rate rose since the previous one at the same batch (an LR warmup) hold the batch
+    and count neither as plateau nor as progress. The rule keeps its own unrounded batch, clamped to
+    ``min_global_batch`` / ``max_global_batch``, so small factors add up across the controller's
+    rounding.
 
     "grow" is the "increase the batch instead of decaying the learning rate" rule: a plateau at the
     current batch means gradient noise dominates, and a larger batch reduces it.
+
+    The defaults are meant for one evaluation per optimizer step (``update_interval`` 1). They compare
+    losses ``window`` = 50 steps apart, smoothed over about 50 steps, so the window grows with the
+    batch in samples: at batch B it spans 50 B samples. While a loss falls like a power of the
+    samples seen, its relative drop over a window of W samples after t samples is about a W / t, so a
+    fixed relative threshold fires once t reaches about a W / threshold: each doubling of the batch
+    doubles W and with it the number of samples until the next plateau. The batch therefore grows
+    roughly in proportion to the samples seen, at a pace the loss curve sets, not a clock.
 
     The seed rule (``AdaptiveBatchSize``: window of 5 raw losses, mean absolute change < 0.01 -> halve,
     otherwise x1.1, inside [8, 1024], called once per epoch) is, with ``min_global_batch: 8``,
@@ -267,7 +277,7 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
         {"type": "loss_plateau", "start": 32, "direction": "shrink", "factor": 2.0,
          "floor_on_shrink": true, "ema_beta": 0.0, "window": 5, "change": "mean_abs_step",
          "relative": false, "threshold": 0.01, "patience": 1, "cooldown": 0,
-         "otherwise_factor": 1.1}
+         "otherwise_factor": 1.1, "hold_while_lr_rises": false}
     """
 
     type: Literal["loss_plateau"] = Field(description="Schedule type.")
@@ -280,13 +290,21 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
         default=2.0, gt=1.0, description="Multiplicative change on a plateau (unitless, > 1)."
     )
     ema_beta: float = Field(
-        default=0.9,
+        default=0.98,
         ge=0.0,
         lt=1.0,
-        description="Smoothing of the loss per evaluation (unitless, 0 = raw loss; bias-corrected).",
+        description="Smoothing of the loss per evaluation (unitless, 0 = raw loss; bias-corrected). "
+        "0.98 averages about 50 evaluations: one step's loss at a small batch varies by several "
+        "percent, far more than the 1% change the threshold looks for, so it must be averaged over "
+        "about as many steps as the window spans.",
     )
     window: int = Field(
-        default=10, ge=2, description="Number of latest smoothed losses compared, in evaluations."
+        default=50,
+        ge=2,
+        description="Number of latest smoothed losses compared, in evaluations. 50: the change is "
+        "measured over 50 steps, i.e. 50 x batch samples, a span that doubles with each doubling of "
+        "the batch (see the model's description); 10 steps of a small batch were so short that a "
+        "falling loss looked flat between its drops.",
     )
     change: Literal["net", "mean_abs_step"] = Field(
         default="net",
@@ -298,13 +316,23 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
         description="Divide the change by |oldest loss in the window| (unitless); false: loss units.",
     )
     threshold: float = Field(
-        default=0.01, gt=0.0, description="A change below this is a plateau (unit: see `relative`)."
+        default=0.01,
+        gt=0.0,
+        description="A change below this is a plateau (unit: see `relative`). 0.01: less than 1% "
+        "relative improvement over the window.",
     )
     patience: int = Field(
-        default=3, ge=1, description="Consecutive plateau evaluations before acting, in evaluations."
+        default=3,
+        ge=1,
+        description="Consecutive plateau evaluations before acting, in evaluations. A few, so a "
+        "single evaluation that looks flat by chance does not act.",
     )
     cooldown: int = Field(
-        default=5, ge=0, description="Evaluations after a plateau change during which nothing changes."
+        default=50,
+        ge=0,
+        description="Evaluations after a plateau change during which nothing changes. 50 = the default "
+        "window: the next decision compares only losses measured at the new batch, never the drop "
+        "that the change itself causes against losses from before it.",
     )
     otherwise_factor: float | None = Field(
         default=None,
@@ -315,6 +343,13 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
     floor_on_shrink: bool = Field(
         default=False,
         description="Round the batch down to a whole number after dividing it (the seed's `bs // 2`).",
+    )
+    hold_while_lr_rises: bool = Field(
+        default=True,
+        description="Hold the batch at evaluations whose learning rate is higher than at the previous "
+        "evaluation with the same batch (an LR warmup). While the LR still rises the loss is not on a "
+        "plateau of the current setting, and a batch grown then would be the warmup's doing. Needs the "
+        "learning rate in the context (the runtime passes it); without it the option does nothing.",
     )
 
     def initial_batch(self, world_size: int | None = None) -> int:
@@ -334,6 +369,12 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     first ``warmup_steps`` steps and until an estimate exists, and changes only when the target leaves
     ``[current / (1 + hysteresis), current * (1 + hysteresis)]``; bounds, granularity and
     ``max_change_factor`` then apply as for every schedule.
+
+    Choosing ``scale``: in the same model, training at batch B costs about ``S_min (1 + B_simple / B)``
+    optimizer steps and ``E_min (1 + B / B_simple)`` samples, so ``scale`` = k buys ``(1 + 1/k) S_min``
+    steps for ``(1 + k) E_min`` samples. k = 1 is the knee (twice the minimum of both); a smaller k
+    spends fewer samples and more steps. The default is set for "fewer steps without spending more
+    samples than a small fixed batch" (see the field's description).
     """
 
     type: Literal["gradient_noise"] = Field(description="Schedule type.")
@@ -341,24 +382,44 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         ge=1, description="Global batch until the estimate is trusted, in samples per optimizer step."
     )
     scale: float = Field(
-        default=1.0, gt=0.0, description="Target batch = scale x B_simple (unitless multiplier)."
+        default=1.0,
+        gt=0.0,
+        description="Target batch = scale x B_simple (unitless multiplier). It is the sample overhead "
+        "the schedule accepts over the minimum: at batch k x B_simple a run needs about (1 + k) times "
+        "the fewest samples that reach its loss and (1 + 1/k) times the fewest optimizer steps. "
+        "__SCALE_WHY__",
     )
     ema_beta: float = Field(
         default=0.95,
         ge=0.0,
         lt=1.0,
-        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement (unitless).",
+        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement (unitless). "
+        "0.95 averages about 1 / (1 - 0.95) = 20 measurements (about 39 effectively independent "
+        "ones): enough to tame single estimates whose |G|^2 can even come out negative, short enough "
+        "to follow a noise scale that grows several-fold early in training.",
     )
-    warmup_steps: int = Field(
-        default=100, ge=0, description="Optimizer steps before the first change, in optimizer steps."
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description="Optimizer steps before the first change, in optimizer steps. null: one EMA time "
+        "constant of measurements, ceil(measure_every / (1 - ema_beta)) steps (20 at the defaults), "
+        "i.e. until the smoothed estimate rests on a full window of measurements rather than on its "
+        "first few. A fixed step count would mean a different amount of evidence for every cadence.",
     )
     hysteresis: float = Field(
         default=0.2,
         ge=0.0,
-        description="No change while target/current lies in [1/(1+h), 1+h] (unitless).",
+        description="No change while target/current lies in [1/(1+h), 1+h] (unitless). 0.2 ignores the "
+        "estimate's step-to-step jitter (a 20-measurement EMA still moves by tens of percent) so the "
+        "plan is not rebuilt on noise.",
     )
     measure_every: int = Field(
-        default=10, ge=1, description="Measure the gradient-noise scale every this many optimizer steps."
+        default=1,
+        ge=1,
+        description="Measure the gradient-noise scale every this many optimizer steps. A measurement "
+        "costs no extra forward or backward pass, only a squared norm per parameter and micro-batch, "
+        "so the default measures every step: the EMA's memory is then 20 steps, not 200, and the "
+        "estimate is usable within the first few hundred steps, when the noise scale changes fastest.",
     )
 
     def initial_batch(self, world_size: int | None = None) -> int:

@@ -4,13 +4,15 @@ The rule reads ``ctx.noise_scale``, the smoothed estimate the runtime keeps with
 :class:`ds_adabatch.signals.GradientNoiseEstimator` (configured with this schedule's ``ema_beta`` and
 fed every ``measure_every`` optimizer steps). Per evaluation::
 
-    if step < warmup_steps or no estimate:    hold the current batch (``start`` at first)
+    if step < warmup or no estimate:          hold the current batch (``start`` at first)
     target = scale * noise_scale
     if target / current in [1/(1+h), 1+h]:    hold
     else:                                     target
 
 The controller then clamps the target to the bounds, caps the change by ``max_change_factor`` and
-rounds it.
+rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of the estimator's EMA,
+``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate averages a full window of
+measurements.
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ from typing import Any
 
 from .base import ScheduleContext, check_state
 
-__all__ = ["GradientNoiseSchedule"]
+__all__ = ["GradientNoiseSchedule", "auto_warmup_steps"]
 
 _STATE_VERSION = 1
+
+
+def auto_warmup_steps(measure_every: int, ema_beta: float) -> int:
+    """Optimizer steps until the noise EMA has averaged one time constant of measurements.
+
+    An EMA with factor ``beta`` remembers about ``1 / (1 - beta)`` measurements; before that many
+    have arrived its (bias-corrected) value leans on the first few, which are the noisiest and, early in
+    training, the least representative.
+    """
+    # The small tolerance keeps 1 / (1 - 0.95) = 20.000000000000018 at 20.
+    return math.ceil(measure_every / (1.0 - ema_beta) - 1e-9)
 
 
 class GradientNoiseSchedule:
@@ -33,10 +46,15 @@ class GradientNoiseSchedule:
 
     def __init__(self, config: Any) -> None:
         self.scale = float(config.scale)
-        self.warmup_steps = int(config.warmup_steps)
         self.hysteresis = float(config.hysteresis)
         self.measure_every = int(config.measure_every)
         self.ema_beta = float(config.ema_beta)
+        self.warmup_steps = (
+            int(config.warmup_steps)
+            if config.warmup_steps is not None
+            else auto_warmup_steps(self.measure_every, self.ema_beta)
+        )
+        """Steps held at ``start`` (the configured value, or the EMA's time constant)."""
         self.last_target: float | None = None
         """The last target that left the hysteresis band (samples), for logs and checkpoints."""
         self.moves = 0

@@ -8,6 +8,8 @@ One evaluation (one call, with a loss in the context)::
             | mean |v[i] - v[i-1]| over the window       (change = "mean_abs_step")
     measure /= |oldest|                                  (relative)
     if cooling down:            hold
+    elif LR rose since the last evaluation at this batch (and hold_while_lr_rises):
+        streak = 0; hold
     elif window full and measure < threshold:
         streak += 1; at `patience`: batch *= or /= factor, start `cooldown`
     else:
@@ -48,6 +50,10 @@ class LossPlateauSchedule:
         self.history: deque[float] = deque(maxlen=int(config.window))
         self.streak = 0
         self.cooldown_left = 0
+        self.last_lr: float | None = None
+        """Learning rate at the previous evaluation that had one (for ``hold_while_lr_rises``)."""
+        self.last_lr_batch: int | None = None
+        """The global batch that ``last_lr`` was seen with."""
         self.last_reason = "no loss seen yet"
 
     def _clamp(self, value: float) -> float:
@@ -77,7 +83,27 @@ class LossPlateauSchedule:
             return 0.0 if change == 0.0 else math.inf
         return change / reference
 
+    def _lr_rose(self, ctx: ScheduleContext) -> bool:
+        """True when the LR is higher than at the previous evaluation with the same batch.
+
+        Only a change at an unchanged batch counts: with LR scaling a batch change moves the LR by
+        itself, and that is not a warmup.
+        """
+        lr, batch = ctx.lr, int(ctx.global_batch)
+        if lr is None or not math.isfinite(lr):
+            return False
+        rose = (
+            self.last_lr is not None
+            and self.last_lr_batch == batch
+            # A relative tolerance: a constant LR recomputed in floating point is not a rise.
+            and lr > self.last_lr * (1.0 + 1e-9)
+        )
+        self.last_lr, self.last_lr_batch = float(lr), batch
+        return rose
+
     def __call__(self, ctx: ScheduleContext) -> float:
+        # Tracked on every call, so a warmup is seen even across evaluations without a loss.
+        lr_rose = self._lr_rose(ctx)
         loss = ctx.loss
         if loss is None or not math.isfinite(loss):
             self.last_reason = "no finite loss in this evaluation: hold"
@@ -88,8 +114,13 @@ class LossPlateauSchedule:
             self.last_reason = f"cooling down after a plateau change ({self.cooldown_left} left): hold"
             return self.current
 
-        measure = self.change_measure()
         cfg = self.config
+        if lr_rose and getattr(cfg, "hold_while_lr_rises", False):
+            self.streak = 0
+            self.last_reason = f"learning rate rising ({ctx.lr:.4g}): hold"
+            return self.current
+
+        measure = self.change_measure()
         if measure is not None and measure < cfg.threshold:
             self.streak += 1
             if self.streak < cfg.patience:
@@ -131,6 +162,8 @@ class LossPlateauSchedule:
             "history": list(self.history),
             "streak": self.streak,
             "cooldown_left": self.cooldown_left,
+            "last_lr": self.last_lr,
+            "last_lr_batch": self.last_lr_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,3 +175,7 @@ class LossPlateauSchedule:
         self.ema_count = int(state["ema_count"])
         self.streak = int(state["streak"])
         self.cooldown_left = int(state["cooldown_left"])
+        # Absent from states written before hold_while_lr_rises existed: start without an LR memory.
+        last_lr, last_batch = state.get("last_lr"), state.get("last_lr_batch")
+        self.last_lr = None if last_lr is None else float(last_lr)
+        self.last_lr_batch = None if last_batch is None else int(last_batch)
