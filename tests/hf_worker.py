@@ -105,7 +105,14 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    """All parameters as one float64 vector (gathered first where ZeRO-3 partitioned them; collective)."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return torch.cat([p.detach().reshape(-1).double() for p in params])
+    return torch.cat([p.detach().reshape(-1).double() for p in params])
 
 
 class StepRecorder(TrainerCallback):
@@ -141,7 +148,10 @@ def ds_config(adabatch: dict | None = None, *, with_optimizer: bool = False) -> 
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": ZERO_STAGE},
+        # Under ZeRO-3 every parameter is partitioned, however small (the default keeps small ones whole).
+        "zero_optimization": {"stage": ZERO_STAGE, "stage3_param_persistence_threshold": 0}
+        if ZERO_STAGE == 3
+        else {"stage": ZERO_STAGE},
         "steps_per_print": 10**9,
     }
     if with_optimizer:
