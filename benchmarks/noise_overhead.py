@@ -51,7 +51,7 @@ def main() -> None:
 
     t_plain, t_noisy_all, t_measured, t_unmeasured = [], [], [], []
     for r in range(args.rounds):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for which in (0, 1) if r % 2 == 0 else (1, 0):
             dist.barrier()
             if which == 0:
                 t_plain += h.time_steps(plain.train_batch, args.steps)
@@ -66,8 +66,10 @@ def main() -> None:
         m_plain = h.median(t_plain)
         mean_plain = sum(t_plain) / len(t_plain)
         mean_noisy = sum(t_noisy_all) / len(t_noisy_all)
-        print(f"\n{world} ranks, ZeRO-2, global {batch} = micro {MICRO} x gas {GAS}, measure_every={every}, "
-              f"{args.rounds} interleaved rounds x {args.steps} steps\n")
+        print(
+            f"\n{world} ranks, ZeRO-2, global {batch} = micro {MICRO} x gas {GAS}, measure_every={every}, "
+            f"{args.rounds} interleaved rounds x {args.steps} steps\n"
+        )
         print("| measure | value |")
         print("|---|---|")
         print(f"| median step, no measurement | {m_plain * 1e3:.1f} ms |")

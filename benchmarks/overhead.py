@@ -48,7 +48,10 @@ def plain_loop(world: int, rank: int, data, rounds_hint: int):
 
 
 def adaptive_loop(world: int, data):
-    adabatch = {"schedule": {"type": "constant", "value": MICRO * GAS * world}, "max_micro_batch_per_gpu": MICRO}
+    adabatch = {
+        "schedule": {"type": "constant", "value": MICRO * GAS * world},
+        "max_micro_batch_per_gpu": MICRO,
+    }
     cfg = h.ds_config(2, adabatch, micro=MICRO, gas=GAS, world=world)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         cfg.pop(key)
@@ -110,15 +113,19 @@ def main() -> None:
     if rank == 0:
         m_ada, m_plain = h.median(t_ada), h.median(t_plain)
         m_change, m_restart = h.median(change_cost), h.median(restart)
-        print(f"\n{world} ranks, ZeRO-2, global {base} = micro {MICRO} x gas {GAS}, "
-              f"{args.rounds} interleaved rounds x {args.steps} steps\n")
+        print(
+            f"\n{world} ranks, ZeRO-2, global {base} = micro {MICRO} x gas {GAS}, "
+            f"{args.rounds} interleaved rounds x {args.steps} steps\n"
+        )
         print("| measure | value |")
         print("|---|---|")
         print(f"| median step, hand-written DeepSpeed loop | {m_plain * 1e3:.1f} ms |")
         print(f"| median step, `engine.train_batch()` | {m_ada * 1e3:.1f} ms |")
         print(f"| ratio train_batch / hand-written | {m_ada / m_plain:.3f} |")
         print(f"| one plan change in place (median of {len(change_cost)}) | {m_change * 1e3:.2f} ms |")
-        print(f"| checkpoint + rebuild engine + reload, in process (median of {len(restart)}) | {m_restart:.2f} s |")
+        print(
+            f"| checkpoint + rebuild engine + reload, in process (median of {len(restart)}) | {m_restart:.2f} s |"
+        )
         print(f"| restart / in-place change | {m_restart / m_change:.0f}x |")
     ada.close()
     dist.barrier()

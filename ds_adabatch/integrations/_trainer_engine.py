@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ds_adabatch.plan import BatchPlan
+from ds_adabatch.runtime.batch_shape import apply_plan_to_engine
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.weights import IGNORE_INDEX
 
@@ -37,21 +38,6 @@ def seed_deepspeed_batch_keys(config: dict[str, Any], plan: BatchPlan) -> None:
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = 1
     config["train_batch_size"] = micro * plan.world_size
-
-
-def apply_plan_to_engine(engine: Any, plan: BatchPlan) -> None:
-    """Make a DeepSpeed engine's batch keys, ZeRO optimizer GAS and throughput timer match ``plan``."""
-    keys = plan.deepspeed_batch_keys()
-    # DeepSpeed 0.19.8: these only rewrite engine._config; micro first, the total derives GAS from it.
-    # The accumulation boundary itself is set explicitly on every micro-batch.
-    engine.set_train_micro_batch_size(keys["train_micro_batch_size_per_gpu"])
-    engine.set_train_batch_size(keys["train_batch_size"])
-    # ZeRO 1/2 optimizers copy GAS at construction and read it on the CPU-offload path.
-    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
-        engine.optimizer.gradient_accumulation_steps = plan.gradient_accumulation_steps
-    # The throughput timer captured the batch size at construction.
-    if getattr(engine, "tput_timer", None) is not None:
-        engine.tput_timer.batch_size = plan.global_batch_size
 
 
 def couple_scheduler(

@@ -23,9 +23,8 @@ import torch
 
 from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
-from ds_adabatch.plan import BatchPlan, plan_batch, round_global_batch
+from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
-from ds_adabatch.schedules.user import CallableSchedule
 from ds_adabatch.signals import EmaLoss
 
 from ._trainer_dist import broadcast_int
@@ -277,32 +276,15 @@ class AdaptiveBatchState:
         self.loss_ema.load_state_dict(state["loss_ema"])
         self.tokens = int(state["tokens"])
         self.last_lr = state["last_lr"]
-        same_world = state["world_size"] == self.world_size
-        self.scheduled_batch = self._replan(state["scheduled_batch"], same_world)
+        self.scheduled_batch = self.controller.resume_batch(state["scheduled_batch"], state["world_size"])
         self._decided = None
         nxt = state.get("next")
         if nxt is not None and nxt["step"] == global_step:
             # The schedule was already asked for this step before the save; asking again would advance
             # a stateful rule (a user's batch_size_scheduler) twice.
-            batch = self._replan(nxt["global_batch"], same_world)
+            batch = self.controller.resume_batch(nxt["global_batch"], state["world_size"])
             self.scheduled_batch = batch
             self._decided = (global_step, self.plan_for(batch))
-
-    def _replan(self, batch: int, same_world: bool) -> int:
-        if same_world:
-            return int(batch)
-        schedule = self.controller.schedule
-        if isinstance(schedule, CallableSchedule) and schedule.per == "device":
-            batch = schedule.current * self.world_size
-        cfg = self.config
-        return round_global_batch(
-            batch,
-            self.world_size,
-            granularity=cfg.granularity,
-            min_global_batch=cfg.min_global_batch,
-            max_global_batch=cfg.max_global_batch,
-            allow_uneven=cfg.allow_uneven,
-        )
 
     def save(self, folder: str, global_step: int) -> None:
         """Write :data:`STATE_FILE` into ``folder`` (one rank is enough: the state is global)."""

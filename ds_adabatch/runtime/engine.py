@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ..plan import BatchPlan, PlanError, plan_batch, round_global_batch
+from ..plan import BatchPlan, PlanError, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
 from ..signals import EmaLoss, GradientNoiseEstimator
 from . import comm
+from .batch_shape import apply_plan_to_engine
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .weights import loss_weight
@@ -276,7 +277,8 @@ class AdaptiveBatchEngine:
             samples=self.global_samples,
             tokens=self.global_tokens if self.counts_tokens else None,
             epoch=self.epoch,
-            global_batch=self.plan.global_batch_size,
+            # The scheduled batch, not a one-off epoch-tail remainder, is what the schedule steers.
+            global_batch=self._scheduled_batch,
             world_size=self.world_size,
             loss=self.last_loss,
             loss_ema=self.loss_ema.value,
@@ -305,19 +307,8 @@ class AdaptiveBatchEngine:
 
     def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
-        ds = self.deepspeed
         old = self.plan
-        keys = plan.deepspeed_batch_keys()
-        # DeepSpeed 0.19.8: set_train_micro_batch_size / set_train_batch_size only overwrite
-        # engine._config; micro first, then total (set_train_batch_size derives GAS from the micro).
-        ds.set_train_micro_batch_size(keys["train_micro_batch_size_per_gpu"])
-        ds.set_train_batch_size(keys["train_batch_size"])
-        # ZeRO 1/2/3 optimizers copy GAS at construction; stage 1/2 reads it on the CPU-offload path.
-        if hasattr(ds.optimizer, "gradient_accumulation_steps"):
-            ds.optimizer.gradient_accumulation_steps = plan.gradient_accumulation_steps
-        # The throughput timer captured train_batch_size at construction.
-        if getattr(ds, "tput_timer", None) is not None:
-            ds.tput_timer.batch_size = plan.global_batch_size
+        apply_plan_to_engine(self.deepspeed, plan)
         old_mult = self.lr_coupling.multiplier
         new_mult = self.lr_coupling.set_global_batch(plan.global_batch_size)
         self.plan = plan
@@ -444,27 +435,16 @@ class AdaptiveBatchEngine:
         self.noise.load_state_dict(state["noise"])
         self.last_loss = state["last_loss"]
         self.last_grad_norm = state["last_grad_norm"]
-        batch = state["global_batch"]
-        if state["world_size"] != self.world_size:
-            cfg = self.config
-            rounded = round_global_batch(
-                batch,
+        saved = state["global_batch"]
+        batch = self.controller.resume_batch(saved, state["world_size"])
+        if batch != saved and self.rank == 0:
+            logger.warning(
+                "resuming on %d ranks (checkpoint: %d): continuing with global batch %d instead of %d",
                 self.world_size,
-                granularity=cfg.granularity,
-                min_global_batch=cfg.min_global_batch,
-                max_global_batch=cfg.max_global_batch,
-                allow_uneven=cfg.allow_uneven,
+                state["world_size"],
+                batch,
+                saved,
             )
-            if rounded != batch and self.rank == 0:
-                logger.warning(
-                    "resuming on %d ranks (checkpoint: %d): global batch %d is not plannable here, "
-                    "continuing with %d",
-                    self.world_size,
-                    state["world_size"],
-                    batch,
-                    rounded,
-                )
-            batch = rounded
         try:
             plan = self._plan_for(batch)
         except PlanError as err:  # pragma: no cover - rounding above guarantees a plan

@@ -92,6 +92,21 @@ class BatchSizeController:
     def _round(self, value: float) -> int:
         return round_global_batch(value, self.world_size, **self._bounds())
 
+    def resume_batch(self, batch: int, saved_world_size: int) -> int:
+        """The global batch to continue with after a resume from ``saved_world_size`` ranks.
+
+        On the same world size the saved batch is kept. On another one a per-device ``callable``
+        schedule keeps its per-device batch (global = per-device x new world size), and every batch is
+        re-rounded to one plannable on this world size, inside the bounds.
+        """
+        if saved_world_size == self.world_size:
+            return int(batch)
+        from .user import CallableSchedule
+
+        if isinstance(self.schedule, CallableSchedule) and self.schedule.per == "device":
+            batch = self.schedule.current * self.world_size
+        return self._round(batch)
+
     def initial_desired(self) -> float:
         """The schedule config's first batch, before rounding."""
         first = self.schedule_config.initial_batch(self.world_size)
