@@ -146,6 +146,98 @@ def phase_exact(out_dir: str) -> None:
             run_sequence(stage, bf16, out_dir, f"exact_z{stage}_{'bf16' if bf16 else 'fp32'}")
     # The CPU-offload path of ZeRO 2 reads the optimizer's stored GAS.
     run_offload(out_dir)
+    run_workers(out_dir)
+    run_data_iter(out_dir)
+    run_iterable(out_dir)
+
+
+def run_workers(out_dir: str) -> None:
+    """The exactness sequence with 2 loader worker processes per rank (prefetch across plan changes)."""
+    data = Regression()
+    cfg = ds_config(1, extra={"adabatch": {"data": {"shuffle": True, "seed": 3, "num_workers": 2}}})
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=mse_loss)
+    batches = []
+    for b in SEQUENCE:
+        engine.set_global_batch_size(b)
+        engine.train_batch()
+        batches.append(engine.last_step_batch.global_batch.all_indices())
+    got = full_params(engine)
+    if engine.global_rank == 0:
+        want = reference(batches, data)
+        write(
+            out_dir,
+            "exact_z1_workers",
+            {"max_rel_err": float((got - want).abs().max() / want.abs().max()), "batches": batches},
+        )
+    engine.close()
+
+
+def run_data_iter(out_dir: str) -> None:
+    """train_batch(data_iter): the user's own micro-batches of uneven sizes, weighted by their real size."""
+    data = Regression()
+    engine, *_ = ds_adabatch.initialize(make_model(), ds_config(2), None, loss_fn=mse_loss)
+    rank, world = engine.global_rank, engine.world_size
+    # Each step: GAS micro-batches per rank of these sizes (rank-major), drawn from a fixed order.
+    steps = [[[3, 1], [2, 2]], [[4, 4], [1, 3]], [[2, 1], [1, 1]]]
+    pos, batches = 0, []
+    for sizes in steps:
+        engine.set_global_batch_size(8 * world)  # 4 per micro-batch (max micro) x 2 per rank
+        assert engine.next_plan().gradient_accumulation_steps == 2  # 2 micro-batches per rank
+        cuts, idx = [], []
+        for r in range(world):
+            row = []
+            for n in sizes[r]:
+                row.append(list(range(pos, pos + n)))
+                idx += row[-1]
+                pos += n
+            cuts.append(row)
+        micro = iter([(data.x[i], data.y[i]) for i in cuts[rank]])
+        engine.train_batch(micro)
+        batches.append(idx)
+    got = full_params(engine)
+    if rank == 0:
+        want = reference(batches, data)
+        write(
+            out_dir,
+            "data_iter_z2",
+            {
+                "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+                "global_samples": engine.global_samples,
+                "want_samples": pos,
+            },
+        )
+    engine.close()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Each rank streams its own disjoint half of Regression (sharding is the dataset's job)."""
+
+    def __iter__(self):
+        data = Regression()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for i in range(rank, len(data), world):
+            yield data.x[i], data.y[i], torch.tensor(i)
+
+
+def stream_loss(model, batch):
+    x, y, _ = batch
+    return mse_loss(model, (x, y))
+
+
+def run_iterable(out_dir: str) -> None:
+    engine, *_ = ds_adabatch.initialize(make_model(), ds_config(0), Stream(), loss_fn=stream_loss)
+    seen = []
+    for b in (8, 6, 12):
+        engine.set_global_batch_size(b)
+        engine.train_batch()
+        for m in engine.last_step_batch.micro_batches:
+            if m.num_samples:
+                seen += [int(i) for i in m.batch[2]]
+    gathered = [None] * engine.world_size
+    dist.all_gather_object(gathered, seen)
+    if engine.global_rank == 0:
+        write(out_dir, "iterable_z0", {"seen": gathered, "global_samples": engine.global_samples})
+    engine.close()
 
 
 def run_offload(out_dir: str) -> None:
@@ -318,8 +410,17 @@ CKPT_SCHEDULES = {
         "cooldown": 0,
         "threshold": 10.0,
         "factor": 1.5,
+        "ema_beta": 0.5,
+        "hold_while_lr_rises": False,  # this case's WarmupLR rises throughout the 6 steps
     },
-    "noise": {"type": "gradient_noise", "start": 8, "warmup_steps": 2, "measure_every": 1, "hysteresis": 0.0},
+    "noise": {
+        "type": "gradient_noise",
+        "start": 8,
+        "scale": 1.0,
+        "warmup_steps": 2,
+        "measure_every": 1,
+        "hysteresis": 0.0,
+    },
 }
 CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [(0, "callable"), (0, "plateau"), (0, "noise")]
 

@@ -93,6 +93,28 @@ def test_plan_changes_match_big_batch_reference(results, stage, dtype):
     assert reasons == ["manual"] * 7 + ["last batch of the epoch"], reasons
 
 
+def test_loader_workers_inside_the_engine(results):
+    r = _read(results, "exact_z1_workers")
+    assert r["max_rel_err"] <= 1e-5, f"with 2 loader workers per rank: off by {r['max_rel_err']:.2e}"
+    assert r["batches"] == _read(results, "exact_z1_fp32")["batches"], "workers must not change the stream"
+
+
+def test_user_data_iter_is_weighted_by_real_sizes(results):
+    r = _read(results, "data_iter_z2")
+    assert r["global_samples"] == r["want_samples"] == 25
+    assert r["max_rel_err"] <= 1e-5, (
+        f"train_batch(data_iter) with uneven micro-batches off by {r['max_rel_err']:.2e}"
+    )
+
+
+def test_iterable_dataset_draws_the_planned_counts(results):
+    r = _read(results, "iterable_z0")
+    rank0, rank1 = r["seen"]
+    assert r["global_samples"] == 8 + 6 + 12
+    assert len(rank0) == len(rank1) == 13, "each rank draws half of every global batch"
+    assert rank0 == list(range(0, 26, 2)) and rank1 == list(range(1, 26, 2)), "in its own stream's order"
+
+
 def test_cpu_offload_matches_reference(results):
     r = _read(results, "exact_z2_offload")
     assert r["max_rel_err"] <= 1e-5, f"ZeRO-2 CPU offload off by {r['max_rel_err']:.2e}"

@@ -81,6 +81,7 @@ class AdaptiveBatchEngine:
         self.global_tokens = 0
         self.history: list[PlanChange] = []
         self._override: tuple[int, str] | None = None
+        self._decided_step: int | None = None  # the step whose plan next_plan() already applied
         self._scheduled_batch = self.plan.global_batch_size
         self.last_step_batch: Any = None
         self.last_metrics: StepMetrics | None = None
@@ -130,6 +131,7 @@ class AdaptiveBatchEngine:
         Raises:
             PlanError: ``n`` cannot be split over this world size.
         """
+        self._decided_step = None
         if n is None:
             self._override = None
             return
@@ -149,7 +151,7 @@ class AdaptiveBatchEngine:
         sizes (the first dimension) are all-reduced and weighted, so the update is still the exact mean.
         """
         started = time.perf_counter()
-        self._decide_plan()
+        self.next_plan()
         measure = self._should_measure_noise()
         lr_used = self.lr_coupling.get_lr()[0]
 
@@ -286,6 +288,18 @@ class AdaptiveBatchEngine:
             noise_scale=noise,
             lr=self.lr_coupling.get_lr()[0] if self.lr_coupling.get_lr() else None,
         )
+
+    def next_plan(self) -> BatchPlan:
+        """Decide (once) and apply the plan of the next optimizer step, and return it.
+
+        ``train_batch`` calls it itself. Call it first when you feed ``train_batch(data_iter)`` your
+        own micro-batches: the plan's ``gradient_accumulation_steps`` and ``micro_batch_sizes(rank)``
+        say how many micro-batches of which sizes this rank must supply. Call it on every rank.
+        """
+        if self._decided_step != self.global_steps:
+            self._decide_plan()
+            self._decided_step = self.global_steps
+        return self.plan
 
     def _decide_plan(self) -> None:
         if self._override is not None:
@@ -450,6 +464,7 @@ class AdaptiveBatchEngine:
         except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
             raise ValueError(f"cannot resume: {err}") from err
         self._scheduled_batch = batch
+        self._decided_step = None
         self._apply_plan(plan, reason="resume", record=False)
         self.deepspeed.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)

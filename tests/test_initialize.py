@@ -1,0 +1,88 @@
+"""``ds_adabatch.initialize`` in one process: errors before any process group, and a plain `python` run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ds_adabatch
+
+GOOD = {
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "adabatch": {"schedule": {"type": "constant", "value": 4}, "max_micro_batch_per_gpu": 2},
+}
+
+
+def _no_group() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def test_bad_config_fails_before_any_process_group():
+    bad = {**GOOD, "adabatch": {"schedule": {"type": "linear", "start": 8}, "max_micro_batch_per_gpu": 0}}
+    with pytest.raises(ds_adabatch.ConfigError) as err:
+        ds_adabatch.initialize(torch.nn.Linear(2, 1), bad)
+    msg = str(err.value)
+    assert "adabatch.schedule.end" in msg and "adabatch.max_micro_batch_per_gpu" in msg, msg
+    assert _no_group(), "a config error must be raised before a process group is created"
+
+
+def test_missing_adabatch_section_is_a_config_error():
+    with pytest.raises(ds_adabatch.ConfigError, match="adabatch"):
+        ds_adabatch.initialize(torch.nn.Linear(2, 1), {"optimizer": GOOD["optimizer"]})
+    assert _no_group()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": "not a model"}, "torch.nn.Module"),
+        ({"training_data": 42}, "map-style dataset"),
+        ({"training_data": []}, "empty"),
+        ({"loss_fn": "mse"}, "loss_fn must be callable"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    args = {"model": torch.nn.Linear(2, 1), "config": GOOD, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=message):
+        ds_adabatch.initialize(args.pop("model"), args.pop("config"), args.pop("training_data", None), **args)
+    assert _no_group()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, ds_adabatch
+    data = torch.utils.data.TensorDataset(torch.randn(10, 2), torch.randn(10, 1))
+    loss = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
+    config = {CONFIG}
+    engine, *_ = ds_adabatch.initialize(torch.nn.Linear(2, 1), config, data, loss_fn=loss)
+    for _ in range(4):
+        engine.train_batch()
+    print("steps", engine.global_steps, "samples", engine.global_samples, "world", engine.world_size)
+    """
+)
+
+
+def _run_script(config: dict) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env["DS_ACCELERATOR"] = "cpu"
+    code = SCRIPT.replace("{CONFIG}", repr(config))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_plain_python_run_is_a_world_of_one_and_no_optimizer_is_a_clear_error():
+    ok = _run_script(GOOD)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    # 4 + 4, the epoch tail of 2, then the first batch of epoch 1.
+    assert "steps 4 samples 14 world 1" in ok.stdout, ok.stdout
+
+    no_opt = _run_script({"adabatch": GOOD["adabatch"]})
+    assert no_opt.returncode != 0
+    assert "ConfigError" in no_opt.stderr and "optimizer" in no_opt.stderr, no_opt.stderr[-2000:]
