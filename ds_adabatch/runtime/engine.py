@@ -20,31 +20,29 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ..plan import BatchPlan, PlanError, plan_batch
+from ..plan import BatchPlan, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
 from ..signals import EmaLoss, GradientNoiseEstimator
 from . import comm
 from .batch_shape import apply_plan_to_engine
+from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
+from .noise_probe import NoiseProbe
 from .weights import loss_weight
 
 __all__ = ["AdaptiveBatchEngine"]
 
 logger = logging.getLogger("ds_adabatch")
 
-_STATE_VERSION = 1
-_STATE_KEY = "ds_adabatch"
 
-
-class AdaptiveBatchEngine:
+class AdaptiveBatchEngine(CheckpointMixin):
     """A DeepSpeed engine whose global batch follows the ``"adabatch"`` schedule.
 
     Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step.
@@ -214,7 +212,7 @@ class AdaptiveBatchEngine:
         # already see the samples this step consumes.
         self.lr_coupling.set_samples(self.global_samples + total_samples)
 
-        probe = _NoiseProbe(ds) if measure else None
+        probe = NoiseProbe(ds) if measure else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
@@ -358,7 +356,7 @@ class AdaptiveBatchEngine:
         # The estimator needs two batch sizes: one micro-batch and the whole global batch.
         return self.global_steps % every == 0 and self.world_size * self.plan.gradient_accumulation_steps > 1
 
-    def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: _NoiseProbe) -> None:
+    def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: NoiseProbe) -> None:
         sq_sum, n_micro, inv_b_sum = (float(s) for s in sums)
         sq_big = probe.reduced_sq_norm()
         if n_micro < 1 or sq_big is None:
@@ -407,194 +405,11 @@ class AdaptiveBatchEngine:
     def _sampler(self) -> Any:
         return getattr(self.dataloader, "sampler", None)
 
-    # ---------------------------------------------------------------------------------------------
-    # Checkpoints
-    def adabatch_state_dict(self) -> dict[str, Any]:
-        """The adabatch part of a checkpoint (global counts only, so a resume can re-shard)."""
-        return {
-            "version": _STATE_VERSION,
-            "world_size": self.world_size,
-            "global_batch": self.plan.global_batch_size,
-            "scheduled_batch": self._scheduled_batch,
-            "plan": self.plan.to_dict(),
-            "global_steps": self.global_steps,
-            "global_samples": self.global_samples,
-            "global_tokens": self.global_tokens,
-            "history": [e.to_dict() for e in self.history],
-            "override": self._override,
-            "controller": self.controller.state_dict(),
-            "data": None if self.dataloader is None else self.dataloader.state_dict(),
-            "lr": self.lr_coupling.state_dict(),
-            "loss_ema": self.loss_ema.state_dict(),
-            "noise": self.noise.state_dict(),
-            "last_loss": self.last_loss,
-            "last_grad_norm": self.last_grad_norm,
-        }
-
-    def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"checkpoint holds ds_adabatch state version {state.get('version')!r}; this version "
-                f"reads {_STATE_VERSION}"
-            )
-        self.global_steps = state["global_steps"]
-        self.global_samples = state["global_samples"]
-        self.global_tokens = state["global_tokens"]
-        self.history = [PlanChange(**e) for e in state["history"]]
-        self._override = tuple(state["override"]) if state["override"] else None
-        self.controller.load_state_dict(state["controller"])
-        if self.dataloader is not None and state.get("data") is not None:
-            self.dataloader.load_state_dict(state["data"])
-        self.loss_ema.load_state_dict(state["loss_ema"])
-        self.noise.load_state_dict(state["noise"])
-        self.last_loss = state["last_loss"]
-        self.last_grad_norm = state["last_grad_norm"]
-        saved = state["global_batch"]
-        batch = self.controller.resume_batch(saved, state["world_size"])
-        if batch != saved and self.rank == 0:
-            logger.warning(
-                "resuming on %d ranks (checkpoint: %d): continuing with global batch %d instead of %d",
-                self.world_size,
-                state["world_size"],
-                batch,
-                saved,
-            )
-        try:
-            plan = self._plan_for(batch)
-        except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
-            raise ValueError(f"cannot resume: {err}") from err
-        self._scheduled_batch = batch
-        self._decided_step = None
-        self._apply_plan(plan, reason="resume", record=False)
-        self.deepspeed.global_samples = self.global_samples
-        self.lr_coupling.set_samples(self.global_samples)
-
-    def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **kwargs
-    ):
-        """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
-
-        Call on every rank, as with DeepSpeed.
-        """
-        ds = self.deepspeed
-        tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
-        state = dict(client_state or {})
-        state[_STATE_KEY] = self.adabatch_state_dict()
-        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
-        # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
-        rng_dir = os.path.join(save_dir, tag)
-        os.makedirs(rng_dir, exist_ok=True)
-        torch.save(_rng_state(), os.path.join(rng_dir, f"adabatch_rng_rank{self.rank}.pt"))
-        comm.barrier()
-        return result
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str | None, dict]:
-        """DeepSpeed's ``load_checkpoint``, then the adabatch state; returns ``(path, client_state)``.
-
-        The client state returned excludes the adabatch entry. A different world size continues the
-        same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
-        """
-        path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
-        if path is None:
-            return None, {}
-        client_state = dict(client_state or {})
-        state = client_state.pop(_STATE_KEY, None)
-        if kwargs.get("load_module_only"):
-            return path, client_state  # weights only: the run's batch and data state start fresh
-        if state is None:
-            raise ValueError(
-                f"checkpoint {path} has no ds_adabatch state: was it saved by engine.save_checkpoint?"
-            )
-        self.load_adabatch_state_dict(state)
-        rng_file = os.path.join(os.path.dirname(path), f"adabatch_rng_rank{self.rank}.pt")
-        if state["world_size"] == self.world_size and os.path.exists(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
-        return path, client_state
-
     def close(self) -> None:
         """Stop data workers and close the metrics file."""
         self.metrics.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):
             self.dataloader.close()
-
-
-class _NoiseProbe:
-    """Squared norms of each micro-batch's local gradient (before DeepSpeed reduces it).
-
-    A tensor hook on each parameter sees the gradient of the current backward pass before it is
-    accumulated or reduced — under every ZeRO stage, because DeepSpeed 0.19.8 reduces in
-    post-accumulation hooks. Dividing by the loss weight gives the gradient of one micro-batch's mean
-    loss; together with the reduced gradient of the whole batch this yields the two batch sizes the
-    noise-scale estimator needs, with no extra forward or backward pass.
-    """
-
-    def __init__(self, ds_engine: Any) -> None:
-        self.ds = ds_engine
-        self._acc = 0.0
-        self._handles = []
-        self._sq_sum = 0.0
-        self._n = 0
-        self._inv_b = 0.0
-        self._weight = 0.0
-        self._samples = 0
-        self._big: float | None = None
-        for p in ds_engine.module.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_hook(self._hook))
-
-    def _hook(self, grad: torch.Tensor) -> None:
-        self._acc += float(grad.detach().float().pow(2).sum())
-
-    def begin(self, weight: float, samples: int) -> None:
-        self._acc = 0.0
-        self._weight = weight
-        self._samples = samples
-
-    def end(self) -> None:
-        if self._samples <= 0 or self._weight <= 0:
-            return
-        scale = _loss_scale(self.ds)
-        self._sq_sum += self._acc / (self._weight * scale) ** 2
-        self._n += 1
-        self._inv_b += 1.0 / self._samples
-
-    def read_reduced_norm(self) -> None:
-        # Stages 1-3 (and DeepSpeed's bf16 optimizer) expose the norm after step() through
-        # get_global_grad_norm(); plain ZeRO 0 does not, but its .grad tensors are already all-reduced
-        # by the boundary backward, so the norm is read here, before step() zeroes them.
-        if self.ds.zero_optimization_stage() == 0:
-            total = 0.0
-            for p in self.ds.module.parameters():
-                if p.grad is not None:
-                    total += float(p.grad.detach().float().pow(2).sum())
-            self._big = total / _loss_scale(self.ds) ** 2
-
-    def reduced_sq_norm(self) -> float | None:
-        norm = self.ds.get_global_grad_norm()
-        if norm is None:
-            return self._big
-        norm = float(norm)
-        return norm * norm if math.isfinite(norm) else None
-
-    def local_sums(self) -> list[float]:
-        return [self._sq_sum, float(self._n), self._inv_b]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-def _loss_scale(ds_engine: Any) -> float:
-    # fp16 multiplies the loss by a dynamic scale before backward; bf16 and fp32 use 1.
-    if not ds_engine.fp16_enabled():
-        return 1.0
-    opt = ds_engine.optimizer
-    for name in ("cur_scale", "loss_scale"):
-        value = getattr(opt, name, None)
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
-    return 1.0
 
 
 def _leading_dim(batch: Any) -> int:
@@ -616,26 +431,3 @@ def _to_device(batch: Any, device: Any) -> Any:
         moved = [_to_device(v, device) for v in batch]
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     return batch
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

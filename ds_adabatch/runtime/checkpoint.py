@@ -1,0 +1,156 @@
+"""Checkpoints of an :class:`~ds_adabatch.runtime.AdaptiveBatchEngine`: DeepSpeed's plus the adabatch state.
+
+The adabatch state (plan, schedule state, sampler cursor, exact sample and token counts, history, LR
+coupling, signals) travels inside DeepSpeed's ``client_state`` under the key ``"ds_adabatch"``; each
+rank's RNG state is written beside DeepSpeed's files (``adabatch_rng_rank{r}.pt``) so a resume on the same
+world size continues bit-identically. All counts are global, so a resume on another world size
+re-shards the same sample stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..plan import PlanError
+from . import comm
+from .metrics import PlanChange
+
+__all__ = ["CheckpointMixin"]
+
+logger = logging.getLogger("ds_adabatch")
+
+_STATE_VERSION = 1
+_STATE_KEY = "ds_adabatch"
+
+
+class CheckpointMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` and the state they carry (mixed into the engine)."""
+
+    def adabatch_state_dict(self) -> dict[str, Any]:
+        """The adabatch part of a checkpoint (global counts only, so a resume can re-shard)."""
+        return {
+            "version": _STATE_VERSION,
+            "world_size": self.world_size,
+            "global_batch": self.plan.global_batch_size,
+            "scheduled_batch": self._scheduled_batch,
+            "plan": self.plan.to_dict(),
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "global_tokens": self.global_tokens,
+            "history": [e.to_dict() for e in self.history],
+            "override": self._override,
+            "controller": self.controller.state_dict(),
+            "data": None if self.dataloader is None else self.dataloader.state_dict(),
+            "lr": self.lr_coupling.state_dict(),
+            "loss_ema": self.loss_ema.state_dict(),
+            "noise": self.noise.state_dict(),
+            "last_loss": self.last_loss,
+            "last_grad_norm": self.last_grad_norm,
+        }
+
+    def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"checkpoint holds ds_adabatch state version {state.get('version')!r}; this version "
+                f"reads {_STATE_VERSION}"
+            )
+        self.global_steps = state["global_steps"]
+        self.global_samples = state["global_samples"]
+        self.global_tokens = state["global_tokens"]
+        self.history = [PlanChange(**e) for e in state["history"]]
+        self._override = tuple(state["override"]) if state["override"] else None
+        self.controller.load_state_dict(state["controller"])
+        if self.dataloader is not None and state.get("data") is not None:
+            self.dataloader.load_state_dict(state["data"])
+        self.loss_ema.load_state_dict(state["loss_ema"])
+        self.noise.load_state_dict(state["noise"])
+        self.last_loss = state["last_loss"]
+        self.last_grad_norm = state["last_grad_norm"]
+        saved = state["global_batch"]
+        batch = self.controller.resume_batch(saved, state["world_size"])
+        if batch != saved and self.rank == 0:
+            logger.warning(
+                "resuming on %d ranks (checkpoint: %d): continuing with global batch %d instead of %d",
+                self.world_size,
+                state["world_size"],
+                batch,
+                saved,
+            )
+        try:
+            plan = self._plan_for(batch)
+        except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
+            raise ValueError(f"cannot resume: {err}") from err
+        self._scheduled_batch = batch
+        self._decided_step = None
+        self._apply_plan(plan, reason="resume", record=False)
+        self.deepspeed.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **kwargs
+    ):
+        """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
+
+        Call on every rank, as with DeepSpeed.
+        """
+        ds = self.deepspeed
+        tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
+        state = dict(client_state or {})
+        state[_STATE_KEY] = self.adabatch_state_dict()
+        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
+        rng_dir = os.path.join(save_dir, tag)
+        os.makedirs(rng_dir, exist_ok=True)
+        torch.save(_rng_state(), os.path.join(rng_dir, f"adabatch_rng_rank{self.rank}.pt"))
+        comm.barrier()
+        return result
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str | None, dict]:
+        """DeepSpeed's ``load_checkpoint``, then the adabatch state; returns ``(path, client_state)``.
+
+        The client state returned excludes the adabatch entry. A different world size continues the
+        same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
+        """
+        path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if path is None:
+            return None, {}
+        client_state = dict(client_state or {})
+        state = client_state.pop(_STATE_KEY, None)
+        if kwargs.get("load_module_only"):
+            return path, client_state  # weights only: the run's batch and data state start fresh
+        if state is None:
+            raise ValueError(
+                f"checkpoint {path} has no ds_adabatch state: was it saved by engine.save_checkpoint?"
+            )
+        self.load_adabatch_state_dict(state)
+        rng_file = os.path.join(os.path.dirname(path), f"adabatch_rng_rank{self.rank}.pt")
+        if state["world_size"] == self.world_size and os.path.exists(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return path, client_state
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
