@@ -31,6 +31,21 @@ def test_bad_config_fails_before_any_process_group():
     assert _no_group(), "a config error must be raised before a process group is created"
 
 
+@pytest.mark.parametrize(
+    ("section", "path"),
+    [
+        ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization.overlap_com"),
+        ({"bf16": {"enabled": True, "loss_scale": 1}}, "bf16.loss_scale"),
+    ],
+)
+def test_bad_deepspeed_section_fails_before_any_process_group(section, path):
+    with pytest.raises(ds_adabatch.ConfigError) as err:
+        ds_adabatch.initialize(torch.nn.Linear(2, 1), {**GOOD, **section})
+    assert path in str(err.value), str(err.value)
+    assert _no_group(), "DeepSpeed's own sections must be checked before a process group is created"
+
+
 def test_missing_adabatch_section_is_a_config_error():
     with pytest.raises(ds_adabatch.ConfigError, match="adabatch"):
         ds_adabatch.initialize(torch.nn.Linear(2, 1), {"optimizer": GOOD["optimizer"]})

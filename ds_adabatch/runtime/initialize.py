@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, load_ds_config
+from ..config import ConfigError, ConfigProblem, load_ds_config
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .lr import BatchCoupledLR
@@ -64,6 +64,9 @@ def initialize(
 
     import deepspeed
     import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        _check_deepspeed_sections(loaded)
 
     _init_distributed(deepspeed, dist, deepspeed_kwargs)
     mpu = deepspeed_kwargs.get("mpu")
@@ -158,6 +161,53 @@ def _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, 
             raise ValueError("training_data is empty")
     if "training_data" in deepspeed_kwargs or "config_params" in deepspeed_kwargs:
         raise TypeError("pass training data and the config as ds_adabatch.initialize's own arguments")
+
+
+# DeepSpeed 0.19.8 names its section models after the config keys they parse.
+_DS_SECTIONS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+    "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedMonitorConfig": "monitor",
+    "TensorBoardConfig": "tensorboard",
+    "WandbConfig": "wandb",
+    "CSVConfig": "csv_monitor",
+    "CometConfig": "comet",
+    "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+    "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+    "DeepSpeedCommsConfig": "comms_logger",
+}
+
+
+def _check_deepspeed_sections(loaded: Any) -> None:
+    """Let DeepSpeed validate its own sections now, before a process group exists.
+
+    ``deepspeed.runtime.config.DeepSpeedConfig`` (0.19.8) parses every section without a process group;
+    the batch keys are filled for a world of one here because only the other sections are checked (the
+    plan for the real world size is checked once it is known).
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedConfig(loaded.with_world_size(1).deepspeed)
+    except ValidationError as err:
+        section = _DS_SECTIONS.get(err.title, err.title)
+        problems = [
+            ConfigProblem(
+                ".".join([section, *(str(p) for p in e["loc"])]),
+                f"{e['msg']} (DeepSpeed's {err.title})",
+                e.get("input"),
+            )
+            for e in err.errors()
+        ]
+        raise ConfigError(problems, loaded.source) from None
+    except (ValueError, AssertionError, KeyError, TypeError) as err:
+        raise ConfigError(
+            [ConfigProblem("<deepspeed>", f"DeepSpeed rejects the config: {err}")], loaded.source
+        ) from None
 
 
 def _init_distributed(deepspeed, dist, kwargs) -> None:
