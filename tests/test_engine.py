@@ -33,23 +33,26 @@ def _free_port() -> int:
 
 def _launch(nproc: int, phase: str, out: Path) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        phase,
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
-    log = out / f"{phase}.log"
-    log.write_text(proc.stdout + proc.stderr)
+    for attempt in range(2):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={_free_port()}",
+            str(WORKER),
+            phase,
+            str(out),
+        ]
+        proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+        (out / f"{phase}.log").write_text(log)
+        # The free port can be taken by another process before torchrun binds it: retry that once.
+        if proc.returncode == 0 or attempt or "address already in use" not in log.lower():
+            break
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
         pytest.fail(
-            f"engine worker phase {phase!r} on {nproc} ranks failed (exit {proc.returncode}):\n{tail}"
+            f"engine worker phase {phase!r} on {nproc} ranks failed (exit {proc.returncode}):\n{log[-4000:]}"
         )
 
 

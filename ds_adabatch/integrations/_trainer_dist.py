@@ -1,4 +1,4 @@
-"""Process-group helpers of the Trainer integration: one data-parallel group, and two small collectives.
+"""Process-group helpers of the Trainer integration: make the launched ranks one data-parallel group.
 
 Hugging Face ``TrainingArguments`` decides the process layout when it is created. On a machine
 without GPUs, a ``torchrun --nproc-per-node 2`` launch with the default ``use_cpu=False`` gives every
@@ -7,8 +7,8 @@ process group exists but the Trainer ignores it, both ranks act as the main proc
 is trained once per rank. :func:`ensure_data_parallel_group` detects that and rebuilds the arguments
 with ``use_cpu=True``, which makes the ranks one gloo data-parallel group (DeepSpeed included).
 
-The collectives use ``torch.distributed`` directly: the Trainer's process group is the default group
-with and without DeepSpeed, and a world of one needs no communication at all.
+The step's collectives are ``ds_adabatch.runtime.comm``'s, on ``torch.distributed``'s default group,
+which is the Trainer's with and without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ import copy
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
-    "all_reduce_sum",
-    "broadcast_int",
     "ensure_data_parallel_group",
     "launcher_world_size",
     "trainer_arguments",
@@ -110,35 +107,3 @@ def trainer_arguments(args: Any) -> Any:
     args = copy.copy(args)
     args.gradient_accumulation_steps = 1
     return args
-
-
-def _active() -> bool:
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
-
-
-def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Each value summed over all ranks, as float64 scalars on ``device``, in one collective."""
-    packed = torch.stack(
-        [
-            v.detach().to(device=device, dtype=torch.float64).reshape(())
-            if isinstance(v, torch.Tensor)
-            else torch.tensor(float(v), dtype=torch.float64, device=device)
-            for v in values
-        ]
-    )
-    if _active():
-        torch.distributed.all_reduce(packed)
-    return list(packed.unbind())
-
-
-def broadcast_int(value: int, device: torch.device) -> int:
-    """Rank 0's ``value`` on every rank (batch-shape decisions are taken identically everywhere)."""
-    if not _active():
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    torch.distributed.broadcast(t, 0)
-    return int(t.item())

@@ -24,10 +24,9 @@ import torch
 from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
 from ds_adabatch.plan import BatchPlan, plan_batch
+from ds_adabatch.runtime.comm import broadcast_int
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss
-
-from ._trainer_dist import broadcast_int
 
 __all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
 

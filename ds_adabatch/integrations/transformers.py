@@ -54,12 +54,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_datasets_available
 
 from ds_adabatch.plan import BatchPlan
+from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.weights import loss_weight
 
 from ._trainer_callback import AdaptiveBatchCallback
 from ._trainer_data import StepInputs, StepLoader
-from ._trainer_dist import all_reduce_sum, trainer_arguments
+from ._trainer_dist import trainer_arguments
 from ._trainer_engine import (
     apply_plan_to_engine,
     count_target_tokens,

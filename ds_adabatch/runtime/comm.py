@@ -1,7 +1,9 @@
-"""The few collectives the runtime issues, over DeepSpeed's communication layer.
+"""The few collectives ds_adabatch issues, over ``torch.distributed``.
 
-Each call packs its values into one tensor so one optimizer step costs at most two extra small
-collectives (a broadcast of the decided batch size and an all-reduce of sums).
+DeepSpeed's communication layer (``deepspeed.comm``, 0.19.8) runs on ``torch.distributed``'s default
+process group, so these work under DeepSpeed, under plain DDP (the Hugging Face integration) and in a
+single process. Each call packs its values into one tensor: one optimizer step costs at most two extra
+small collectives (a broadcast of the decided batch size and an all-reduce of sums).
 """
 
 from __future__ import annotations
@@ -13,19 +15,13 @@ import torch
 __all__ = ["all_reduce_sum", "barrier", "broadcast_int"]
 
 
-def _dist():
-    import deepspeed.comm as dist
-
-    return dist
-
-
-def _ready() -> bool:
-    dist = _dist()
-    return dist.is_initialized() and dist.get_world_size() > 1
+def _active() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Sum each value over all ranks; returns float64 scalars in the same order."""
+    """Each value summed over all ranks, as float64 scalars on ``device``, in one collective."""
     packed = torch.stack(
         [
             v.detach().to(device=device, dtype=torch.float64).reshape(())
@@ -34,20 +30,20 @@ def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device 
             for v in values
         ]
     )
-    if _ready():
-        _dist().all_reduce(packed)
+    if _active():
+        torch.distributed.all_reduce(packed)
     return list(packed.unbind())
 
 
 def broadcast_int(value: int, device: torch.device | str, src: int = 0) -> int:
-    """Rank ``src``'s ``value`` on every rank."""
-    if not _ready():
+    """Rank ``src``'s ``value`` on every rank (batch-shape decisions are taken identically everywhere)."""
+    if not _active():
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    _dist().broadcast(t, src)
+    torch.distributed.broadcast(t, src)
     return int(t.item())
 
 
 def barrier() -> None:
-    if _ready():
-        _dist().barrier()
+    if _active():
+        torch.distributed.barrier()
