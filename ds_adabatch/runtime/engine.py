@@ -105,13 +105,21 @@ class AdaptiveBatchEngine(CheckpointMixin):
     # Public state
     @property
     def epoch(self) -> float:
-        """Fractional epoch: completed epochs plus the coverage of the current one."""
+        """Fractional epoch: completed epochs plus the coverage of the current one.
+
+        With an ``IterableDataset`` (no known length) it counts completed passes over the iterator.
+        """
         sampler = self._sampler()
-        return sampler.fractional_epoch if sampler is not None else 0.0
+        if sampler is not None:
+            return sampler.fractional_epoch
+        return float(getattr(self.dataloader, "epoch", 0))
 
     @property
     def train_coverage(self) -> float:
-        """Fraction of the current epoch's samples consumed (1.0 right after an epoch's last batch)."""
+        """Fraction of the current epoch's samples consumed (1.0 right after an epoch's last batch).
+
+        0.0 with an ``IterableDataset`` or without training data (the epoch's size is unknown).
+        """
         sampler = self._sampler()
         return sampler.train_coverage if sampler is not None else 0.0
 
