@@ -21,6 +21,7 @@ setup(
         "torch>=2.1",
         "deepspeed>=0.19.8,<0.20",
         "pydantic>=2.5,<3",
+        "hjson",  # config files with comments, as DeepSpeed reads them
         "numpy",
         "tqdm",
     ],

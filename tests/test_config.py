@@ -242,9 +242,23 @@ def test_file_problems(tmp_path: Path) -> None:
     assert str(missing) in str(info.value)
 
     bad = tmp_path / "bad.json"
-    bad.write_text('{\n  "adabatch": {\n    "schedule": 3,\n  }\n}\n')
-    with pytest.raises(ConfigError, match=r"invalid JSON at line 4, column 3"):
+    bad.write_text('{\n  "adabatch": {\n    "schedule": {"type": "constant",\n}\n')
+    with pytest.raises(ConfigError, match=r"invalid JSON at line 4, column 1"):
         load_ds_config(bad)
+
+    # DeepSpeed reads config files as hjson: comments and trailing commas are accepted, and the
+    # file's real problems are reported.
+    lenient = tmp_path / "lenient.json"
+    lenient.write_text('{\n  // comment\n  "adabatch": {\n    "schedule": 3,\n  }\n}\n')
+    with pytest.raises(ConfigError) as info:
+        load_ds_config(lenient)
+    assert "adabatch.schedule" in str(info.value) and "invalid JSON" not in str(info.value)
+    commented = tmp_path / "commented.json"
+    commented.write_text(
+        '{\n  // global batch ramps 8 -> 64\n  "adabatch": {"schedule": {"type": "linear", "start": 8,'
+        ' "end": 64, "ramp_samples": 100}, "max_micro_batch_per_gpu": 8}\n}\n'
+    )
+    assert load_ds_config(commented, world_size=2).plan.global_batch_size == 8
 
     array = tmp_path / "array.json"
     array.write_text("[1, 2]")

@@ -130,15 +130,30 @@ def _read(source: object) -> tuple[object, str]:
     try:
         raw = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as err:
-        raise ConfigError.single(
-            "", f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}", source=name
-        ) from None
+        # DeepSpeed 0.19.8 reads config files as hjson (comments, unquoted keys); accept what it accepts.
+        raw = _read_hjson(text, no_duplicates)
+        if raw is None:
+            raise ConfigError.single(
+                "", f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}", source=name
+            ) from None
     if duplicates:
         raise ConfigError(
             [ConfigProblem("", f"duplicate key {key!r} in a JSON object: keep one") for key in duplicates],
             source=name,
         )
     return raw, name
+
+
+def _read_hjson(text: str, hook: Any) -> object | None:
+    try:
+        import hjson  # a DeepSpeed dependency
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        # hjson returns its own ordered dicts; plain dicts keep the rest of the loader uniform.
+        return json.loads(json.dumps(hjson.loads(text, object_pairs_hook=hook)))
+    except (hjson.HjsonDecodeError, ValueError, TypeError):
+        return None
 
 
 def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
