@@ -298,7 +298,8 @@ def test_seed_parameters_on_a_converging_run():
 
 
 def noise_rule(**fields):
-    cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 100, **fields})
+    # scale 1.0 pinned: these tests are about warm-up, hysteresis and state, not the default scale.
+    cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 100, "scale": 1.0, **fields})
     return build_schedule(cfg, world_size=1)
 
 
@@ -329,7 +330,13 @@ def test_gradient_noise_hysteresis_and_scale():
 def test_gradient_noise_through_the_controller():
     cfg = AdaBatchConfig.model_validate(
         {
-            "schedule": {"type": "gradient_noise", "start": 64, "warmup_steps": 3, "measure_every": 2},
+            "schedule": {
+                "type": "gradient_noise",
+                "start": 64,
+                "scale": 1.0,
+                "warmup_steps": 3,
+                "measure_every": 2,
+            },
             "max_micro_batch_per_gpu": 16,
             "max_global_batch": 1024,
             "granularity": 32,
