@@ -264,9 +264,9 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
 
     The defaults are meant for one evaluation per optimizer step (``update_interval`` 1). They compare
     losses ``window`` = 50 steps apart, smoothed over about 50 steps, so the window grows with the
-    batch in samples: at batch B it spans 50 B samples. While a loss falls like a power of the
-    samples seen, its relative drop over a window of W samples after t samples is about a W / t, so a
-    fixed relative threshold fires once t reaches about a W / threshold: each doubling of the batch
+    batch in samples: at batch B it spans 50 B samples. While a loss falls like samples^(-alpha), its
+    relative drop over a window of W samples after t samples is about alpha W / t, so a fixed relative
+    threshold fires once t reaches about alpha W / threshold: each doubling of the batch
     doubles W and with it the number of samples until the next plateau. The batch therefore grows
     roughly in proportion to the samples seen, at a pace the loss curve sets, not a clock.
 
