@@ -298,8 +298,10 @@ def test_seed_parameters_on_a_converging_run():
 
 
 def noise_rule(**fields):
-    # scale 1.0 pinned: these tests are about warm-up, hysteresis and state, not the default scale.
-    cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 100, "scale": 1.0, **fields})
+    # scale 1.0 and two-way moves pinned: these tests are about warm-up, hysteresis and state, not the
+    # default scale or the default grow-only policy (which have their own tests below).
+    fields = {"scale": 1.0, "grow_only": False, **fields}
+    cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 100, **fields})
     return build_schedule(cfg, world_size=1)
 
 
@@ -361,5 +363,70 @@ def test_gradient_noise_state_round_trip():
     at(rule, 1, 300.0)
     twin = noise_rule(warmup_steps=0)
     twin.load_state_dict(rule.state_dict())
-    expected = {"kind": "GradientNoiseSchedule", "version": 1, "last_target": 300.0, "moves": 1}
+    expected = {
+        "kind": "GradientNoiseSchedule",
+        "version": 2,
+        "last_target": 300.0,
+        "last_direction": 1,
+        "moves": 1,
+    }
     assert twin.state_dict() == rule.state_dict() == expected
+
+
+def test_gradient_noise_reads_version_1_state_without_a_direction():
+    rule = noise_rule(warmup_steps=0)
+    rule.load_state_dict({"kind": "GradientNoiseSchedule", "version": 1, "last_target": 20.5, "moves": 3})
+    assert (rule.last_target, rule.last_direction, rule.moves) == (20.5, 0, 3)
+    with pytest.raises(ValueError, match="last_direction"):
+        rule.load_state_dict({**rule.state_dict(), "last_direction": 2})
+
+
+def test_gradient_noise_defaults_grow_only():
+    rule = build_schedule(SCHEDULES.validate_python({"type": "gradient_noise", "start": 8}), world_size=1)
+    assert rule.grow_only is True
+    rule.warmup_steps = 0
+    # 0.5 x 30 = 15 is above 8 x 1.2 = 9.6, so it grows; a later fall never shrinks it.
+    assert at(rule, 1, 30.0, batch=8) == 15.0
+    assert at(rule, 2, 10.0, batch=16) == 16
+    assert at(rule, 3, 36.0, batch=16) == 16, "0.5 x 36 = 18 is inside 16's band upwards"
+    assert at(rule, 4, 40.0, batch=16) == 20.0
+
+
+def test_gradient_noise_grow_only_holds_every_fall():
+    rule = noise_rule(warmup_steps=0, grow_only=True)
+    assert [at(rule, s, b) for s, b in enumerate((50.0, 10.0, 82.0, 119.0), 1)] == [100] * 4
+    assert at(rule, 5, 121.0) == 121.0
+    assert rule.moves == 1 and rule.last_direction == 1
+
+
+def through_granularity(rule, estimates, start=16, granularity=8):
+    """The batches a rule plans for a sequence of estimates, rounded as the controller rounds."""
+    batch, batches = start, []
+    for step, estimate in enumerate(estimates, 1):
+        wanted = at(rule, step, estimate, batch=batch)
+        batch = max(granularity, math.floor(wanted / granularity + 0.5) * granularity)
+        batches.append(batch)
+    return batches
+
+
+def test_gradient_noise_cannot_flip_between_rounding_neighbours():
+    # A target jittering +-3% around 20, the midpoint of 16 and 24 with granularity 8: both 16 -> 24
+    # (+50%) and 24 -> 16 leave the 20% band around the current batch, yet neither is a real move.
+    jitter = [20.6, 19.4] * 20
+    two_way = noise_rule(warmup_steps=0, hysteresis=0.2)
+    batches = through_granularity(two_way, jitter)
+    assert batches == [24] * len(jitter), "the first move sticks; reversals stay within 20% of 20.6"
+    assert two_way.moves == 1
+    # A real fall of the estimate (beyond the band of the target that set the batch) still shrinks it.
+    assert through_granularity(two_way, [16.0], start=24) == [16]
+    assert two_way.last_direction == -1
+
+
+def test_gradient_noise_reversal_test_does_not_block_capped_moves():
+    # max_change_factor can leave the batch far below the last target; moving on in the same direction
+    # is not a reversal, so the band around the last target must not hold it.
+    rule = noise_rule(warmup_steps=0)
+    assert at(rule, 1, 900.0, batch=100) == 900.0
+    assert at(rule, 2, 900.0, batch=200) == 900.0
+    # And a reversal beyond the band is a move.
+    assert at(rule, 3, 500.0, batch=900) == 500.0

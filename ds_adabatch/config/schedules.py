@@ -411,9 +411,23 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     hysteresis: float = Field(
         default=0.2,
         ge=0.0,
-        description="No change while target/current lies in [1/(1+h), 1+h] (unitless). 0.2 ignores the "
+        description="No change while target/current lies in [1/(1+h), 1+h] (unitless), nor a move that "
+        "reverses the previous one while target/previous_target lies in that band. 0.2 ignores the "
         "estimate's step-to-step jitter (a 20-measurement EMA still moves by tens of percent) so the "
-        "plan is not rebuilt on noise.",
+        "plan is not rebuilt on noise. The second test is measured against the target rather than the "
+        "rounded batch because one rounding step can be wider than the band (granularity 8 at 16 -> 24 "
+        "is +50%): a target hovering at a rounding midpoint would otherwise flip between the two "
+        "neighbours on every jitter.",
+    )
+    grow_only: bool = Field(
+        default=True,
+        description="Never shrink the batch: only a target above current x (1 + hysteresis) moves it. "
+        "The critical batch grows as the loss falls (a smaller gradient signal against a noise that "
+        "falls more slowly), so during training a falling estimate is far more often noise in the "
+        "estimate (a ratio of two noisy EMAs) than a real fall of the critical batch; shrinking on it "
+        "buys back few samples and spends steps, and a later rise has to undo it. Set false to follow "
+        "the estimate both ways, e.g. after a learning-rate drop or a change of data mixture, where the "
+        "noise scale can legitimately fall.",
     )
     measure_every: int = Field(
         default=1,

@@ -2,17 +2,27 @@
 
 The rule reads ``ctx.noise_scale``, the smoothed estimate the runtime keeps with
 :class:`ds_adabatch.signals.GradientNoiseEstimator` (configured with this schedule's ``ema_beta`` and
-fed every ``measure_every`` optimizer steps). Per evaluation::
+fed every ``measure_every`` optimizer steps). Per evaluation, with ``band = 1 + hysteresis``::
 
-    if step < warmup or no estimate:          hold the current batch (``start`` at first)
+    if step < warmup or no estimate:                    hold the current batch (``start`` at first)
     target = scale * noise_scale
-    if target / current in [1/(1+h), 1+h]:    hold
-    else:                                     target
+    if grow_only and target <= current * band:          hold
+    if target / current in [1/band, band]:              hold
+    if the move reverses the previous one and
+       target / previous_target in [1/band, band]:      hold
+    else:                                               target
 
 The controller then clamps the target to the bounds, caps the change by ``max_change_factor`` and
 rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of the estimator's EMA,
 ``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate averages a full window of
 measurements.
+
+Why the reversal test: the band around the current batch alone cannot stop a flip-flop when one
+rounding step is wider than the band. With granularity 8 and a target hovering at 20, 20.5 rounds to
+24, and from 24 a jitter to 19.5 is outside 24's band and rounds back to 16, and so on. The batch the
+controller planned is the rounding of the target that asked for it, so a move back is measured against
+that target, not against its rounding: it needs the estimate itself to move back by the band, and a
+target jittering around one rounding midpoint holds whichever neighbour it reached first.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from .base import ScheduleContext, check_state
 
 __all__ = ["GradientNoiseSchedule", "auto_warmup_steps"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 def auto_warmup_steps(measure_every: int, ema_beta: float) -> int:
@@ -47,6 +57,7 @@ class GradientNoiseSchedule:
     def __init__(self, config: Any) -> None:
         self.scale = float(config.scale)
         self.hysteresis = float(config.hysteresis)
+        self.grow_only = bool(config.grow_only)
         self.measure_every = int(config.measure_every)
         self.ema_beta = float(config.ema_beta)
         self.warmup_steps = (
@@ -56,7 +67,10 @@ class GradientNoiseSchedule:
         )
         """Steps held at ``start`` (the configured value, or the EMA's time constant)."""
         self.last_target: float | None = None
-        """The last target that left the hysteresis band (samples), for logs and checkpoints."""
+        """The last target that left the hysteresis band (samples), for logs, checkpoints and the
+        reversal test."""
+        self.last_direction = 0
+        """+1 if ``last_target`` asked for a larger batch, -1 for a smaller one, 0 before any move."""
         self.moves = 0
         """How many evaluations asked for a change."""
         self.last_reason = ""
@@ -71,17 +85,29 @@ class GradientNoiseSchedule:
             self.last_reason = f"no usable noise-scale estimate ({estimate!r}): hold"
             return current
         target = self.scale * estimate
-        ratio = target / current
         band = 1.0 + self.hysteresis
-        if 1.0 / band <= ratio <= band:
+        said = f"B_noise {estimate:.6g} x {self.scale:g} = {target:.6g}"
+        if self.grow_only and target <= current * band:
+            self.last_reason = f"{said}, not above {current:g} x {band:g} (grow only): hold"
+            return current
+        if 1.0 / band <= target / current <= band:
+            self.last_reason = f"{said} within {self.hysteresis:g} of {current:g}: hold"
+            return current
+        direction = 1 if target > current else -1
+        if (
+            direction == -self.last_direction
+            and self.last_target is not None
+            and 1.0 / band <= target / self.last_target <= band
+        ):
             self.last_reason = (
-                f"B_noise {estimate:.6g} x {self.scale:g} = {target:.6g} within {self.hysteresis:g} of "
-                f"{current:g}: hold"
+                f"{said} would reverse the last move but is within {self.hysteresis:g} of its target "
+                f"{self.last_target:.6g}: hold"
             )
             return current
         self.last_target = target
+        self.last_direction = direction
         self.moves += 1
-        self.last_reason = f"B_noise {estimate:.6g} x {self.scale:g}: target {target:.6g} (was {current:g})"
+        self.last_reason = f"{said}: target (was {current:g})"
         return target
 
     def state_dict(self) -> dict[str, Any]:
@@ -89,11 +115,26 @@ class GradientNoiseSchedule:
             "kind": "GradientNoiseSchedule",
             "version": _STATE_VERSION,
             "last_target": self.last_target,
+            "last_direction": self.last_direction,
             "moves": self.moves,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (
+            isinstance(state, dict)
+            and state.get("kind") == "GradientNoiseSchedule"
+            and state.get("version") == 1
+        ):
+            # Version 1 did not record the direction of the last move: resume without a reversal test
+            # until the next move, which is what the version-1 rule did.
+            state = {**state, "version": _STATE_VERSION, "last_direction": 0}
         check_state(state, kind="GradientNoiseSchedule", version=_STATE_VERSION)
         target = state["last_target"]
         self.last_target = None if target is None else float(target)
+        direction = int(state["last_direction"])
+        if direction not in (-1, 0, 1):
+            raise ValueError(
+                f"GradientNoiseSchedule state has last_direction {direction!r}; expected -1, 0 or 1"
+            )
+        self.last_direction = direction
         self.moves = int(state["moves"])
