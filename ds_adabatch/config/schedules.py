@@ -389,7 +389,10 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         "the fewest samples that reach its loss and (1 + 1/k) times the fewest optimizer steps. "
         "0.5 leans to samples: it halves the sample overhead of the knee k = 1 (1.5x instead of 2x "
         "the minimum) and still needs only 3x the fewest steps, because samples cost compute on any "
-        "cluster while saved steps pay off only where data parallelism can absorb the larger batch.",
+        "cluster while saved steps pay off only where data parallelism can absorb the larger batch. "
+        "With grow_only the batch follows the running maximum of a noisy estimate, so the batch "
+        "actually trained with sits somewhat above scale x the mean estimate; that too argues against "
+        "a larger default.",
     )
     ema_beta: float = Field(
         default=0.95,
