@@ -229,7 +229,6 @@ def test_format_int_ranges_inverts_parse() -> None:
 
 
 def test_simulate_end_to_end(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     result = run("simulate", ZERO0, "--world-size", "2", "--samples", "2000", "--out", str(out))
     assert result.returncode == 0, result.stderr
