@@ -10,25 +10,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _util import free_port
 
 pytestmark = pytest.mark.multirank
 
 HERE = Path(__file__).parent
 WORKER = HERE / "engine_worker.py"
 STAGES = (0, 1, 2, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(nproc: int, phase: str, out: Path) -> None:
@@ -39,7 +33,7 @@ def _launch(nproc: int, phase: str, out: Path) -> None:
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
-            f"--master-port={_free_port()}",
+            f"--master-port={free_port()}",
             str(WORKER),
             phase,
             str(out),

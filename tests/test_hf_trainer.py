@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _util import free_port
 
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
@@ -32,12 +32,6 @@ SEED_EPOCHS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.4, 1.8, 2.0, 2.4, 2.8, 3.0, 3.6, 4.0]
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, backend: str, *scenarios: str) -> Path:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [
@@ -45,7 +39,7 @@ def _launch(out: Path, backend: str, *scenarios: str) -> Path:
         "-m",
         "torch.distributed.run",
         "--nproc-per-node=2",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         str(WORKER),
         str(out),
         backend,

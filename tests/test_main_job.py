@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _util import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.multirank
@@ -33,7 +27,7 @@ def test_main_job_short_run(tmp_path):
         "-m",
         "torch.distributed.run",
         "--nproc-per-node=2",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         str(ROOT / "runners" / "train_lm.py"),
         "--config",
         str(cfg_path),
