@@ -375,6 +375,14 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     steps for ``(1 + k) E_min`` samples. k = 1 is the knee (twice the minimum of both); a smaller k
     spends fewer samples and more steps. The default is set for "fewer steps without spending more
     samples than a small fixed batch" (see the field's description).
+
+    Where that model is off: B_simple is measured in plain SGD's geometry. Under Adam the noise scale of
+    the step actually taken (each coordinate weighted by Adam's preconditioner) is larger, 1.3-2.1x B_simple
+    on the convergence benchmark. With a constant learning rate, a larger batch late in training also
+    lowers the step noise, like an LR decay, which the model does not count. On that benchmark a batch of
+    64 late in the run cost 1.04-1.09x the samples of batch 8, where the model predicts 2x. So this rule is
+    conservative late in constant-LR runs: raise ``scale`` where optimizer steps cost more than samples,
+    or use ``loss_plateau``, which grows on the plateau itself (benchmarks/results/convergence.md).
     """
 
     type: Literal["gradient_noise"] = Field(description="Schedule type.")
