@@ -13,6 +13,8 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
   as 1 x 8 and 4 x 2 (and, with DeepSpeed, unevenly and with a zero-weight pad), compared with a
   plain-PyTorch big-batch SGD step.
 * ``ramp``: no scheduler; the DeepSpeed config's "adabatch" section ramps the global batch.
+* ``noise``: the ``gradient_noise`` schedule from the "adabatch" section: the estimate against a
+  closed form (ZeRO 0 and the backend's stage), the batch following it, and a resume continuing it.
 
 The helpers (datasets, model builders, the recording callback) are also used by the single-process
 tests in tests/test_hf_trainer.py.
@@ -313,7 +315,131 @@ def run_ramp(out: Path, ds: bool) -> dict:
     return {"steps": recorder.steps, "logs": trainer.state.log_history}
 
 
-SCENARIOS = {"seed": run_seed, "exact": run_exact, "ramp": run_ramp}
+NOISE_DIM, NOISE_SIGMA = 8, 1.0
+NOISE_TRUTH = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
+"""B_noise = tr(Sigma) / |G|^2 of GaussianRegression at w = 0 (|G| = 1): (n + 1) |G|^2 + n sigma^2."""
+NOISE_SAVE_AT, NOISE_STEPS = 6, 12
+
+
+class GaussianRegression(torch.utils.data.Dataset):
+    """x ~ N(0, I_8), y = x . w* + N(0, 1) noise, |w*| = 1: a closed-form gradient-noise scale at w = 0."""
+
+    def __init__(self, n: int = 64 * 80, seed: int = 5) -> None:
+        g = torch.Generator().manual_seed(seed)
+        w_star = torch.ones(NOISE_DIM) / NOISE_DIM**0.5
+        self.x = torch.randn(n, NOISE_DIM, generator=g)
+        self.y = self.x @ w_star + NOISE_SIGMA * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class HalfMse(torch.nn.Module):
+    """Linear regression without bias from w = 0, loss 0.5 (x . w - y)^2 averaged over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(NOISE_DIM, 1, bias=False)
+        torch.nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": 0.5 * ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
+
+
+def run_noise(out: Path, ds: bool) -> dict:
+    """The gradient_noise schedule from the DeepSpeed config's "adabatch" section.
+
+    ``estimate``: learning rate 0 (w stays 0), batch 64 held (warm-up never ends), 60 measured steps,
+    under ZeRO 0 (the reduced .grad read between backward and step) and the backend's stage (DeepSpeed's
+    global norm). ``follow``: batch 8, warm-up 3 steps, scale 1: the batch must grow towards B_noise; a
+    checkpoint after step 6 resumed by a second trainer must continue the same estimates and batches.
+    """
+    global ZERO_STAGE
+    backend_stage = ZERO_STAGE
+    result: dict[str, Any] = {"estimate": {}}
+    common = {
+        "learning_rate": 0.0,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0,
+        "per_device_train_batch_size": 8,
+        "use_cpu": True,
+    }
+    for stage in sorted({0, backend_stage}):
+        ZERO_STAGE = stage
+        section = {
+            "schedule": {
+                "type": "gradient_noise",
+                "start": 64,
+                "warmup_steps": 10**6,
+                "measure_every": 1,
+                "ema_beta": 0.9,
+            },
+            "max_micro_batch_per_gpu": 8,
+        }
+        trainer = AdaptiveBatchSizeTrainer(
+            model=HalfMse(),
+            args=_args(out / f"estimate_z{stage}", max_steps=60, deepspeed=ds_config(section), **common),
+            train_dataset=GaussianRegression(),
+        )
+        trainer.train()
+        bs = trainer.batch_state
+        result["estimate"][f"z{stage}"] = {
+            "noise_scale": bs.noise.noise_scale,
+            "measurements": bs.noise.count,
+            "plan": bs.plan.describe(),
+            "logged": [e["noise_scale"] for e in trainer.state.log_history if "noise_scale" in e],
+        }
+    ZERO_STAGE = backend_stage
+    section = {
+        "schedule": {
+            "type": "gradient_noise",
+            "start": 8,
+            "scale": 1.0,
+            "warmup_steps": 3,
+            "hysteresis": 0.0,
+            "ema_beta": 0.5,
+        },
+        "max_micro_batch_per_gpu": 4,
+        "granularity": 4,
+    }
+    runs = []
+    for name, resume in (("first", None), ("second", out / "follow_first" / f"checkpoint-{NOISE_SAVE_AT}")):
+        extra = {"save_strategy": "steps", "save_steps": NOISE_SAVE_AT} if resume is None else {}
+        trainer = AdaptiveBatchSizeTrainer(
+            model=HalfMse(),
+            args=_args(
+                out / f"follow_{name}",
+                max_steps=NOISE_STEPS,
+                deepspeed=ds_config(section),
+                **{**common, "per_device_train_batch_size": 4},
+                **extra,
+            ),
+            train_dataset=GaussianRegression(),
+        )
+        recorder = StepRecorder(trainer)
+        trainer.add_callback(recorder)
+        trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+        runs.append(
+            {
+                "plans": [s["plan"][0] for s in recorder.steps],
+                "noise": {
+                    e["step"]: e["noise_scale"] for e in trainer.state.log_history if "noise_scale" in e
+                },
+            }
+        )
+    result["follow"] = runs
+    saved = json.loads(
+        (out / "follow_first" / f"checkpoint-{NOISE_SAVE_AT}" / "adabatch_state.json").read_text()
+    )
+    result["saved_noise"] = saved["noise"]
+    return result
+
+
+SCENARIOS = {"seed": run_seed, "exact": run_exact, "ramp": run_ramp, "noise": run_noise}
 
 
 def main(argv: list[str]) -> None:

@@ -3,7 +3,7 @@
 Three torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``use_cpu=False``) serve
 the multi-rank tests: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3 and plain DDP. Each runs the seed's scheduler with a
 checkpoint and a resume, one optimizer step split several ways against a big-batch reference and,
-with DeepSpeed, a config-driven ramp. The single-process tests train in this process without
+with DeepSpeed, a config-driven ramp and the gradient_noise schedule. The single-process tests train in this process without
 DeepSpeed.
 """
 
@@ -57,12 +57,12 @@ def _launch(out: Path, backend: str, *scenarios: str) -> Path:
 
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "ramp")
+    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "ramp", "noise")
 
 
 @pytest.fixture(scope="module")
 def zero3_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_zero3"), "zero3", "seed", "exact")
+    return _launch(tmp_path_factory.mktemp("hf_zero3"), "zero3", "seed", "exact", "noise")
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +289,53 @@ def test_config_section_drives_the_batch_without_a_scheduler(ds_results):
         f"trained plans {[s['plan'] for s in steps]}, expected {expected}"
     )
     assert len({tuple(p) for p in expected}) > 2, "the ramp should change the batch several times"
+
+
+# -- the gradient_noise schedule (DeepSpeed config section) --------------------------------------------
+@pytest.mark.parametrize("backend", DEEPSPEED)
+def test_noise_scale_estimate_near_closed_form_under_every_stage(request, backend):
+    from hf_worker import NOISE_TRUTH
+
+    estimates = _read(_results(request, backend), "noise", backend, 0)["estimate"]
+    assert sorted(estimates) == (["z0", "z2"] if backend == "ds" else ["z0", "z3"])
+    for stage, r in estimates.items():
+        assert r["measurements"] == 60, f"{stage}: {r['measurements']} measured steps, expected 60"
+        assert r["plan"] == "global 64 = micro 8 x gas 4 on 2 ranks", f"{stage}: the batch moved: {r['plan']}"
+        rel = abs(r["noise_scale"] - NOISE_TRUTH) / NOISE_TRUTH
+        assert rel <= 0.2, f"{stage}: B_noise estimate {r['noise_scale']:.2f}, truth {NOISE_TRUTH:.2f}"
+        assert r["logged"] and r["logged"][-1] == pytest.approx(r["noise_scale"], rel=1e-12), (
+            f"{stage}: training logs carry no noise_scale or a stale one"
+        )
+    # ZeRO 0 reads the reduced .grad between backward and step, ZeRO 2/3 DeepSpeed's global norm: the
+    # same measurement either way.
+    z0, other = (r["noise_scale"] for r in estimates.values())
+    assert z0 == pytest.approx(other, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", DEEPSPEED)
+def test_gradient_noise_schedule_moves_the_batch_and_resumes_its_estimate(request, backend):
+    from hf_worker import NOISE_SAVE_AT, NOISE_STEPS
+
+    r = _read(_results(request, backend), "noise", backend, 0)
+    first, second = r["follow"]
+    plans = first["plans"]
+    assert len(plans) == NOISE_STEPS
+    assert plans[:3] == [8, 8, 8], f"warm-up of 3 steps must hold the start batch: {plans}"
+    # At step 3 the target is scale (1) x the estimate logged after step 3, rounded to granularity 4.
+    estimate = first["noise"]["3"]
+    assert plans[3] == 4 * round(estimate / 4) and plans[3] > 8, (
+        f"step 3 trained {plans[3]} samples with an estimate of {estimate:.2f}"
+    )
+    assert all(p % 4 == 0 for p in plans)
+    saved = r["saved_noise"]
+    assert saved["kind"] == "GradientNoiseEstimator" and saved["count"] == NOISE_SAVE_AT
+    assert second["plans"] == plans[NOISE_SAVE_AT:], f"resumed plans {second['plans']} vs {plans}"
+    later = {k: v for k, v in second["noise"].items() if int(k) > NOISE_SAVE_AT}
+    assert sorted(later, key=int) == [str(k) for k in range(NOISE_SAVE_AT + 1, NOISE_STEPS + 1)], later
+    for step, value in later.items():
+        assert value == pytest.approx(first["noise"][step], rel=1e-9), (
+            f"step {step}: resumed estimate {value} vs {first['noise'][step]}"
+        )
 
 
 # -- one process, no DeepSpeed -----------------------------------------------------------------------

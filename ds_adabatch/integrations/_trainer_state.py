@@ -26,7 +26,7 @@ from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
 from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.comm import broadcast_int
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
-from ds_adabatch.signals import EmaLoss
+from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
 __all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
 
@@ -37,7 +37,7 @@ STATE_FILE = "adabatch_state.json"
 
 _STATE_VERSION = 1
 _STATE_KIND = "AdaptiveBatchSizeTrainer"
-_SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr"})
+_SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr", "noise_scale"})
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,11 @@ class AdaptiveBatchState:
         self.last_lr: float | None = None
         self.tokens = 0
         self.loss_ema = EmaLoss(beta=0.9)
+        schedule = config.schedule
+        self.noise: GradientNoiseEstimator | None = (
+            GradientNoiseEstimator(ema_beta=schedule.ema_beta) if schedule.type == "gradient_noise" else None
+        )
+        """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._decided: tuple[int, BatchPlan] | None = None
         missing = controller.schedule.requires - _SUPPORTED_SIGNALS
         if missing:
@@ -136,6 +141,17 @@ class AdaptiveBatchState:
     def needs_tokens(self) -> bool:
         return "tokens" in self.controller.schedule.requires
 
+    def should_measure_noise(self, step: int, plan: BatchPlan) -> bool:
+        """Whether optimizer step ``step`` (completed steps before it) measures the noise scale.
+
+        Every ``measure_every`` steps, when the step has at least two micro-batches over all ranks
+        (one micro-batch against the whole global batch needs two batch sizes).
+        """
+        if self.noise is None:
+            return False
+        every = self.config.schedule.measure_every
+        return step % every == 0 and self.world_size * plan.gradient_accumulation_steps > 1
+
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
         cfg = self.config
@@ -160,6 +176,7 @@ class AdaptiveBatchState:
             loss=self.last_loss,
             loss_ema=self.loss_ema.value,
             lr=self.last_lr,
+            noise_scale=None if self.noise is None else self.noise.noise_scale,
         )
         decision = self.controller.next_global_batch(ctx)
         batch = broadcast_int(decision.global_batch, self.device)
@@ -251,6 +268,7 @@ class AdaptiveBatchState:
             "loss_ema": self.loss_ema.state_dict(),
             "tokens": self.tokens,
             "last_lr": self.last_lr,
+            "noise": None if self.noise is None else self.noise.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], global_step: int) -> None:
@@ -275,6 +293,9 @@ class AdaptiveBatchState:
         self.loss_ema.load_state_dict(state["loss_ema"])
         self.tokens = int(state["tokens"])
         self.last_lr = state["last_lr"]
+        noise = state.get("noise")  # absent from states written before the Trainer measured it
+        if self.noise is not None and noise is not None:
+            self.noise.load_state_dict(noise)
         self.scheduled_batch = self.controller.resume_batch(state["scheduled_batch"], state["world_size"])
         self._decided = None
         nxt = state.get("next")

@@ -56,6 +56,7 @@ from transformers.utils import is_datasets_available
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR
+from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
 from ds_adabatch.runtime.weights import loss_weight
 
 from ._trainer_callback import AdaptiveBatchCallback
@@ -98,7 +99,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
     epoch's tail smaller than the requested batch); the order follows ``data_seed`` (else ``seed``).
     Each update is the mean gradient over the global batch's samples, or over its target tokens when
     the Trainer would normalise by ``num_items_in_batch``. Training logs add ``train_coverage``,
-    ``global_batch_size``, ``micro_batch_size`` and ``gradient_accumulation_steps``; ``epoch`` is
+    ``global_batch_size``, ``micro_batch_size`` and ``gradient_accumulation_steps`` (and
+    ``noise_scale`` under the ``gradient_noise`` schedule); ``epoch`` is
     fractional (samples seen / dataset size). ``trainer.batch_state`` exposes the run's plan and sample
     cursor, and ``trainer.args.gradient_accumulation_steps`` reads 1 (the plan's steps are in
     ``trainer.batch_state.plan``).
@@ -248,9 +250,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         by_token = self._normalizes_by_tokens(micro[0].batch)
         total = step.global_batch_size
         tokens = 0
+        counts: list[int] = []
         if by_token or state.needs_tokens:
-            local = sum(self._count_items(m.batch) for m in micro if not m.is_pad)
-            tokens = int(all_reduce_sum([local], device)[0])
+            counts = [0 if m.is_pad else self._count_items(m.batch) for m in micro]
+            tokens = int(all_reduce_sum([sum(counts)], device)[0])
             if by_token:
                 total = tokens
                 if total <= 0:
@@ -262,12 +265,26 @@ class AdaptiveBatchSizeTrainer(Trainer):
         items = torch.tensor(total, device=device) if by_token else None
         scale = world / self._token_loss_scale() if by_token else 1.0
         logged = torch.zeros((), device=device)
-        for i, mb in enumerate(micro):
-            if by_token:
-                factor = 0.0 if mb.is_pad else scale
-            else:
-                factor = loss_weight(mb.num_samples, world, total)
-            logged = logged + self._micro_backward(model, mb.batch, factor, items, sync=i == len(micro) - 1)
+        measure = state.should_measure_noise(self.state.global_step, step.plan)
+        probe = self._noise_probe() if measure else None
+        try:
+            for i, mb in enumerate(micro):
+                if by_token:
+                    factor = 0.0 if mb.is_pad else scale
+                else:
+                    factor = loss_weight(mb.num_samples, world, total)
+                if probe is not None:
+                    # The backward differentiates the micro-batch's own mean loss times this weight.
+                    weight = loss_weight(counts[i], world, total) if by_token else factor
+                    probe.begin(weight, 0 if mb.is_pad else mb.num_samples)
+                sync = i == len(micro) - 1
+                logged = logged + self._micro_backward(model, mb.batch, factor, items, sync=sync, probe=probe)
+        finally:
+            if probe is not None:
+                probe.close()
+        if probe is not None and state.noise is not None:
+            sums = all_reduce_sum(probe.local_sums(), device)
+            update_estimator(state.noise, sums, step.global_batch_size, probe.reduced_sq_norm())
         state.tokens += tokens
         if state.needs_loss:
             state.last_loss = float(all_reduce_sum([logged], device)[0]) / world
@@ -277,7 +294,14 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return logged
 
     def _micro_backward(
-        self, model: torch.nn.Module, batch: Any, factor: float, items: torch.Tensor | None, *, sync: bool
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        factor: float,
+        items: torch.Tensor | None,
+        *,
+        sync: bool,
+        probe: NoiseProbe | None = None,
     ) -> torch.Tensor:
         # accelerate 1.15: DeepSpeedEngineWrapper.backward sets DeepSpeed's accumulation boundary from
         # gradient_state.sync_gradients (and steps the engine only then); AcceleratedOptimizer.step
@@ -302,7 +326,20 @@ class AdaptiveBatchSizeTrainer(Trainer):
             # transformers >= 4.46 calls DeepSpeed's backward with scale_wrt_gas=False: the factor
             # already holds the whole normalisation.
             kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
-            self.accelerator.backward(loss, **kwargs)
+            engine = self._deepspeed_engine()
+            if probe is not None and sync and probe.read_grads and engine is not None:
+                # DeepSpeed ZeRO 0: the reduced gradients exist only between the boundary backward and
+                # the step that clears them, and accelerate 1.15 DeepSpeedEngineWrapper.backward runs
+                # the two back to back; its calls are made here with the noise probe's read between.
+                engine.set_gradient_accumulation_boundary(is_boundary=True)
+                engine.backward(loss, **kwargs)
+                probe.end()
+                probe.read_reduced_norm()
+                engine.step()
+            else:
+                self.accelerator.backward(loss, **kwargs)
+                if probe is not None:
+                    probe.end()
         return loss.detach()
 
     def _apply_plan(self, plan: BatchPlan) -> None:
@@ -407,6 +444,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
             logs["global_batch_size"] = state.plan.global_batch_size
             logs["micro_batch_size"] = state.plan.micro_batch_per_gpu
             logs["gradient_accumulation_steps"] = state.plan.gradient_accumulation_steps
+            if state.noise is not None and state.noise.noise_scale is not None:
+                logs["noise_scale"] = state.noise.noise_scale
         if state is not None and logs.get("train_runtime"):
             samples = state.samples_consumed - self._samples_at_start
             logs["train_samples_per_second"] = round(samples / logs["train_runtime"], 3)
@@ -417,6 +456,17 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if self.batch_state is None:
             raise RuntimeError("the batch state is built by get_train_dataloader(); call trainer.train()")
         return self.batch_state
+
+    def _noise_probe(self) -> NoiseProbe:
+        """Hooks for one measured step on DeepSpeed's engine.
+
+        Only the DeepSpeed config's ``"adabatch"`` section can ask for the ``gradient_noise`` schedule,
+        so a measured step always runs under DeepSpeed.
+        """
+        engine = self._deepspeed_engine()
+        if engine is None:
+            raise RuntimeError("the gradient-noise scale is measured under DeepSpeed only")
+        return NoiseProbe.for_deepspeed(engine)
 
     def _deepspeed_engine(self) -> Any:
         # accelerate 1.15 keeps the engine it built in accelerator.deepspeed_engine_wrapped.engine.

@@ -34,7 +34,7 @@ from .batch_shape import apply_plan_to_engine
 from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
-from .noise_probe import NoiseProbe
+from .noise_probe import NoiseProbe, update_estimator
 from .weights import loss_weight
 
 __all__ = ["AdaptiveBatchEngine"]
@@ -220,7 +220,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # already see the samples this step consumes.
         self.lr_coupling.set_samples(self.global_samples + total_samples)
 
-        probe = NoiseProbe(ds) if measure else None
+        probe = NoiseProbe.for_deepspeed(ds) if measure else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
@@ -365,14 +365,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return self.global_steps % every == 0 and self.world_size * self.plan.gradient_accumulation_steps > 1
 
     def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: NoiseProbe) -> None:
-        sq_sum, n_micro, inv_b_sum = (float(s) for s in sums)
-        sq_big = probe.reduced_sq_norm()
-        if n_micro < 1 or sq_big is None:
-            return
-        b_small = n_micro / inv_b_sum
-        if total_samples <= b_small:
-            return
-        self.noise.update(b_small, sq_sum / n_micro, total_samples, sq_big)
+        update_estimator(self.noise, sums, total_samples, probe.reduced_sq_norm())
 
     def _grad_norm(self) -> float | None:
         norm = self.deepspeed.get_global_grad_norm()

@@ -1,11 +1,12 @@
 """Gradient norms for the noise-scale estimate, read during the ordinary backward passes.
 
 A tensor hook on each parameter sees the gradient of the current backward pass before it is
-accumulated or reduced — under every ZeRO stage, because DeepSpeed 0.19.8 reduces gradients in
-post-accumulation hooks. Divided by the micro-batch's loss weight, that is the gradient of one
-micro-batch's mean loss on this rank (the small batch). The reduced gradient of the whole global batch
-(the big batch) comes from DeepSpeed's global gradient norm (ZeRO 1-3, bf16) or, under plain ZeRO 0,
-from the all-reduced ``.grad`` tensors before ``step()`` clears them. No extra forward or backward pass.
+accumulated or reduced: under every ZeRO stage, because DeepSpeed 0.19.8 reduces gradients in
+post-accumulation hooks, and under torch DDP, whose reducer also runs after accumulation. Divided by
+the micro-batch's loss weight, that is the gradient of one micro-batch's mean loss on this rank (the
+small batch). The reduced gradient of the whole global batch (the big batch) comes from DeepSpeed's
+global gradient norm (ZeRO 1-3, bf16) or, under plain ZeRO 0 and DDP, from the all-reduced ``.grad``
+tensors before the optimizer step clears them. No extra forward or backward pass.
 
 Everything stays on the device until the step's one all-reduce: the hooks add squared norms into a
 device scalar, so a GPU is never synchronised per parameter.
@@ -14,11 +15,14 @@ device scalar, so a GPU is never synchronised per parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["NoiseProbe", "loss_scale"]
+from ds_adabatch.signals import GradientNoiseEstimator
+
+__all__ = ["NoiseProbe", "loss_scale", "update_estimator"]
 
 
 def loss_scale(ds_engine: Any) -> float:
@@ -34,11 +38,34 @@ def loss_scale(ds_engine: Any) -> float:
 
 
 class NoiseProbe:
-    """Collects one optimizer step's small- and big-batch squared gradient norms on this rank."""
+    """Collects one optimizer step's small- and big-batch squared gradient norms on this rank.
 
-    def __init__(self, ds_engine: Any) -> None:
-        self.ds = ds_engine
-        device = ds_engine.device
+    Args:
+        parameters: the model's parameters; a hook on each trainable one reads its micro-batch gradient.
+        device: where the running sums live (the parameters' device).
+        grad_scale: the factor the loss was multiplied by before backward (fp16's loss scale), read at
+            each use; ``None``: 1.
+        reduced_norm: returns the big batch's gradient norm after the step (DeepSpeed's global norm),
+            or ``None`` where it has none; ``None`` (the argument): use :meth:`read_reduced_norm`.
+        read_grads: whether :meth:`read_reduced_norm` reads the reduced ``.grad`` tensors (where
+            ``reduced_norm`` may have no value).
+
+    :meth:`for_deepspeed` builds one for a DeepSpeed engine.
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        device: torch.device | str,
+        *,
+        grad_scale: Callable[[], float] | None = None,
+        reduced_norm: Callable[[], Any] | None = None,
+        read_grads: bool = True,
+    ) -> None:
+        self.params = [p for p in parameters if p.requires_grad]
+        self._grad_scale = grad_scale or (lambda: 1.0)
+        self._reduced_norm = reduced_norm
+        self.read_grads = read_grads
         self._acc = torch.zeros((), dtype=torch.float32, device=device)
         self._sq_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._n = 0
@@ -46,9 +73,19 @@ class NoiseProbe:
         self._weight = 0.0
         self._samples = 0
         self._big: torch.Tensor | None = None
-        self._handles = [
-            p.register_hook(self._hook) for p in ds_engine.module.parameters() if p.requires_grad
-        ]
+        self._handles = [p.register_hook(self._hook) for p in self.params]
+
+    @classmethod
+    def for_deepspeed(cls, ds_engine: Any) -> NoiseProbe:
+        """Hooks on the engine's module; the big batch from DeepSpeed's global gradient norm (ZeRO 1-3,
+        bf16) or, under plain ZeRO 0, from the all-reduced ``.grad`` tensors."""
+        return cls(
+            ds_engine.module.parameters(),
+            ds_engine.device,
+            grad_scale=lambda: loss_scale(ds_engine),
+            reduced_norm=ds_engine.get_global_grad_norm,
+            read_grads=ds_engine.zero_optimization_stage() == 0,
+        )
 
     def _hook(self, grad: torch.Tensor) -> None:
         self._acc.add_(grad.detach().float().pow(2).sum())
@@ -63,24 +100,22 @@ class NoiseProbe:
         """After the backward: fold the micro-batch's squared norm in (pads are skipped)."""
         if self._samples <= 0 or self._weight <= 0:
             return
-        scale = self._weight * loss_scale(self.ds)
+        scale = self._weight * self._grad_scale()
         self._sq_sum.add_(self._acc.double() / (scale * scale))
         self._n += 1
         self._inv_b += 1.0 / self._samples
 
     def read_reduced_norm(self) -> None:
-        """After the last micro-batch's backward, before ``step()``."""
-        if self.ds.zero_optimization_stage() != 0:
+        """After the last micro-batch's backward (gradients reduced), before the optimizer step."""
+        if not self.read_grads:
             return
-        grads = [
-            p.grad.detach().float().pow(2).sum() for p in self.ds.module.parameters() if p.grad is not None
-        ]
+        grads = [p.grad.detach().float().pow(2).sum() for p in self.params if p.grad is not None]
         if grads:
-            self._big = torch.stack(grads).sum().double() / loss_scale(self.ds) ** 2
+            self._big = torch.stack(grads).sum().double() / self._grad_scale() ** 2
 
     def reduced_sq_norm(self) -> float | None:
-        """The big batch's squared gradient norm (the same on every rank), after ``step()``."""
-        norm = self.ds.get_global_grad_norm()
+        """The big batch's squared gradient norm (the same on every rank), after the step."""
+        norm = self._reduced_norm() if self._reduced_norm is not None else None
         if norm is None:
             return None if self._big is None else float(self._big)
         norm = float(norm)
@@ -94,3 +129,22 @@ class NoiseProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def update_estimator(
+    estimator: GradientNoiseEstimator, sums: Sequence[Any], total_samples: int, sq_big: float | None
+) -> None:
+    """Feed one step's measurement to ``estimator``.
+
+    ``sums`` are :meth:`NoiseProbe.local_sums` summed over ranks, ``total_samples`` the global batch's
+    real samples and ``sq_big`` :meth:`NoiseProbe.reduced_sq_norm`. The small batch is the harmonic mean
+    of the measured micro-batch sizes; nothing is fed when no micro-batch was measured, the big norm is
+    missing, or the global batch is not larger than the small one.
+    """
+    sq_sum, n_micro, inv_b_sum = (float(s) for s in sums)
+    if n_micro < 1 or sq_big is None:
+        return
+    b_small = n_micro / inv_b_sum
+    if total_samples <= b_small:
+        return
+    estimator.update(b_small, sq_sum / n_micro, total_samples, sq_big)
