@@ -338,12 +338,21 @@ def summary_markdown(rows: list[dict[str, Any]], s: Settings) -> str:
                 ("samples", r["samples_ratio"], 1.05),
                 ("wall", r["wall_s_ratio"], 0.75),
             ]
-            verdict = ", ".join(
-                f"{name} {_fmt(v, '.2f')} {'met' if v is not None and v <= limit else 'MISSED'}"
-                for name, v, limit in checks
-            )
+            if r["reached"] and all(v is None for _, v, _ in checks):
+                verdict = "not evaluated (no fixed-8 result of this seed to compare with)"
+            else:
+                verdict = ", ".join(
+                    f"{name} {_fmt(v, '.2f')} {_verdict(v, limit)}" for name, v, limit in checks
+                )
             lines.append(f"- seed {r['seed']}: {verdict}")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(ratio: float | None, limit: float) -> str:
+    """'met' or 'MISSED' against ``limit`` (no ratio: the run or its baseline missed the target)."""
+    if ratio is None:
+        return "MISSED (no ratio: the target was not reached)"
+    return "met" if ratio <= limit else "MISSED"
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
