@@ -10,7 +10,8 @@ works (``--num_train_epochs``, ``--max_steps``, ``--dataloader_drop_last``, ``--
     torchrun --nproc-per-node 2 runners/hf_trainer_example.py --deepspeed ds_configs/hf_zero2.json
 
 With ``--use_config_schedule`` (and a ``--deepspeed`` config) the config's ``"adabatch"`` section drives
-the global batch instead of the scheduler function.
+the global batch instead of the scheduler function, e.g. the ``gradient_noise`` schedule of
+``ds_configs/hf_zero2_noise.json`` (its estimate is logged as ``noise_scale``).
 """
 
 from __future__ import annotations
