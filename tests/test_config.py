@@ -209,6 +209,13 @@ def test_messages_say_what_would_be_valid() -> None:
         (edit(granularity=16, schedule__end=72), None, ["use 64 or 80"]),
         (edit(schedule={"type": "constant", "value": 17}), 2, ["16, 18", "allow_uneven"]),
         (edit(schedule={"type": "constant", "value": 4}), 8, ["allow_uneven"]),
+        # The suggestions respect granularity and bounds: 12 and 24 are the multiples of lcm(6, 4) around 18.
+        (edit(granularity=6, schedule={"type": "constant", "value": 18}), 4, ["are 12, 24", "granularity 6"]),
+        (
+            edit(granularity=6, max_global_batch=20, schedule={"type": "constant", "value": 18}),
+            4,
+            ["are 12 (multiples of 12"],
+        ),
         (top(elasticity={}), None, ["0.19.8", "ds-adabatch elastic"]),
         (drop("adabatch", "max_micro_batch_per_gpu"), None, ["is required", "samples"]),
     ]

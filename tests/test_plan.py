@@ -15,6 +15,7 @@ from ds_adabatch.plan import (
     batch_multiple,
     compatible_batch_sizes,
     feasible_range,
+    nearest_plannable,
     plan_batch,
     round_global_batch,
 )
@@ -240,6 +241,43 @@ def test_round_global_batch_rejects_nonfinite_and_empty_bounds() -> None:
     with pytest.raises(PlanError, match="no global batch between"):
         round_global_batch(6, 4, min_global_batch=5, max_global_batch=7)
     assert feasible_range(4, min_global_batch=5, max_global_batch=7, allow_uneven=True) == (5, 7)
+
+
+@given(
+    value=st.integers(1, 10**5),
+    world=st.integers(1, 64),
+    granularity=st.integers(1, 64),
+    lo=st.none() | st.integers(1, 5000),
+    span=st.none() | st.integers(0, 5000),
+)
+def test_nearest_plannable_neighbours(value, world, granularity, lo, span) -> None:
+    hi = None if span is None else (lo or 1) + span
+    try:
+        low, high = feasible_range(world, granularity=granularity, min_global_batch=lo, max_global_batch=hi)
+    except PlanError:
+        with pytest.raises(PlanError):
+            nearest_plannable(value, world, granularity=granularity, min_global_batch=lo, max_global_batch=hi)
+        return
+    near = nearest_plannable(value, world, granularity=granularity, min_global_batch=lo, max_global_batch=hi)
+    assert 1 <= len(near) <= 2 and near == sorted(near)
+    step = math.lcm(world, granularity)
+    for v in near:
+        assert v % step == 0 and low <= v and (high is None or v <= high)
+        plan_batch(v, world, 1)  # plannable
+    # Nothing plannable lies strictly between the suggestions and the value.
+    feasible = [v for v in range(low, (high or low + 3 * step + value) + 1, step)]
+    below = [v for v in feasible if v <= value]
+    above = [v for v in feasible if v >= value]
+    expected = {max(below) if below else min(feasible), min(above) if above else max(feasible)}
+    assert set(near) == expected
+
+
+def test_nearest_plannable_examples() -> None:
+    assert nearest_plannable(9, 2, granularity=3) == [6, 12]
+    assert nearest_plannable(9, 2, granularity=3, max_global_batch=10) == [6]
+    assert nearest_plannable(17, 2) == [16, 18]
+    assert nearest_plannable(18, 2) == [18]
+    assert nearest_plannable(3, 4, min_global_batch=8) == [8]
 
 
 def _brute_force_compatible(max_b, worlds, m, min_b, min_micro, max_gas, g):

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..plan import BatchPlan, PlanError, feasible_range, plan_batch
+from ..plan import BatchPlan, PlanError, batch_multiple, feasible_range, nearest_plannable, plan_batch
 from ._pydantic import problems_from_validation_error
 from .errors import ConfigError, ConfigProblem
 from .models import AdaBatchConfig, endpoint_problems
@@ -275,11 +275,40 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
                 value, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
             )
         except PlanError as err:
-            problems.append(ConfigProblem(path, f"cannot be planned on {world_size} ranks: {err}", value))
+            message = f"cannot be planned on {world_size} ranks: {err}"
+            if (
+                value % world_size
+                and not cfg.allow_uneven
+                and (cfg.granularity > 1 or cfg.min_global_batch or cfg.max_global_batch)
+            ):
+                message = _uneven_message(value, world_size, cfg) or message
+            problems.append(ConfigProblem(path, message, value))
             continue
         if value == initial and plan is None:
             plan = candidate
     return plan, problems
+
+
+def _uneven_message(value: int, world_size: int, cfg: AdaBatchConfig) -> str | None:
+    """Why ``value`` cannot be split evenly, naming the plannable batches next to it under the section's
+    granularity and bounds (None where the bounds admit none: that is reported on its own)."""
+    try:
+        near = nearest_plannable(
+            value,
+            world_size,
+            granularity=cfg.granularity,
+            min_global_batch=cfg.min_global_batch,
+            max_global_batch=cfg.max_global_batch,
+        )
+    except PlanError:
+        return None
+    step = batch_multiple(world_size, cfg.granularity)
+    return (
+        f"cannot be planned on {world_size} ranks: global batch {value} does not split evenly over "
+        f"{world_size} ranks; the nearest plannable global batches are {', '.join(map(str, near))} "
+        f"(multiples of {step}, the least common multiple of granularity {cfg.granularity} and the world "
+        f"size, within the bounds), or set allow_uneven to split {value} unevenly"
+    )
 
 
 def _is_count(value: object) -> bool:

@@ -1,7 +1,7 @@
 """Batch plans: split a global batch into micro-batch x accumulation steps x ranks."""
 
 from .elastic import CompatibleBatchSize, compatible_batch_sizes
-from .rounding import batch_multiple, feasible_range, round_global_batch
+from .rounding import batch_multiple, feasible_range, nearest_plannable, round_global_batch
 from .solver import BatchPlan, PlanError, plan_batch
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "batch_multiple",
     "compatible_batch_sizes",
     "feasible_range",
+    "nearest_plannable",
     "plan_batch",
     "round_global_batch",
 ]

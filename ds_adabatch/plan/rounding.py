@@ -11,7 +11,7 @@ import math
 
 from .solver import PlanError
 
-__all__ = ["batch_multiple", "feasible_range", "round_global_batch"]
+__all__ = ["batch_multiple", "feasible_range", "nearest_plannable", "round_global_batch"]
 
 
 def batch_multiple(world_size: int, granularity: int = 1, allow_uneven: bool = False) -> int:
@@ -78,3 +78,33 @@ def round_global_batch(
     if hi is not None:
         value = min(value, hi)
     return int(value)
+
+
+def nearest_plannable(
+    value: int,
+    world_size: int,
+    *,
+    granularity: int = 1,
+    min_global_batch: int | None = None,
+    max_global_batch: int | None = None,
+    allow_uneven: bool = False,
+) -> list[int]:
+    """The plannable global batches next to ``value`` (below and above, inside the bounds), ascending.
+
+    What an error should suggest instead of a batch that cannot be planned: multiples of
+    :func:`batch_multiple` within ``[min_global_batch, max_global_batch]``.
+
+    Raises:
+        PlanError: the bounds admit no plannable batch at all.
+    """
+    step = batch_multiple(world_size, granularity, allow_uneven)
+    lo, hi = feasible_range(
+        world_size,
+        granularity=granularity,
+        min_global_batch=min_global_batch,
+        max_global_batch=max_global_batch,
+        allow_uneven=allow_uneven,
+    )
+    below, above = (value // step) * step, -(-value // step) * step
+    clamp = [max(lo, v) if hi is None else min(max(lo, v), hi) for v in (below, above)]
+    return sorted(set(clamp))
