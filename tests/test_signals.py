@@ -430,3 +430,32 @@ def test_gradient_noise_reversal_test_does_not_block_capped_moves():
     assert at(rule, 2, 900.0, batch=200) == 900.0
     # And a reversal beyond the band is a move.
     assert at(rule, 3, 500.0, batch=900) == 500.0
+
+
+def test_noise_cadence_measures_every_n_steps_and_warns_once_when_it_cannot(caplog):
+    import logging
+
+    from ds_adabatch.config import AdaBatchConfig
+    from ds_adabatch.runtime.noise_probe import NoiseCadence
+
+    def schedule(spec):
+        return AdaBatchConfig.model_validate({"schedule": spec, "max_micro_batch_per_gpu": 4}).schedule
+
+    cadence = NoiseCadence(schedule({"type": "gradient_noise", "start": 8, "measure_every": 2}))
+    assert [cadence.due(step, 2, 1) for step in range(5)] == [True, False, True, False, True]
+    assert [cadence.due(step, 1, 3) for step in range(4)] == [True, False, True, False]
+    lib = logging.getLogger("ds_adabatch")
+    attach = not lib.propagate  # initialize() may have stopped propagation to the root's handler
+    if attach:
+        lib.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_adabatch"):
+            assert not cadence.due(6, 1, 1) and not cadence.due(8, 1, 1)
+    finally:
+        if attach:
+            lib.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if "cannot be measured" in r.getMessage()]
+    assert len(warnings) == 1 and "max_micro_batch_per_gpu" in warnings[0], warnings
+    assert cadence.due(10, 1, 2), "measuring resumes once a step has two micro-batches"
+    constant = NoiseCadence(schedule({"type": "constant", "value": 8}))
+    assert not any(constant.due(step, 2, 2) for step in range(4))

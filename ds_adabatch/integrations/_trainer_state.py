@@ -25,6 +25,7 @@ from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
 from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.comm import broadcast_int
+from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
@@ -103,6 +104,7 @@ class AdaptiveBatchState:
             GradientNoiseEstimator(ema_beta=schedule.ema_beta) if schedule.type == "gradient_noise" else None
         )
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
+        self._noise_cadence = NoiseCadence(schedule)
         self._decided: tuple[int, BatchPlan] | None = None
         missing = controller.schedule.requires - _SUPPORTED_SIGNALS
         if missing:
@@ -142,15 +144,9 @@ class AdaptiveBatchState:
         return "tokens" in self.controller.schedule.requires
 
     def should_measure_noise(self, step: int, plan: BatchPlan) -> bool:
-        """Whether optimizer step ``step`` (completed steps before it) measures the noise scale.
-
-        Every ``measure_every`` steps, when the step has at least two micro-batches over all ranks
-        (one micro-batch against the whole global batch needs two batch sizes).
-        """
-        if self.noise is None:
-            return False
-        every = self.config.schedule.measure_every
-        return step % every == 0 and self.world_size * plan.gradient_accumulation_steps > 1
+        """Whether optimizer step ``step`` (completed steps before it) measures the noise scale
+        (see :class:`~ds_adabatch.runtime.noise_probe.NoiseCadence`)."""
+        return self._noise_cadence.due(step, self.world_size, plan.gradient_accumulation_steps)
 
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:

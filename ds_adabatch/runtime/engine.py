@@ -34,7 +34,7 @@ from .batch_shape import apply_plan_to_engine
 from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
-from .noise_probe import NoiseProbe, update_estimator
+from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
 from .weights import loss_weight
 
 __all__ = ["AdaptiveBatchEngine"]
@@ -87,6 +87,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.last_grad_norm: float | None = None
         self.loss_ema = EmaLoss(beta=0.9)
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
+        self._noise_cadence = NoiseCadence(self.config.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._apply_plan(self.plan, reason="initial plan", record=False)
 
@@ -358,11 +359,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return {"ema_beta": schedule.ema_beta} if schedule.type == "gradient_noise" else {}
 
     def _should_measure_noise(self) -> bool:
-        if self.config.schedule.type != "gradient_noise":
-            return False
-        every = self.config.schedule.measure_every
-        # The estimator needs two batch sizes: one micro-batch and the whole global batch.
-        return self.global_steps % every == 0 and self.world_size * self.plan.gradient_accumulation_steps > 1
+        return self._noise_cadence.due(
+            self.global_steps, self.world_size, self.plan.gradient_accumulation_steps
+        )
 
     def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: NoiseProbe) -> None:
         update_estimator(self.noise, sums, total_samples, probe.reduced_sq_norm())

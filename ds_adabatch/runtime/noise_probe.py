@@ -14,6 +14,7 @@ device scalar, so a GPU is never synchronised per parameter.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -22,7 +23,9 @@ import torch
 
 from ds_adabatch.signals import GradientNoiseEstimator
 
-__all__ = ["NoiseProbe", "loss_scale", "update_estimator"]
+__all__ = ["NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
+
+logger = logging.getLogger("ds_adabatch")
 
 
 def loss_scale(ds_engine: Any) -> float:
@@ -148,3 +151,33 @@ def update_estimator(
     if total_samples <= b_small:
         return
     estimator.update(b_small, sq_sum / n_micro, total_samples, sq_big)
+
+
+class NoiseCadence:
+    """Which optimizer steps measure the noise scale: every ``measure_every`` steps of a
+    ``gradient_noise`` schedule, when the step has at least two micro-batches over all ranks (the
+    estimator compares one micro-batch with the whole global batch).
+
+    A due step with a single micro-batch in total is skipped with a warning, once per run: the schedule
+    then holds its batch until a step can be measured.
+    """
+
+    def __init__(self, schedule_config: Any) -> None:
+        self.every = int(schedule_config.measure_every) if schedule_config.type == "gradient_noise" else 0
+        self.warned = False
+
+    def due(self, step: int, world_size: int, gradient_accumulation_steps: int) -> bool:
+        """Whether optimizer step ``step`` (completed steps before it) is measured."""
+        if not self.every or step % self.every:
+            return False
+        if world_size * gradient_accumulation_steps > 1:
+            return True
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "gradient_noise: step %d is a single micro-batch on a single rank, so the noise scale "
+                "cannot be measured and the batch holds; make max_micro_batch_per_gpu smaller than the "
+                "global batch (two or more accumulation steps) or train on more ranks",
+                step,
+            )
+        return False
