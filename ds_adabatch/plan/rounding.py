@@ -65,19 +65,8 @@ def round_global_batch(
     """
     if not math.isfinite(desired):
         raise PlanError(f"desired global batch must be a finite number, got {desired!r}")
-    step = batch_multiple(world_size, granularity, allow_uneven)
-    lo, hi = feasible_range(
-        world_size,
-        granularity=granularity,
-        min_global_batch=min_global_batch,
-        max_global_batch=max_global_batch,
-        allow_uneven=allow_uneven,
-    )
-    value = math.floor(desired / step + 0.5) * step
-    value = max(value, lo)
-    if hi is not None:
-        value = min(value, hi)
-    return int(value)
+    step, lo, hi = _grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
+    return _clamp(math.floor(desired / step + 0.5) * step, lo, hi)
 
 
 def nearest_plannable(
@@ -97,7 +86,19 @@ def nearest_plannable(
     Raises:
         PlanError: the bounds admit no plannable batch at all.
     """
-    step = batch_multiple(world_size, granularity, allow_uneven)
+    step, lo, hi = _grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
+    below, above = (value // step) * step, -(-value // step) * step
+    return sorted({_clamp(below, lo, hi), _clamp(above, lo, hi)})
+
+
+def _grid(
+    world_size: int,
+    granularity: int,
+    min_global_batch: int | None,
+    max_global_batch: int | None,
+    allow_uneven: bool,
+) -> tuple[int, int, int | None]:
+    """(multiple, smallest, largest or None) of the plannable global batches."""
     lo, hi = feasible_range(
         world_size,
         granularity=granularity,
@@ -105,6 +106,8 @@ def nearest_plannable(
         max_global_batch=max_global_batch,
         allow_uneven=allow_uneven,
     )
-    below, above = (value // step) * step, -(-value // step) * step
-    clamp = [max(lo, v) if hi is None else min(max(lo, v), hi) for v in (below, above)]
-    return sorted(set(clamp))
+    return batch_multiple(world_size, granularity, allow_uneven), lo, hi
+
+
+def _clamp(value: int, lo: int, hi: int | None) -> int:
+    return int(max(value, lo) if hi is None else min(max(value, lo), hi))
