@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -10,3 +14,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run`` of ``script`` on ``nproc`` CPU ranks (gloo, one thread each).
+
+    The free port can be taken by another process before torchrun binds it: that launch is retried once
+    on a new port. Returns the finished process (stdout and stderr captured as text).
+    """
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+    def launch() -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        cmd += [f"--master-port={free_port()}", str(script), *args]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+    proc = launch()
+    if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
+        proc = launch()
+    return proc

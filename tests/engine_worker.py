@@ -301,6 +301,8 @@ def phase_tokens(out_dir: str) -> None:
 
 # --- gradient-noise scale ------------------------------------------------------------------------
 NOISE_DIM, NOISE_SIGMA = 8, 1.0
+NOISE_TRUTH = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
+"""B_noise = tr(Sigma) / |G|^2 of GaussianRegression at w = 0 (|G| = 1): (n + 1) |G|^2 + n sigma^2."""
 
 
 class GaussianRegression(torch.utils.data.Dataset):
@@ -325,7 +327,7 @@ def half_mse(model, batch):
 
 
 def phase_noise(out_dir: str, stages=(0, 2, 3)) -> None:
-    truth = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
+    truth = NOISE_TRUTH
     for stage in stages:
         torch.manual_seed(0)
         model = torch.nn.Linear(NOISE_DIM, 1, bias=False)

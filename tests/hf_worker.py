@@ -34,6 +34,8 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from engine_worker import NOISE_DIM  # noqa: E402
+from engine_worker import GaussianRegression as _GaussianPairs  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
@@ -315,26 +317,15 @@ def run_ramp(out: Path, ds: bool) -> dict:
     return {"steps": recorder.steps, "logs": trainer.state.log_history}
 
 
-NOISE_DIM, NOISE_SIGMA = 8, 1.0
-NOISE_TRUTH = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
-"""B_noise = tr(Sigma) / |G|^2 of GaussianRegression at w = 0 (|G| = 1): (n + 1) |G|^2 + n sigma^2."""
 NOISE_SAVE_AT, NOISE_STEPS = 6, 12
 
 
-class GaussianRegression(torch.utils.data.Dataset):
-    """x ~ N(0, I_8), y = x . w* + N(0, 1) noise, |w*| = 1: a closed-form gradient-noise scale at w = 0."""
-
-    def __init__(self, n: int = 64 * 80, seed: int = 5) -> None:
-        g = torch.Generator().manual_seed(seed)
-        w_star = torch.ones(NOISE_DIM) / NOISE_DIM**0.5
-        self.x = torch.randn(n, NOISE_DIM, generator=g)
-        self.y = self.x @ w_star + NOISE_SIGMA * torch.randn(n, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
+class GaussianRegression(_GaussianPairs):
+    """The engine tests' regression with a closed-form noise scale, as Trainer inputs (a dict)."""
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "labels": self.y[i]}
+        x, y = super().__getitem__(i)
+        return {"x": x, "labels": y}
 
 
 class HalfMse(torch.nn.Module):

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _util import free_port
+from _util import torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -26,24 +23,9 @@ STAGES = (0, 1, 2, 3)
 
 
 def _launch(nproc: int, phase: str, out: Path) -> None:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for attempt in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(WORKER),
-            phase,
-            str(out),
-        ]
-        proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
-        log = proc.stdout + proc.stderr
-        (out / f"{phase}.log").write_text(log)
-        # The free port can be taken by another process before torchrun binds it: retry that once.
-        if proc.returncode == 0 or attempt or "address already in use" not in log.lower():
-            break
+    proc = torchrun(WORKER, phase, str(out), nproc=nproc, cwd=HERE, timeout=900)
+    log = proc.stdout + proc.stderr
+    (out / f"{phase}.log").write_text(log)
     if proc.returncode != 0:
         pytest.fail(
             f"engine worker phase {phase!r} on {nproc} ranks failed (exit {proc.returncode}):\n{log[-4000:]}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _util import free_port
+from _util import torchrun
 
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
@@ -33,19 +32,7 @@ TOL = 1e-5
 
 
 def _launch(out: Path, backend: str, *scenarios: str) -> Path:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        str(WORKER),
-        str(out),
-        backend,
-        *scenarios,
-    ]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(WORKER, str(out), backend, *scenarios, cwd=HERE, timeout=600)
     (out / f"{backend}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         pytest.fail(
@@ -294,7 +281,7 @@ def test_config_section_drives_the_batch_without_a_scheduler(ds_results):
 # -- the gradient_noise schedule (DeepSpeed config section) --------------------------------------------
 @pytest.mark.parametrize("backend", DEEPSPEED)
 def test_noise_scale_estimate_near_closed_form_under_every_stage(request, backend):
-    from hf_worker import NOISE_TRUTH
+    from engine_worker import NOISE_TRUTH
 
     estimates = _read(_results(request, backend), "noise", backend, 0)["estimate"]
     assert sorted(estimates) == (["z0", "z2"] if backend == "ds" else ["z0", "z3"])

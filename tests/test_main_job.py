@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _util import free_port
+from _util import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,13 +19,8 @@ def test_main_job_short_run(tmp_path):
     cfg_path = tmp_path / "lm_short.json"
     cfg_path.write_text(json.dumps(config))
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        str(ROOT / "runners" / "train_lm.py"),
+    proc = torchrun(
+        ROOT / "runners" / "train_lm.py",
         "--config",
         str(cfg_path),
         "--samples",
@@ -38,9 +30,9 @@ def test_main_job_short_run(tmp_path):
         "--out",
         str(out),
         "--no-progress",
-    ]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT,
+        timeout=600,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"train_lm.py failed:\n{log[-4000:]}"
     assert "Traceback" not in log
