@@ -303,6 +303,17 @@ def phase_tokens(out_dir: str) -> None:
 NOISE_DIM, NOISE_SIGMA = 8, 1.0
 NOISE_TRUTH = ((NOISE_DIM + 1) * 1.0 + NOISE_DIM * NOISE_SIGMA**2) / 1.0
 """B_noise = tr(Sigma) / |G|^2 of GaussianRegression at w = 0 (|G| = 1): (n + 1) |G|^2 + n sigma^2."""
+NOISE_ESTIMATE = {
+    "schedule": {
+        "type": "gradient_noise",
+        "start": 64,
+        "warmup_steps": 10**6,
+        "measure_every": 1,
+        "ema_beta": 0.9,
+    },
+    "max_micro_batch_per_gpu": 8,
+}
+"""The "adabatch" section that measures the noise scale at batch 64 and never moves the batch."""
 
 
 class GaussianRegression(torch.utils.data.Dataset):
@@ -335,19 +346,7 @@ def phase_noise(out_dir: str, stages=(0, 2, 3)) -> None:
         cfg = ds_config(
             stage,
             lr=0.0,
-            extra={
-                "adabatch": {
-                    "schedule": {
-                        "type": "gradient_noise",
-                        "start": 64,
-                        "warmup_steps": 10**6,
-                        "measure_every": 1,
-                        "ema_beta": 0.9,
-                    },
-                    "max_micro_batch_per_gpu": 8,
-                    "allow_uneven": False,
-                }
-            },
+            extra={"adabatch": {**NOISE_ESTIMATE, "allow_uneven": False}},
         )
         engine, *_ = ds_adabatch.initialize(model, cfg, GaussianRegression(), loss_fn=half_mse)
         for _ in range(60):

@@ -34,7 +34,7 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from engine_worker import NOISE_DIM  # noqa: E402
+from engine_worker import NOISE_DIM, NOISE_ESTIMATE  # noqa: E402
 from engine_worker import GaussianRegression as _GaussianPairs  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -361,19 +361,14 @@ def run_noise(out: Path, ds: bool) -> dict:
     }
     for stage in sorted({0, backend_stage}):
         ZERO_STAGE = stage
-        section = {
-            "schedule": {
-                "type": "gradient_noise",
-                "start": 64,
-                "warmup_steps": 10**6,
-                "measure_every": 1,
-                "ema_beta": 0.9,
-            },
-            "max_micro_batch_per_gpu": 8,
-        }
         trainer = AdaptiveBatchSizeTrainer(
             model=HalfMse(),
-            args=_args(out / f"estimate_z{stage}", max_steps=60, deepspeed=ds_config(section), **common),
+            args=_args(
+                out / f"estimate_z{stage}",
+                max_steps=60,
+                deepspeed=ds_config(copy.deepcopy(NOISE_ESTIMATE)),
+                **common,
+            ),
             train_dataset=GaussianRegression(),
         )
         trainer.train()
