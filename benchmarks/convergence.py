@@ -19,6 +19,14 @@ reached the target when the mean of its last 3 validation losses is at most 1.60
 at the cap (100,000 samples). Timings count ``train_batch`` only: validation and engine start-up are
 left out, so wall and CPU seconds compare the training work of the policies.
 
+**Decaying-LR setting** (``--setting cosine``): the same model, data, optimizer, warmup and
+validations, but the LR decays by cosine to 10% of its peak over a fixed budget of 28,672 samples (the
+fixed-8 baseline's samples to the target above), and every run trains to that budget (no early stop).
+The runs are ``fixed-8`` (baseline), ``fixed-32``, ``seesaw`` (start 8, defaults), ``linear``,
+``gradient-noise`` and ``loss-plateau``, all with the same LR schedule in samples. The table gives the
+final validation loss (mean of the last 3 validations), optimizer steps, samples and train_batch time,
+with ratios to fixed-8; the picture adds the applied learning rate against samples.
+
 Outputs in ``--out``: ``results.json`` (settings, ds_configs, summary and every curve), ``curves.csv``
 (one row per validation), ``batch_changes.csv`` (one row per plan change), ``summary.md`` (the table)
 and ``convergence.png`` (validation loss against optimizer steps and samples, global batch against
@@ -31,6 +39,7 @@ Usage::
     python benchmarks/convergence.py --runs fixed-8 gradient-noise --seeds 0 --cap 20000
     python benchmarks/convergence.py --nproc 1                # the same on one rank (no torchrun)
     python benchmarks/convergence.py --gradient-noise '{"scale": 1.0}'   # calibration of one field
+    python benchmarks/convergence.py --setting cosine         # the decaying-LR setting (6 runs x 2 seeds)
 
 Without ``--nproc 1`` the script relaunches itself under torchrun with 2 data-parallel (gloo) ranks of
 one torch thread each.
@@ -97,6 +106,11 @@ class Settings:
     """torch intra-op threads per process."""
     max_bytes: int | None = None
     """Read at most this many bytes of corpus (None: the whole standard library)."""
+    lr_schedule: str = "constant"
+    """``constant`` (after warmup; runs stop at the target) or ``cosine`` (decay to ``cos_min_ratio`` x
+    peak over ``cap`` samples; every run trains to ``cap``)."""
+    cos_min_ratio: float = 0.1
+    """Final LR of the cosine setting, as a fraction of the peak."""
     gradient_noise: tuple[tuple[str, Any], ...] = ()
     """Fields set on the ``gradient-noise`` run's schedule besides ``start`` (calibration only; the
     published runs set none, so they show the schedule's defaults)."""
@@ -109,12 +123,46 @@ def _fixed(value: int) -> Callable[[Settings], dict[str, Any]]:
 RUNS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "fixed-8": _fixed(8),
     "fixed-64": _fixed(64),
+    "fixed-32": _fixed(32),
+    "seesaw": lambda s: {"type": "seesaw", "start": 8},
     "linear": lambda s: {"type": "linear", "start": 8, "end": 64, "ramp_samples": s.ramp_samples},
     # Only `start` is given: the point of these two runs is the schedules' defaults, untuned.
     "gradient-noise": lambda s: {"type": "gradient_noise", "start": 8, **dict(s.gradient_noise)},
     "loss-plateau": lambda s: {"type": "loss_plateau", "start": 8},
 }
 """Run name -> the ``adabatch.schedule`` section it trains with."""
+
+
+COSINE = {
+    "cap": 28_672,
+    "runs": ("fixed-8", "fixed-32", "seesaw", "linear", "gradient-noise", "loss-plateau"),
+}
+"""``--setting cosine``: the budget is the constant setting's fixed-8 samples to its target (seed 1)."""
+
+
+def _scheduler(s: Settings) -> dict[str, Any]:
+    # Under lr_schedule_unit "samples" one scheduler step is one reference batch of samples.
+    warmup = s.warmup_samples // s.reference_batch
+    if s.lr_schedule == "cosine":
+        return {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": s.cap // s.reference_batch,
+                "warmup_num_steps": warmup,
+                "warmup_min_ratio": 0.0,
+                "warmup_type": "linear",
+                "cos_min_ratio": s.cos_min_ratio,
+            },
+        }
+    return {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": s.base_lr,
+            "warmup_num_steps": warmup,
+            "warmup_type": "linear",
+        },
+    }
 
 
 def ds_config(run: str, seed: int, s: Settings) -> dict[str, Any]:
@@ -132,16 +180,7 @@ def ds_config(run: str, seed: int, s: Settings) -> dict[str, Any]:
                 "torch_adam": True,
             },
         },
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": s.base_lr,
-                # Under lr_schedule_unit "samples" one scheduler step is one reference batch of samples.
-                "warmup_num_steps": s.warmup_samples // s.reference_batch,
-                "warmup_type": "linear",
-            },
-        },
+        "scheduler": _scheduler(s),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 0},
         "bf16": {"enabled": False},
@@ -180,6 +219,7 @@ class RunResult:
     final_samples: int = 0
     final_trailing: float | None = None
     train_wall_s: float = 0.0
+    train_cpu_s: float = 0.0
     total_wall_s: float = 0.0
     """Whole run, validation and engine start-up included."""
     curve: list[dict[str, Any]] = field(default_factory=list)
@@ -237,13 +277,20 @@ def train_run(run: str, seed: int, s: Settings, train: Any, validation: Any, *, 
                 f"batch {engine.plan.global_batch_size:4d}  val {loss:.4f}  trailing {trailing:.4f}",
                 flush=True,
             )
-        # The window must be full: a single lucky validation is not convergence.
-        return len(losses) >= s.trailing and trailing <= s.target
+        # The window must be full: a single lucky validation is not convergence. The cosine setting
+        # trains every run to the budget: its LR schedule is defined over the whole of it.
+        return s.lr_schedule == "constant" and len(losses) >= s.trailing and trailing <= s.target
 
     validate()  # at sample 0, for the curves
     next_validation = s.validate_every
     while engine.global_samples < s.cap:
         t0, c0 = time.perf_counter(), time.process_time()
+        if s.lr_schedule == "cosine":
+            # Every run ends at exactly the budget: the step that would pass it is cut to the remainder
+            # (a multiple of 8 like every batch here, so plannable on 1 or 2 ranks).
+            left = s.cap - engine.global_samples
+            if engine.next_plan().global_batch_size > left:
+                engine.set_global_batch_size(left, reason="end of the sample budget")
         engine.train_batch()
         wall += time.perf_counter() - t0
         cpu += time.process_time() - c0
@@ -261,6 +308,7 @@ def train_run(run: str, seed: int, s: Settings, train: Any, validation: Any, *, 
     result.final_steps, result.final_samples = engine.global_steps, engine.global_samples
     result.final_trailing = result.curve[-1]["trailing_mean"]
     result.train_wall_s = wall
+    result.train_cpu_s = cpu
     result.batch_changes = [
         {
             "step": e.step,
@@ -274,6 +322,76 @@ def train_run(run: str, seed: int, s: Settings, train: Any, validation: Any, *, 
     engine.close()
     result.total_wall_s = time.perf_counter() - started
     return result
+
+
+def summarize_budget(results: list[RunResult]) -> list[dict[str, Any]]:
+    """Decaying-LR setting: one row per (run, seed) at the end of the budget, with ratios to fixed-8."""
+    base = {r.seed: r for r in results if r.run == BASELINE}
+    rows = []
+    for r in results:
+        b = base.get(r.seed)
+        row: dict[str, Any] = {
+            "run": r.run,
+            "seed": r.seed,
+            "final_val": r.final_trailing,
+            "steps": r.final_steps,
+            "samples": r.final_samples,
+            "wall_s": r.train_wall_s,
+            "cpu_s": r.train_cpu_s,
+        }
+        for key in ("final_val", "steps", "samples", "wall_s", "cpu_s"):
+            ok = b is not None and row[key] is not None and summary_value(b, key)
+            row[f"{key}_ratio"] = row[key] / summary_value(b, key) if ok else None
+        rows.append(row)
+    return rows
+
+
+def summary_value(r: RunResult, key: str) -> float | None:
+    """A budget-row quantity of ``r`` (see ``summarize_budget``)."""
+    return {
+        "final_val": r.final_trailing,
+        "steps": r.final_steps,
+        "samples": r.final_samples,
+        "wall_s": r.train_wall_s,
+        "cpu_s": r.train_cpu_s,
+    }[key]
+
+
+SEESAW_GOAL = (("final_val", 1.01), ("steps", 0.65), ("wall_s", 0.75))
+"""The decaying-LR goal of ``seesaw``: ratios to fixed-8 at most these."""
+
+
+def summary_budget_markdown(rows: list[dict[str, Any]], s: Settings) -> str:
+    """The decaying-LR table and the seesaw goal check."""
+    lines = [
+        f"Cosine decay to {s.cos_min_ratio:g} x peak over {s.cap:,} samples; final validation loss = mean "
+        f"of the last {s.trailing} validations. Ratios are to `{BASELINE}` of the same seed.",
+        "",
+        "| run | seed | final val | steps | samples | wall s | CPU s | val x | steps x | samples x | "
+        "wall x | CPU x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = ("final_val", "steps", "samples", "wall_s", "cpu_s")
+    for r in rows:
+        cells = [
+            _fmt(r["final_val"], ".4f"),
+            f"{r['steps']:,}",
+            f"{r['samples']:,}",
+            _fmt(r["wall_s"], ".0f"),
+            _fmt(r["cpu_s"], ".0f"),
+        ]
+        ratios = [_fmt(r[f"{k}_ratio"], ".3f" if k == "final_val" else ".2f") for k in keys]
+        lines.append(f"| {r['run']} | {r['seed']} | " + " | ".join(cells + ratios) + " |")
+    goal = [r for r in rows if r["run"] == "seesaw"]
+    if goal:
+        lines += ["", "Goal for `seesaw`: final val <= 1.01x, steps <= 0.65x, wall <= 0.75x on every seed."]
+        for r in goal:
+            verdict = ", ".join(
+                f"{k} {_fmt(r[f'{k}_ratio'], '.3f')} {_verdict(r[f'{k}_ratio'], limit)}"
+                for k, limit in SEESAW_GOAL
+            )
+            lines.append(f"- seed {r['seed']}: {verdict}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
@@ -378,7 +496,7 @@ def plot(results: list[RunResult], s: Settings, png: str) -> None:
     colors[BASELINE] = "black"
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r.seed for r in results})
-    fig, axes = plt.subplots(3, 1, figsize=(8, 11))
+    fig, axes = plt.subplots(4, 1, figsize=(8, 14))
     for r in results:
         # The baseline is drawn wide and pale: runs that keep batch 8 at first lie exactly on it.
         look = {
@@ -399,8 +517,11 @@ def plot(results: list[RunResult], s: Settings, png: str) -> None:
         first = r.batch_changes[0]["old_global_batch"] if r.batch_changes else r.curve[-1]["global_batch"]
         ys = [first] + [e["new_global_batch"] for e in r.batch_changes] + [r.curve[-1]["global_batch"]]
         axes[2].plot(xs, ys, drawstyle="steps-post", **look)
+        # The LR recorded at each validation: the scheduler's LR times the batch's multiplier.
+        axes[3].plot([p["samples"] for p in points], [p["lr"] for p in points], **look)
     for ax in axes[:2]:
-        ax.axhline(s.target, color="grey", lw=0.8, ls=":")
+        if s.lr_schedule == "constant":
+            ax.axhline(s.target, color="grey", lw=0.8, ls=":")
         ax.set_ylabel("validation loss (nats/byte)")
         ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     axes[0].set_xscale("log")
@@ -410,10 +531,17 @@ def plot(results: list[RunResult], s: Settings, png: str) -> None:
     axes[2].set_ylabel("global batch (samples)")
     axes[2].set_yscale("log", base=2)
     axes[2].yaxis.set_major_formatter(ScalarFormatter())
+    axes[3].set_xlabel("training samples")
+    axes[3].set_ylabel("applied learning rate")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Convergence to validation loss {s.target:g}: byte-level GPT-2, ds_adabatch on DeepSpeed")
+    title = (
+        f"Convergence to validation loss {s.target:g}"
+        if s.lr_schedule == "constant"
+        else f"Cosine LR decay over {s.cap:,} samples"
+    )
+    fig.suptitle(f"{title}: byte-level GPT-2, ds_adabatch on DeepSpeed")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -422,8 +550,12 @@ def plot(results: list[RunResult], s: Settings, png: str) -> None:
 def write_outputs(out: str, s: Settings, results: list[RunResult], meta: dict[str, Any]) -> str:
     """Write every output file; return the summary table."""
     os.makedirs(out, exist_ok=True)
-    rows = summarize(results)
-    table = summary_markdown(rows, s)
+    if s.lr_schedule == "constant":
+        rows = summarize(results)
+        table = summary_markdown(rows, s)
+    else:
+        rows = summarize_budget(results)
+        table = summary_budget_markdown(rows, s)
     payload = {
         "settings": asdict(s),
         "meta": meta,
@@ -464,6 +596,13 @@ loss falls too fast over 1,536 samples to look flat (a smoke test, not a result)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: loose target, one seed, 1,536 samples")
+    p.add_argument(
+        "--setting",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant LR after warmup, runs stop at the target (default); or cosine decay over a fixed "
+        "sample budget, every run to the budget",
+    )
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=None, help="policies to run")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default 0 1; --quick: 0)")
     p.add_argument("--cap", type=int, default=None, help="samples per run at most (default 100000)")
@@ -491,7 +630,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    s = replace(Settings(), **QUICK) if args.quick else Settings()
+    s = Settings()
+    if args.setting == "cosine":
+        s = replace(s, lr_schedule="cosine", **COSINE)
+    if args.quick:
+        quick = dict(QUICK)
+        if args.setting == "cosine":  # the quick budget is the quick cap; the runs are the setting's
+            quick.pop("seeds", None)
+            s = replace(s, seeds=(0,))
+        s = replace(s, **quick)
     given = {
         "runs": tuple(args.runs) if args.runs else None,
         "seeds": tuple(args.seeds) if args.seeds else None,
@@ -551,9 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         return _relaunch(args.nproc, argv)
     s = settings_from(args)
     # --quick writes beside, never over, the published results.
-    default_out = os.path.join(
-        ROOT, "benchmarks", "results", "convergence", *(["quick"] if args.quick else [])
-    )
+    folder = "convergence" if s.lr_schedule == "constant" else "convergence-cosine"
+    default_out = os.path.join(ROOT, "benchmarks", "results", folder, *(["quick"] if args.quick else []))
     out = args.out or default_out
 
     import torch
@@ -582,7 +728,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             if rank0:
                 where = (
-                    f"target at step {r.steps:,}, {r.samples:,} samples, {r.wall_s:.1f} s"
+                    f"final val {r.final_trailing:.4f} at step {r.final_steps:,}, {r.final_samples:,} "
+                    f"samples, {r.train_wall_s:.1f} s"
+                    if s.lr_schedule == "cosine"
+                    else f"target at step {r.steps:,}, {r.samples:,} samples, {r.wall_s:.1f} s"
                     if r.reached
                     else f"not reached, trailing {r.final_trailing:.3f} at {r.final_samples:,} samples"
                 )

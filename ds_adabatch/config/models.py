@@ -202,7 +202,45 @@ class AdaBatchConfig(_Section):
                     scaling.reference_batch,
                 )
             )
+        problems += _seesaw_problems(self)
         return problems
+
+
+def _seesaw_problems(cfg: AdaBatchConfig) -> list[ConfigProblem]:
+    """The LR settings the ``seesaw`` schedule needs (its rule is stated in LR and samples)."""
+    schedule = cfg.schedule
+    if schedule.type != "seesaw":
+        return []
+    problems = []
+    if cfg.lr_schedule_unit != "samples":
+        problems.append(
+            ConfigProblem(
+                "lr_schedule_unit",
+                "must be 'samples' with the seesaw schedule: it reads the base LR as a function of "
+                "samples consumed, which only a samples-keyed LR schedule is",
+                cfg.lr_schedule_unit,
+            )
+        )
+    if cfg.lr_scaling.rule == "none":
+        problems.append(
+            ConfigProblem(
+                "lr_scaling.rule",
+                "must be 'sqrt' (Adam-type optimizers, the seesaw rule) or 'linear' (plain SGD) with the "
+                "seesaw schedule: with 'none' the LR would decay on top of the batch growth",
+                cfg.lr_scaling.rule,
+            )
+        )
+    ref = cfg.lr_scaling.reference_batch
+    if ref is not None and ref != schedule.start:
+        problems.append(
+            ConfigProblem(
+                "lr_scaling.reference_batch",
+                f"must equal schedule.start ({schedule.start}) with the seesaw schedule (the base LR is "
+                "the LR at the starting batch): set it to the start or remove it",
+                ref,
+            )
+        )
+    return problems
 
 
 def endpoint_problems(

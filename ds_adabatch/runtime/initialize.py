@@ -13,7 +13,7 @@ import torch
 from ..config import ConfigError, ConfigProblem, load_ds_config
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
-from .lr import BatchCoupledLR
+from .lr import BatchCoupledLR, CurrentBaseLR
 from .weights import make_token_counter
 
 __all__ = ["initialize"]
@@ -119,6 +119,9 @@ def initialize(
     # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
     # state_dict; the coupled wrapper takes that slot so both go through it.
     ds_engine.lr_scheduler = coupled
+    bind = getattr(controller.schedule, "bind_base_lr", None)
+    if callable(bind):  # LR-aware schedules (seesaw) read the scheduler's unscaled LR
+        bind(CurrentBaseLR(coupled))
 
     needs_tokens = cfg.loss_normalization == "token" or "tokens" in controller.schedule.requires
     if needs_tokens and token_count_fn is None:

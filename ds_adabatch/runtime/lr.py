@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["BatchCoupledLR"]
+__all__ = ["BatchCoupledLR", "CurrentBaseLR"]
 
 _STATE_VERSION = 1
 
@@ -136,3 +136,25 @@ class BatchCoupledLR:
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * factor
         self.multiplier = new
+
+
+class CurrentBaseLR:
+    """The run's base LR for LR-aware schedules (``seesaw``): the wrapped scheduler's LR, unscaled.
+
+    Implements ``ds_adabatch.schedules.BaseLRSource``. ``base_lr(samples)`` is the first parameter
+    group's LR with the batch multiplier divided out, i.e. exactly what the user's DeepSpeed or torch
+    scheduler set for the coming step. It only answers for the samples count the run is at: the
+    scheduler has no way to tell its LR at another point without being stepped there.
+    """
+
+    def __init__(self, coupled: BatchCoupledLR) -> None:
+        self.coupled = coupled
+
+    def base_lr(self, samples: int) -> float:
+        if samples != self.coupled.samples:
+            raise ValueError(
+                f"the run's LR scheduler is at sample {self.coupled.samples}, not {samples}; only the "
+                "current base LR can be read from it"
+            )
+        groups = self.coupled.optimizer.param_groups
+        return float(groups[0]["lr"]) / self.coupled.multiplier

@@ -6,19 +6,26 @@ optimizer step, with an integer global batch the planner can split. Nothing here
 DeepSpeed or matplotlib at import time.
 """
 
+from .base_lr import BaseLRSource, DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .base import Schedule, ScheduleContext, ScheduleError, StatefulSchedule, build_schedule
 from .controller import BatchSizeController, Decision
 from .lr import lr_multiplier
+from .seesaw import SeesawSchedule, seesaw_batch
 from .simulate import simulate
 
 __all__ = [
+    "BaseLRSource",
     "BatchSizeController",
+    "DeepSpeedSchedulerCurve",
     "Decision",
     "Schedule",
     "ScheduleContext",
     "ScheduleError",
+    "SeesawSchedule",
     "StatefulSchedule",
+    "base_lr_from_ds_config",
     "build_schedule",
     "lr_multiplier",
+    "seesaw_batch",
     "simulate",
 ]

@@ -119,6 +119,7 @@ def build_schedule(
     from .noise import GradientNoiseSchedule
     from .plateau import LossPlateauSchedule
     from .ramps import ConstantSchedule, LinearSchedule, PiecewiseSchedule, StepSchedule
+    from .seesaw import SeesawSchedule
     from .user import CallableSchedule
 
     kind = getattr(config, "type", None)
@@ -128,6 +129,8 @@ def build_schedule(
         return LossPlateauSchedule(
             config, min_global_batch=min_global_batch, max_global_batch=max_global_batch
         )
+    if kind == "seesaw":
+        return SeesawSchedule(config, max_global_batch=max_global_batch)
     simple = {
         "constant": ConstantSchedule,
         "linear": LinearSchedule,
@@ -136,6 +139,6 @@ def build_schedule(
         "gradient_noise": GradientNoiseSchedule,
     }
     if kind not in simple:
-        known = ", ".join(sorted([*simple, "callable", "loss_plateau"]))
+        known = ", ".join(sorted([*simple, "callable", "loss_plateau", "seesaw"]))
         raise ValueError(f"unknown schedule type {kind!r}; known types: {known}")
     return simple[kind](config)

@@ -10,6 +10,12 @@ for every signal, the latest value recorded at or before the simulated sample co
 interpolated: the simulated run has different batch sizes, so the recorded curve is only a proxy);
 ``tokens`` is interpolated linearly in samples. Lines without ``samples`` (other log events) and
 values that are ``null`` or ``NaN`` are skipped.
+
+The ``lr`` column is the learning rate the step would apply: the ds_config's ``scheduler`` section
+(``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, or none: the optimizer's ``lr``) evaluated in
+samples under ``lr_schedule_unit: "samples"`` (in steps otherwise), times the batch's LR multiplier;
+empty when the config has neither. The ``seesaw`` schedule reads that base LR to decide the batch, so
+simulating it needs the scheduler section (a torch scheduler only exists in a running job).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from ..plan import plan_batch
 from .base import ScheduleContext
+from .base_lr import DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .controller import BatchSizeController
 from .lr import lr_multiplier
 
@@ -38,6 +45,7 @@ CSV_COLUMNS = (
     "gradient_accumulation_steps",
     "even",
     "lr_multiplier",
+    "lr",
     "desired",
     "reason",
 )
@@ -167,6 +175,10 @@ def simulate(
     batch = controller.initial_global_batch()
     reference = getattr(scaling, "reference_batch", None) or batch
     allow_uneven = bool(getattr(cfg, "allow_uneven", False))
+    curve = _base_lr_curve(loaded_config, reference, needed=hasattr(schedule, "bind_base_lr"))
+    if curve is not None and hasattr(schedule, "bind_base_lr"):
+        schedule.bind_base_lr(curve)
+    by_samples = getattr(cfg, "lr_schedule_unit", "steps") == "samples"
 
     rows: list[dict[str, Any]] = []
     step = consumed = 0
@@ -196,6 +208,13 @@ def simulate(
         decision = controller.next_global_batch(ctx)
         batch = decision.global_batch
         plan = plan_batch(batch, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=allow_uneven)
+        multiplier = lr_multiplier(rule, batch, reference)
+        if curve is not None:
+            # In "steps" mode the scheduler steps once per optimizer step: its clock is step x reference.
+            clock = consumed if by_samples else step * reference
+            lr: float | None = curve.base_lr(clock) * multiplier
+        else:
+            lr = None
         rows.append(
             {
                 "step": step,
@@ -205,7 +224,8 @@ def simulate(
                 "micro_batch_per_gpu": plan.micro_batch_per_gpu,
                 "gradient_accumulation_steps": plan.gradient_accumulation_steps,
                 "even": plan.is_even,
-                "lr_multiplier": lr_multiplier(rule, batch, reference),
+                "lr_multiplier": multiplier,
+                "lr": lr,
                 "desired": decision.desired,
                 "reason": decision.reason,
             }
@@ -223,6 +243,21 @@ def simulate(
     return rows
 
 
+def _base_lr_curve(loaded_config: Any, reference: int, *, needed: bool) -> DeepSpeedSchedulerCurve | None:
+    """The config's LR schedule keyed on samples; None when it cannot be evaluated and is not needed."""
+    original = getattr(loaded_config, "original", None)
+    try:
+        if not isinstance(original, dict):
+            raise ValueError("the config carries no ds_config to read the LR schedule from")
+        return base_lr_from_ds_config(original, reference)
+    except ValueError as err:
+        if needed:
+            raise ValueError(
+                f"this schedule follows the LR schedule, which cannot be simulated here: {err}"
+            ) from None
+        return None
+
+
 def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
@@ -237,11 +272,12 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
     x = [row["samples"] for row in rows]
+    lr_known = all(row["lr"] is not None for row in rows)
     panels = (
         ("global_batch", "global batch"),
         ("micro_batch_per_gpu", "micro-batch / GPU"),
         ("gradient_accumulation_steps", "GAS"),
-        ("lr_multiplier", "LR multiplier"),
+        ("lr", "applied learning rate") if lr_known else ("lr_multiplier", "LR multiplier"),
     )
     fig = Figure(figsize=(9, 9), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True)
