@@ -151,6 +151,48 @@ def phase_exact(out_dir: str) -> None:
     run_workers(out_dir)
     run_data_iter(out_dir)
     run_iterable(out_dir)
+    run_seesaw_lr(out_dir)
+
+
+# A cosine LR schedule in samples (reference batch 4): warmup over 4 scheduler steps, then decay to
+# 10% of the peak by step 50 (200 samples); the seesaw batch follows peak / base LR from 4 up to 32.
+SEESAW_LR_CONFIG = {
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": 50,
+            "warmup_num_steps": 4,
+            "warmup_type": "linear",
+            "cos_min_ratio": 0.1,
+        },
+    },
+    "adabatch": {
+        "schedule": {"type": "seesaw", "start": 4},
+        "max_micro_batch_per_gpu": 4,
+        "allow_uneven": False,
+        "max_global_batch": 32,
+        "lr_scaling": {"rule": "sqrt"},
+        "lr_schedule_unit": "samples",
+    },
+}
+SEESAW_LR_SAMPLES = 240
+
+
+def run_seesaw_lr(out_dir: str) -> None:
+    """seesaw on a real cosine WarmupCosineLR: the batch and the LR DeepSpeed's optimizer applied."""
+    cfg = ds_config(0, extra=SEESAW_LR_CONFIG)
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=400), loss_fn=mse_loss)
+    rows = []
+    while engine.global_samples < SEESAW_LR_SAMPLES:
+        samples_before = engine.global_samples
+        engine.train_batch()
+        m = engine.last_metrics
+        # The LR the optimizer actually held during the step, read from DeepSpeed's param groups.
+        rows.append({"samples_before": samples_before, "batch": m.global_batch, "lr": m.lr})
+    if engine.global_rank == 0:
+        write(out_dir, "seesaw_lr", {"rows": rows, "config": cfg})
+    engine.close()
 
 
 def run_workers(out_dir: str) -> None:
@@ -397,11 +439,30 @@ CKPT_SCHEDULES = {
         "measure_every": 1,
         "hysteresis": 0.0,
     },
+    "seesaw": {"type": "seesaw", "start": 4},
 }
-CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [(0, "callable"), (0, "plateau"), (0, "noise")]
+CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [
+    (0, "callable"),
+    (0, "plateau"),
+    (0, "noise"),
+    (0, "seesaw"),
+]
+# The seesaw case needs an LR that decays within the 6 steps: peak at scheduler iteration 2 (12
+# samples), then linear decay, so the batch grows 4 -> 5 -> 8 after the checkpoint at step 3.
+SEESAW_CKPT_SCHEDULER = {
+    "type": "WarmupDecayLR",
+    "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 2, "total_num_steps": 6, "warmup_type": "linear"},
+}
 
 
 def ckpt_config(stage: int, schedule: str) -> dict:
+    cfg = _ckpt_config(stage, schedule)
+    if schedule == "seesaw":
+        cfg["scheduler"] = SEESAW_CKPT_SCHEDULER
+    return cfg
+
+
+def _ckpt_config(stage: int, schedule: str) -> dict:
     return ds_config(
         stage,
         extra={

@@ -124,7 +124,16 @@ def test_noise_scale_estimate_near_closed_form(results, stage):
     assert rel <= 0.2, f"ZeRO-{stage}: B_noise estimate {r['estimate']:.2f}, truth {r['truth']:.2f}"
 
 
-CKPT = ["linear_z0", "linear_z1", "linear_z2", "linear_z3", "callable_z0", "plateau_z0", "noise_z0"]
+CKPT = [
+    "linear_z0",
+    "linear_z1",
+    "linear_z2",
+    "linear_z3",
+    "callable_z0",
+    "plateau_z0",
+    "noise_z0",
+    "seesaw_z0",
+]
 
 
 @pytest.mark.parametrize("case", CKPT)
@@ -143,7 +152,7 @@ def test_resume_is_bit_identical(results, case):
 
 def test_stateful_schedules_changed_the_batch(results):
     # Otherwise the round trips above would prove nothing about the schedules' state.
-    for case in ("callable_z0", "plateau_z0", "noise_z0"):
+    for case in ("callable_z0", "plateau_z0", "noise_z0", "seesaw_z0"):
         plans = [s["plan"][0] for s in _read(results, f"ckpt_{case}_full")["steps"]]
         assert len(set(plans[3:])) > 1 or plans[3] != plans[0], f"{case}: batch never changed: {plans}"
 
@@ -184,3 +193,33 @@ def test_metrics_reach_deepspeed_monitor(results):
     series = next(folder.glob("*adabatch_global_batch*.csv")).read_text().splitlines()
     values = [float(line.split(",")[1]) for line in series[1:]]
     assert len(values) == 10 and values[0] == 4 and values[-1] == 16, f"monitor global batch: {values}"
+
+
+def test_seesaw_applied_lr_equals_the_rule(results):
+    # 2 ranks, DeepSpeed's own WarmupCosineLR: the engine's batch sequence is the pure rule's (simulate
+    # over the same config), and the LR the optimizer applied is base LR(samples) x sqrt(B / start).
+    from ds_adabatch.config import load_ds_config
+    from ds_adabatch.schedules import base_lr_from_ds_config, simulate
+
+    record = _read(results, "seesaw_lr")
+    rows, cfg = record["rows"], record["config"]
+    total = rows[-1]["samples_before"] + rows[-1]["batch"]
+    plan = simulate(load_ds_config(cfg), world_size=2, samples=total, out_png=None)
+    assert [(r["samples"], r["global_batch"]) for r in plan] == [
+        (r["samples_before"], r["batch"]) for r in rows
+    ], "engine batches differ from the pure rule"
+    curve = base_lr_from_ds_config(cfg, reference_batch=4)
+    peak = 0.0
+    for r, p in zip(rows, plan):
+        base = curve.base_lr(r["samples_before"])
+        peak = max(peak, base)  # the rule's peak: the largest base LR seen so far
+        want = base * math.sqrt(r["batch"] / 4)
+        assert math.isclose(r["lr"], want, rel_tol=1e-9, abs_tol=1e-12), (r, want)
+        assert math.isclose(p["lr"], want, rel_tol=1e-12, abs_tol=1e-15), "simulate's LR column"
+        if 0 < base < peak and r["batch"] < 32:
+            # The rule itself: the batch is the plannable neighbour of 4 x peak / base.
+            assert abs(r["batch"] - 4 * peak / base) <= 2, (r, 4 * peak / base)
+    batches = [r["batch"] for r in rows]
+    assert batches[0] == 4 and max(batches) == 32, f"the ramp must run 4 -> 32: {batches}"
+    held = [r for r in rows if r["batch"] == 32]
+    assert len(held) >= 2 and held[-1]["lr"] < held[0]["lr"], "at max_global_batch the LR keeps decaying"

@@ -6,8 +6,8 @@ optimizer step, with an integer global batch the planner can split. Nothing here
 DeepSpeed or matplotlib at import time.
 """
 
-from .base_lr import BaseLRSource, DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .base import Schedule, ScheduleContext, ScheduleError, StatefulSchedule, build_schedule
+from .base_lr import BaseLRSource, DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .controller import BatchSizeController, Decision
 from .lr import lr_multiplier
 from .seesaw import SeesawSchedule, seesaw_batch
