@@ -189,7 +189,7 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
         for name, value in cfg.schedule.endpoint_batches(world):
             if value == planned.plan.global_batch_size:
                 continue
-            plan = plan_batch(value, world, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven)
+            plan = plan_batch(value, world, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven)
             lines.append(f"    {name}: {plan.describe()}")
     return lines
 

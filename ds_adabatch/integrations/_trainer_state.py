@@ -152,7 +152,7 @@ class AdaptiveBatchState:
     def plan_for(self, global_batch: int) -> BatchPlan:
         cfg = self.config
         return plan_batch(
-            global_batch, self.world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
+            global_batch, self.world_size, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven
         )
 
     def plan_for_step(self, step: int) -> BatchPlan:

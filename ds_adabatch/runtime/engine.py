@@ -35,6 +35,8 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
+from .oom import UnrecoverableOutOfMemory
+from .recovery import OomRecovery
 from .weights import loss_weight
 
 __all__ = ["AdaptiveBatchEngine"]
@@ -89,6 +91,10 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
+        # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
+        self.memory_recovery = OomRecovery(ds_engine, cfg, rank=self.rank, world_size=self.world_size)
+        self._memory_reason: str | None = None
+        self._step_ooms = 0
         self._apply_plan(self.plan, reason="initial plan", record=False)
 
     # ---------------------------------------------------------------------------------------------
@@ -128,6 +134,20 @@ class AdaptiveBatchEngine(CheckpointMixin):
     def lr_multiplier(self) -> float:
         return self.lr_coupling.multiplier
 
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch per GPU the next step may plan (samples): the integer
+        ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
+        the learned limit."""
+        return self.memory_recovery.memory.limit
+
+    def set_memory_key(self, key: int | str | None) -> None:
+        """Plan from the next step with the micro-batch limit learned for ``key`` (e.g. the sequence
+        length of a length curriculum); a new key starts at the initial limit. Limits of every key
+        are kept in checkpoints. Call it on every rank with the same value."""
+        self.memory_recovery.memory.set_key(key)
+        self._decided_step = None
+
     def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
         """Override the schedule: from the next step on the global batch is ``n``.
 
@@ -142,9 +162,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         if n is None:
             self._override = None
             return
-        plan_batch(
-            n, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
-        )
+        plan_batch(n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven)
         self._override = (int(n), reason)
 
     # ---------------------------------------------------------------------------------------------
@@ -181,7 +199,23 @@ class AdaptiveBatchEngine(CheckpointMixin):
             micro = [(b, _leading_dim(b)) for b in micro]
             total_samples = None
 
-        loss_sum, tokens, total_samples, total = self._forward_backward(micro, total_samples, measure)
+        # Out-of-memory recovery (recovery.py): an agreed OOM discards the partial step, lowers the
+        # micro-batch limit and re-runs the same samples, cut for the new plan.
+        current = {"micro": micro, "step": self.last_step_batch if data_iter is None else None}
+        self._step_ooms = 0
+
+        def replan(ranks: list[int]) -> None:
+            plan = self._replan_after_oom(ranks)
+            if current["step"] is not None:
+                step = self.dataloader.reload(current["step"], plan)
+                self.last_step_batch = current["step"] = step
+                current["micro"] = [(m.batch, m.num_samples) for m in step.micro_batches]
+            else:
+                current["micro"] = _resplit(current["micro"], plan.gradient_accumulation_steps)
+
+        loss_sum, tokens, total_samples, total = self.memory_recovery.run(
+            lambda: self._forward_backward(current["micro"], total_samples, measure), replan
+        )
 
         self.global_steps += 1
         self.global_samples += total_samples
@@ -225,7 +259,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
+            recovery = self.memory_recovery
             for i, (batch, count) in enumerate(zip(batches, counts)):
+                recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}")
                 # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
                 # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
                 # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
@@ -239,6 +275,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
                     probe.end()
                     if i == last:
                         probe.read_reduced_norm()
+                if i == last:
+                    recovery.where = f"in the optimizer step of step {self.global_steps}"
                 ds.step()
                 if count:
                     loss_sum = loss_sum + loss.detach().to(torch.float64) * count
@@ -319,14 +357,46 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self._scheduled_batch = batch
         plan = self._plan_for(batch)
         if plan != self.plan:
+            if self._memory_reason is not None and batch == self.plan.global_batch_size:
+                reason = self._memory_reason
             self._apply_plan(plan, reason=reason, record=True)
+        self._memory_reason = None
 
     def _plan_for(self, batch: int) -> BatchPlan:
         return plan_batch(
-            batch, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
+            batch, self.world_size, self.micro_batch_limit, allow_uneven=self.config.allow_uneven
         )
 
-    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool) -> None:
+    def _replan_after_oom(self, ranks: list[int]) -> BatchPlan:
+        """Every rank agreed that ``ranks`` ran out of memory: the same global batch, smaller micro-batches."""
+        old = self.plan
+        micro = old.micro_batch_per_gpu
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        try:
+            self.memory_recovery.memory.on_oom(micro)
+        except MemoryError:
+            raise UnrecoverableOutOfMemory(
+                f"out of memory on {who} at a micro-batch of 1 sample in step {self.global_steps}: nothing "
+                "smaller to try. One sample needs less memory: ZeRO-3, CPU offload, activation "
+                "checkpointing or shorter sequences"
+            ) from None
+        plan = plan_batch(
+            old.global_batch_size,
+            self.world_size,
+            self.micro_batch_limit,
+            allow_uneven=self.config.allow_uneven or not old.is_even,
+        )
+        self._step_ooms += 1
+        line = (
+            f"step {self.global_steps}: OOM on {who} at micro {micro} -> micro {plan.micro_batch_per_gpu} "
+            f"x gas {plan.gradient_accumulation_steps}, same samples"
+        )
+        self._apply_plan(
+            plan, reason=f"out of memory on {who} at micro {micro}; same samples", record=True, line=line
+        )
+        return plan
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
         old = self.plan
         apply_plan_to_engine(self.deepspeed, plan)
@@ -350,7 +420,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         )
         self.history.append(event)
         if self.rank == 0:
-            logger.info(format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
+            logger.info(line or format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
 
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale
@@ -380,6 +450,12 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
         ds.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
+        decision = self.memory_recovery.memory.on_clean_step(self.plan.micro_batch_per_gpu)
+        if decision is not None:
+            # Logged once, with the plan change it causes at the next decision.
+            self._memory_reason = (
+                f"micro-batch limit {decision.old_limit} -> {decision.new_limit} ({decision.reason})"
+            )
 
     def _emit(self, started: float, lr_used: float) -> None:
         plan = self.plan
@@ -398,6 +474,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
             step_time_s=time.perf_counter() - started,
             grad_norm=self.last_grad_norm,
             noise_scale=self.noise.noise_scale,
+            extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
         )
         self.last_metrics = record
         self.metrics.write(record)
@@ -420,6 +497,44 @@ def _leading_dim(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch:
         return _leading_dim(batch[0])
     raise TypeError(f"cannot tell the number of samples in a micro-batch of type {type(batch).__name__}")
+
+
+def _resplit(micro: list[tuple[Any, int]], gas: int) -> list[tuple[Any, int]]:
+    """This rank's samples of a ``train_batch(data_iter)`` step, re-cut into ``gas`` micro-batches."""
+    real = [b for b, n in micro if n]
+    if not real:
+        return [(micro[0][0], 0)] * gas
+    whole = _concat(real)
+    total = _leading_dim(whole)
+    out = []
+    for k in range(gas):
+        lo, hi = total * k // gas, total * (k + 1) // gas
+        out.append((_slice(whole, lo, hi), hi - lo) if hi > lo else (_slice(whole, 0, 1), 0))
+    return out
+
+
+def _concat(batches: list[Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return {k: _concat([b[k] for b in batches]) for k in first}
+    if isinstance(first, (list, tuple)):
+        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
+    raise TypeError(
+        f"an out-of-memory retry cannot re-split a micro-batch of type {type(first).__name__}; "
+        "pass training_data to ds_adabatch.initialize instead of train_batch(data_iter)"
+    )
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi]
+    if isinstance(batch, dict):
+        return {k: _slice(v, lo, hi) for k, v in batch.items()}
+    parts = [_slice(v, lo, hi) for v in batch]
+    return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
 
 
 def _to_device(batch: Any, device: Any) -> Any:

@@ -1,0 +1,203 @@
+"""Out-of-memory recovery on real gloo ranks, run under torchrun by tests/test_oom.py (one launch).
+
+Usage: torchrun --nproc-per-node N tests/oom_worker.py OUT_DIR
+Faults come from ds_adabatch.testing.simulated_memory_limit. Every case writes what it measured into
+OUT_DIR/<case>.json (rank 0); tests/test_oom.py asserts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+from engine_worker import Regression, ds_config, full_params, make_model, mse_loss, reference, write  # noqa: E402
+
+import ds_adabatch  # noqa: E402
+from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
+
+STAGES = {"z0": (0, {}), "z1": (1, {}), "z2": (2, {}), "z3": (3, {}), "z2_offload": (2, None)}
+"""Case name -> (ZeRO stage, extra ds_config); None means ZeRO-2 with the optimizer offloaded to CPU."""
+
+
+def _config(stage: int, extra: dict | None, adabatch: dict) -> dict:
+    if extra is None:
+        extra = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    cfg = ds_config(stage, extra=extra)
+    cfg["adabatch"].update(adabatch)
+    return cfg
+
+
+def _ledger(engine) -> list[int]:
+    """Sample indices every rank trained in the last step (the attempt that completed), gathered."""
+    mine = [i for m in engine.last_step_batch.micro_batches for i in m.indices]
+    gathered: list = [None] * engine.world_size
+    dist.all_gather_object(gathered, mine)
+    return [i for part in gathered for i in part]
+
+
+def _finish(engine, name: str, out_dir: str, batches: list[list[int]], seen: list[int], extra: dict) -> None:
+    got = full_params(engine)
+    if engine.global_rank == 0:
+        want = reference(batches, Regression(n=48 * engine.world_size))
+        payload = {
+            "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+            "seen": seen,
+            "batches": batches,
+            "global_steps": engine.global_steps,
+            "ds_global_steps": engine.deepspeed.global_steps,
+            "global_samples": engine.global_samples,
+            "history": [e.to_dict() for e in engine.history],
+            "world_size": engine.world_size,
+        }
+        payload.update(extra)
+        write(out_dir, name, payload)
+    engine.close()
+
+
+def run_recover(name: str, stage: int, extra: dict | None, out_dir: str) -> None:
+    """Integer max micro 4: OOMs in the middle of the first step's accumulation, twice in a row, on the
+    last rank only; then a clean step; then a backward OOM on rank 0 at the next step's first pass."""
+    world = dist.get_world_size()
+    last = world - 1
+    cfg = _config(
+        stage, extra, {"schedule": {"type": "constant", "value": 16 * world}, "allow_uneven": False}
+    )
+    cfg["adabatch"]["memory"] = {"grow_after_steps": 1}
+    # A constant LR (the reference uses 0.1) whose scheduler counts its steps.
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.1, "warmup_max_lr": 0.1, "warmup_num_steps": 1},
+    }
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=48 * world), loss_fn=mse_loss)
+    batches, seen, plans = [], [], []
+    scheduler = engine.deepspeed.lr_scheduler
+    lr_start = scheduler.last_batch_iteration
+    # Rank `last`: forwards 3 and 4 fail (micro 4 x gas 4: two micro-batches were accumulated, then the
+    # retry at micro 2 fails on its first pass too) -> micro 1 x gas 16. After one clean step the limit
+    # grows back to 2, then to 4; in step 2 rank 0's budget of 1 sample fails backward at 4 and at 2.
+    fwd = simulated_memory_limit(10**9, ranks=[last], fail_calls=[3, 4])
+    with fwd:
+        for step in range(3):
+            bwd = simulated_memory_limit(1, ranks=[0], phase="backward") if step == 2 else None
+            if bwd is not None:
+                bwd.install()
+            try:
+                engine.train_batch()
+            finally:
+                if bwd is not None:
+                    bwd.remove()
+            batches.append(engine.last_step_batch.global_batch.all_indices())
+            seen += _ledger(engine)
+            plans.append([engine.plan.micro_batch_per_gpu, engine.plan.gradient_accumulation_steps])
+    _finish(
+        engine,
+        name,
+        out_dir,
+        batches,
+        seen,
+        {
+            "plans": plans,
+            "lr_steps": scheduler.last_batch_iteration - lr_start,
+            "agreements": engine.memory_recovery.agreement.agreements,
+        },
+    )
+
+
+def run_auto(name: str, stage: int, extra: dict | None, out_dir: str, phase: str) -> None:
+    """'auto' from 16 with a budget of 6 samples on the last rank: converge, then grow back after the
+    budget rises to 16 mid-run."""
+    world = dist.get_world_size()
+    adabatch = {
+        "schedule": {"type": "constant", "value": 16 * world},
+        "max_micro_batch_per_gpu": "auto",
+        "allow_uneven": True,
+        "memory": {"micro_batch_ceiling": 16, "grow_after_steps": 2},
+    }
+    n = 22 * 16 * world  # one epoch of 22 steps
+    cfg = _config(stage, extra, adabatch)
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=n), loss_fn=mse_loss)
+    batches, seen, micro, limits = [], [], [], []
+    budget = simulated_memory_limit(6, ranks=[world - 1], phase=phase)
+    with budget:
+        for step in range(22):
+            if step == 8:
+                budget.max_samples_per_forward = 16
+            engine.train_batch()
+            batches.append(engine.last_step_batch.global_batch.all_indices())
+            seen += _ledger(engine)
+            micro.append(engine.plan.micro_batch_per_gpu)
+            limits.append(engine.micro_batch_limit)
+    data = Regression(n=n)
+    got = full_params(engine)
+    if engine.global_rank == 0:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        for idx in batches:
+            opt.zero_grad()
+            ((model(data.x[idx]) - data.y[idx]) ** 2).mean().backward()
+            opt.step()
+        want = torch.cat([p.detach().flatten() for p in model.parameters()])
+        write(
+            out_dir,
+            name,
+            {
+                "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+                "seen": seen,
+                "micro": micro,
+                "limits": limits,
+                "global_steps": engine.global_steps,
+                "ds_global_steps": engine.deepspeed.global_steps,
+                "history": [e.to_dict() for e in engine.history],
+                "world_size": world,
+            },
+        )
+    engine.close()
+
+
+def run_unrecoverable(out_dir: str) -> None:
+    """An OOM inside the optimizer step (after the pass agreed) ends with a clear error on that rank."""
+    cfg = _config(1, {}, {"schedule": {"type": "constant", "value": 8}})
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(), loss_fn=mse_loss)
+    opt = engine.deepspeed.optimizer
+    original = opt.step
+
+    def failing_step(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated out of memory in the optimizer step")
+
+    opt.step = failing_step
+    message = ""
+    try:
+        engine.train_batch()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        message = f"{type(exc).__name__}: {exc}"
+    opt.step = original
+    if engine.global_rank == 0:
+        write(out_dir, "unrecoverable_z1", {"message": message})
+    engine.close()
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    deepspeed.init_distributed()
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    for name, (stage, extra) in STAGES.items():
+        if cases is None or f"recover_{name}" in cases:
+            run_recover(f"recover_{name}", stage, extra, out_dir)
+    if cases is None or "auto_z2" in cases:
+        run_auto("auto_z2", 2, {}, out_dir, "backward")
+    if cases is None or "auto_z0" in cases:
+        run_auto("auto_z0", 0, {}, out_dir, "forward")
+    if cases is None or "unrecoverable_z1" in cases:
+        run_unrecoverable(out_dir)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
