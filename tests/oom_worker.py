@@ -182,6 +182,19 @@ def run_unrecoverable(out_dir: str) -> None:
     engine.close()
 
 
+def run_partitioned_z3(out_dir: str) -> None:
+    """ZeRO-3 with every parameter partitioned: a forward OOM on the last rank, after the forward's
+    first parameter gather, cannot be recovered. That rank raises UnrecoverableOutOfMemory and exits;
+    the other, inside a later gather, gets a connection error from gloo: the launch ends, no hang."""
+    world = dist.get_world_size()
+    extra = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = _config(3, extra, {"schedule": {"type": "constant", "value": 8 * world}})
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(), loss_fn=mse_loss)
+    # At the start of backward: the forward's parameter gathers (the pass's agreement point) have run.
+    with simulated_memory_limit(1, ranks=[world - 1], phase="backward"):
+        engine.train_batch()
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     deepspeed.init_distributed()
@@ -195,6 +208,8 @@ def main() -> None:
         run_auto("auto_z0", 0, {}, out_dir, "forward")
     if cases is None or "unrecoverable_z1" in cases:
         run_unrecoverable(out_dir)
+    if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
+        run_partitioned_z3(out_dir)
     dist.barrier()
     torch.distributed.destroy_process_group()
 

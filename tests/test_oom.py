@@ -1,7 +1,9 @@
 """Out-of-memory recovery on real gloo ranks with injected faults (``ds_adabatch.testing``).
 
-Two launches of ``tests/oom_worker.py`` (2 ranks: every case; 1 rank: the recovery cases and one
-'auto' run) serve every test here, each under a timeout: a hang fails the test instead of the suite.
+Launches, each under a timeout (a hang fails the test instead of the suite): ``tests/oom_worker.py`` on
+2 ranks (every recoverable case) and on 1 rank (the recovery cases and one 'auto' run);
+``tests/hf_oom_worker.py`` on 2 ranks (the Trainer, ZeRO-2 and ZeRO-3); and one 2-rank launch that must
+fail fast with a clear error (an unrecoverable OOM under partitioned ZeRO-3).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ RECOVER = ("z0", "z1", "z2", "z3", "z2_offload")
 ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2"
 
 
-def _launch(out: Path, nproc: int, cases: str | None = None) -> None:
+def _launch(out: Path, nproc: int, cases: str | None = None, worker: Path = WORKER) -> None:
     args = [str(out)] + ([cases] if cases else [])
-    proc = torchrun(WORKER, *args, nproc=nproc, cwd=HERE, timeout=600)
+    proc = torchrun(worker, *args, nproc=nproc, cwd=HERE, timeout=600)
     log = proc.stdout + proc.stderr
     (out / "worker.log").write_text(log)
     if proc.returncode != 0:
@@ -35,6 +37,7 @@ def results(tmp_path_factory) -> dict[int, Path]:
     for nproc, cases in ((2, None), (1, ONE_RANK)):
         out[nproc] = tmp_path_factory.mktemp(f"oom{nproc}")
         _launch(out[nproc], nproc, cases)
+    _launch(out[2], 2, "2,3", worker=HERE / "hf_oom_worker.py")
     return out
 
 
@@ -114,3 +117,26 @@ def test_oom_inside_the_optimizer_step_is_a_clear_error(results):
     message = _read(results, 2, "unrecoverable_z1")["message"]
     assert message.startswith("UnrecoverableOutOfMemory"), message
     assert "in the optimizer step of step 0" in message and "cannot be re-planned" in message, message
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_recovers_with_the_same_update(results, stage):
+    r = _read(results, 2, f"hf_oom_z{stage}")
+    clean, faulty = r["clean"], r["faulty"]
+    assert faulty["plans"] == [[16, 1, 8], [16, 1, 8]], (
+        f"two OOMs in step 0 -> micro 1 x gas 8: {faulty['plans']}"
+    )
+    assert clean["plans"] == [[16, 4, 2], [16, 4, 2]]
+    diff = max(abs(a - b) for a, b in zip(clean["params"], faulty["params"]))
+    assert diff <= 1e-6, f"ZeRO-{stage}: the Trainer's parameters after OOM retries differ by {diff:.2e}"
+    assert sorted(faulty["seen"]) == list(range(32)) and faulty["steps"] == clean["steps"] == 2
+
+
+def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_path):
+    # ZeRO-3 with partitioned parameters: an OOM at the start of backward on the last rank comes after
+    # the forward's parameter gathers (the pass's agreement point).
+    proc = torchrun(WORKER, str(tmp_path), "partitioned_z3", nproc=2, cwd=HERE, timeout=180)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "the launch must fail"
+    assert "UnrecoverableOutOfMemory: out of memory on rank 1" in log, log[-3000:]
+    assert "after the pass's agreement point" in log, log[-3000:]

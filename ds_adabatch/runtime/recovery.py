@@ -28,7 +28,7 @@ import torch
 from .memory import MicroBatchMemory
 from .oom import OomAgreement, PeerOutOfMemory, discard_partial_step, is_out_of_memory
 
-__all__ = ["OomRecovery"]
+__all__ = ["OomRecovery", "memory_for"]
 
 logger = logging.getLogger("ds_adabatch")
 T = TypeVar("T")
@@ -37,17 +37,19 @@ T = TypeVar("T")
 class OomRecovery:
     """The learned micro-batch limit plus, when armed, the per-pass agreement and the retry loop."""
 
-    def __init__(self, ds_engine: Any, config: Any, *, rank: int, world_size: int) -> None:
-        memory = config.memory
+    def __init__(
+        self,
+        ds_engine: Any,
+        config: Any,
+        *,
+        rank: int,
+        world_size: int,
+        memory: MicroBatchMemory | None = None,
+    ) -> None:
         self.deepspeed = ds_engine
-        self.memory = MicroBatchMemory(
-            config.initial_micro_batch_limit,
-            config.micro_batch_limit,
-            grow_after_steps=memory.grow_after_steps,
-            backoff_factor=memory.backoff_factor,
-        )
+        self.memory = memory if memory is not None else memory_for(config)
         self.agreement: OomAgreement | None = None
-        if memory.recover_from_oom:
+        if config.memory.recover_from_oom:
             self.agreement = OomAgreement(
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
@@ -112,6 +114,16 @@ class OomRecovery:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def memory_for(config: Any) -> MicroBatchMemory:
+    """The learned micro-batch limit an ``"adabatch"`` section (:class:`AdaBatchConfig`) asks for."""
+    return MicroBatchMemory(
+        config.initial_micro_batch_limit,
+        config.micro_batch_limit,
+        grow_after_steps=config.memory.grow_after_steps,
+        backoff_factor=config.memory.backoff_factor,
+    )
 
 
 def _empty_cache() -> None:
