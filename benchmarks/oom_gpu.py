@@ -77,7 +77,8 @@ def ds_config(args: argparse.Namespace, max_micro: int | str, recover: bool) -> 
     if max_micro == "auto":
         memory.update(micro_batch_ceiling=args.global_batch, grow_after_steps=args.grow_after)
     return {
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        # torch_adam: torch's fused AdamW, no DeepSpeed op to compile first.
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
         "bf16": {"enabled": torch.cuda.is_available()},
         "zero_optimization": {"stage": args.zero},
         "gradient_clipping": 1.0,

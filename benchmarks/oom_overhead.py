@@ -25,7 +25,7 @@ import ds_adabatch
 MICRO, GAS = 8, 2
 
 
-def make_engine(stage: int, world: int, data, armed: bool):
+def make_engine(stage: int, world: int, data, armed: bool, spec):
     adabatch = {
         "schedule": {"type": "constant", "value": MICRO * GAS * world},
         "max_micro_batch_per_gpu": MICRO,
@@ -34,7 +34,7 @@ def make_engine(stage: int, world: int, data, armed: bool):
     cfg = h.ds_config(stage, adabatch, micro=MICRO, gas=GAS, world=world)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         cfg.pop(key)
-    engine, *_ = ds_adabatch.initialize(h.lm_model(), cfg, data)
+    engine, *_ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
     return engine
 
 
@@ -43,14 +43,18 @@ def main() -> None:
     p.add_argument("--stages", default="0,2", help="comma-separated ZeRO stages")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per engine per round")
+    p.add_argument("--model", choices=sorted(h.MODELS), default="small", help="benchmarks/_harness.py MODELS")
     args = p.parse_args()
 
     deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     data = h.lm_data()
+    spec = h.MODELS[args.model]
+    before_load = h.idle_check("at start", own_processes=world)
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):
-        armed, disarmed = make_engine(stage, world, data, True), make_engine(stage, world, data, False)
+        armed = make_engine(stage, world, data, True, spec)
+        disarmed = make_engine(stage, world, data, False, spec)
         for e in (armed, disarmed):
             h.time_steps(e.train_batch, 2)  # warm-up
         before = armed.memory_recovery.agreement.agreements
@@ -66,7 +70,8 @@ def main() -> None:
         disarmed.close()
     if rank == 0:
         print(
-            f"\n{world} ranks, micro {MICRO} x gas {GAS} per rank, {args.rounds} rounds x {args.steps} steps\n"
+            f"\n{world} ranks, model {args.model}, micro {MICRO} x gas {GAS} per rank, {args.rounds} rounds x "
+            f"{args.steps} steps\n{before_load}\n{h.idle_check('at end', own_processes=world)}\n"
         )
         print(
             "| ZeRO | median step, disarmed | median step, armed | armed / disarmed | agreements per step |"

@@ -21,7 +21,16 @@ from engine_worker import Regression, ds_config, full_params, make_model, mse_lo
 import ds_adabatch  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
-STAGES = {"z0": (0, {}), "z1": (1, {}), "z2": (2, {}), "z3": (3, {}), "z2_offload": (2, None)}
+STAGES = {
+    "z0": (0, {}),
+    "z1": (1, {}),
+    "z2": (2, {}),
+    "z3": (3, {}),
+    "z2_offload": (2, None),
+    # Buckets of 50 elements: gradients are reduced during backward (and a weight of 80 elements
+    # goes alone); the agreement runs before the first of those reduces.
+    "z2_buckets": (2, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}),
+}
 """Case name -> (ZeRO stage, extra ds_config); None means ZeRO-2 with the optimizer offloaded to CPU."""
 
 
@@ -182,6 +191,39 @@ def run_unrecoverable(out_dir: str) -> None:
     engine.close()
 
 
+def run_data_iter(out_dir: str) -> None:
+    """train_batch(data_iter), ZeRO-2: the last rank's second forward fails (mid-accumulation); the
+    retry re-splits this rank's own micro-batches into the new plan's accumulation steps."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = _config(2, {}, {"schedule": {"type": "constant", "value": 8 * world}, "allow_uneven": False})
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, None, loss_fn=mse_loss)
+    data = Regression()
+    pos, batches, plans = 0, [], []
+    with simulated_memory_limit(10**9, ranks=[world - 1], fail_calls=[2]):
+        for _ in range(3):
+            gas = engine.next_plan().gradient_accumulation_steps
+            mine = list(range(pos + rank * 8, pos + rank * 8 + 8))  # 8 samples per rank, cut into GAS
+            size = 8 // gas
+            micro = [(data.x[mine[k : k + size]], data.y[mine[k : k + size]]) for k in range(0, 8, size)]
+            engine.train_batch(iter(micro))
+            batches.append(list(range(pos, pos + 8 * world)))
+            plans.append([engine.plan.micro_batch_per_gpu, engine.plan.gradient_accumulation_steps])
+            pos += 8 * world
+    got = full_params(engine)
+    if rank == 0:
+        want = reference(batches, data)
+        write(
+            out_dir,
+            "data_iter_z2",
+            {
+                "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+                "plans": plans,
+                "global_samples": engine.global_samples,
+            },
+        )
+    engine.close()
+
+
 def run_partitioned_z3(out_dir: str) -> None:
     """ZeRO-3 with every parameter partitioned: a forward OOM on the last rank, after the forward's
     first parameter gather, cannot be recovered. That rank raises UnrecoverableOutOfMemory and exits;
@@ -208,6 +250,8 @@ def main() -> None:
         run_auto("auto_z0", 0, {}, out_dir, "forward")
     if cases is None or "unrecoverable_z1" in cases:
         run_unrecoverable(out_dir)
+    if cases is None or "data_iter_z2" in cases:
+        run_data_iter(out_dir)
     if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
         run_partitioned_z3(out_dir)
     dist.barrier()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 
 HERE = Path(__file__).parent
 WORKER = HERE / "oom_worker.py"
-RECOVER = ("z0", "z1", "z2", "z3", "z2_offload")
+RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets")
 ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2"
 
 
@@ -140,3 +140,9 @@ def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_pat
     assert proc.returncode != 0, "the launch must fail"
     assert "UnrecoverableOutOfMemory: out of memory on rank 1" in log, log[-3000:]
     assert "after the pass's agreement point" in log, log[-3000:]
+
+
+def test_user_micro_batches_are_re_split_exactly(results):
+    r = _read(results, 2, "data_iter_z2")
+    assert r["max_rel_err"] <= 1e-5, f"train_batch(data_iter) after an OOM: off by {r['max_rel_err']:.2e}"
+    assert r["plans"] == [[2, 4], [2, 4], [2, 4]] and r["global_samples"] == 48, r

@@ -163,29 +163,16 @@ class AdaptiveBatchState:
 
     def replan_after_oom(self, plan: BatchPlan, ranks: list[int], step: int) -> BatchPlan:
         """Every rank agreed that ``ranks`` ran out of memory at ``plan``: the same samples, smaller
-        micro-batches (logged once).
+        micro-batches (logged once on rank 0).
 
         Raises:
-            MemoryError: the failed micro-batch was 1 sample.
+            UnrecoverableOutOfMemory: the failed micro-batch was 1 sample.
         """
-        micro = plan.micro_batch_per_gpu
-        self.memory.on_oom(micro)
-        new = plan_batch(
-            plan.global_batch_size,
-            self.world_size,
-            self.memory.limit,
-            allow_uneven=self.config.allow_uneven or not plan.is_even,
-        )
+        from ds_adabatch.runtime.recovery import replan_after_oom
+
+        new, _, line = replan_after_oom(self.memory, plan, ranks, step, self.config.allow_uneven)
         if self.rank == 0:
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-            logger.info(
-                "step %d: OOM on %s at micro %d -> micro %d x gas %d, same samples",
-                step,
-                who,
-                micro,
-                new.micro_batch_per_gpu,
-                new.gradient_accumulation_steps,
-            )
+            logger.info("%s", line)
         return new
 
     def plan_for_step(self, step: int) -> BatchPlan:

@@ -57,7 +57,6 @@ from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
-from ds_adabatch.runtime.oom import UnrecoverableOutOfMemory
 from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.weights import loss_weight
 
@@ -253,13 +252,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             return self._adaptive_step(model, inputs)
 
         def replan(ranks: list[int]) -> None:
-            try:
-                plan = state.replan_after_oom(inputs.step.plan, ranks, self.state.global_step)
-            except MemoryError:
-                raise UnrecoverableOutOfMemory(
-                    f"out of memory on rank(s) {ranks} at a micro-batch of 1 sample in step "
-                    f"{self.state.global_step}: nothing smaller to try"
-                ) from None
+            plan = state.replan_after_oom(inputs.step.plan, ranks, self.state.global_step)
             inputs.step = state.loader.reload(inputs.step, plan)
             state.last_step = inputs.step
 

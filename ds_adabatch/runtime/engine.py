@@ -41,8 +41,7 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
-from .oom import UnrecoverableOutOfMemory
-from .recovery import OomRecovery
+from .recovery import OomRecovery, replan_after_oom, resplit_micro_batches
 from .step_loss import StepLoss
 from .step_sync import StepSync
 from .weights import loss_weight
@@ -228,7 +227,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
                 self.last_step_batch = current["step"] = batch
                 current["micro"] = [(m.batch, m.num_samples) for m in batch.micro_batches]
             else:
-                current["micro"] = _resplit(current["micro"], plan.gradient_accumulation_steps)
+                current["micro"] = resplit_micro_batches(current["micro"], plan.gradient_accumulation_steps)
 
         loss_sum, tokens, total_samples, total, probe_sums = self.memory_recovery.run(
             lambda: self._forward_backward(current["micro"], total_samples, measure), replan
@@ -417,31 +416,11 @@ class AdaptiveBatchEngine(CheckpointMixin):
 
     def _replan_after_oom(self, ranks: list[int]) -> BatchPlan:
         """Every rank agreed that ``ranks`` ran out of memory: the same global batch, smaller micro-batches."""
-        old = self.plan
-        micro = old.micro_batch_per_gpu
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        try:
-            self.memory_recovery.memory.on_oom(micro)
-        except MemoryError:
-            raise UnrecoverableOutOfMemory(
-                f"out of memory on {who} at a micro-batch of 1 sample in step {self.global_steps}: nothing "
-                "smaller to try. One sample needs less memory: ZeRO-3, CPU offload, activation "
-                "checkpointing or shorter sequences"
-            ) from None
-        plan = plan_batch(
-            old.global_batch_size,
-            self.world_size,
-            self.micro_batch_limit,
-            allow_uneven=self.config.allow_uneven or not old.is_even,
+        plan, reason, line = replan_after_oom(
+            self.memory_recovery.memory, self.plan, ranks, self.global_steps, self.config.allow_uneven
         )
         self._step_ooms += 1
-        line = (
-            f"step {self.global_steps}: OOM on {who} at micro {micro} -> micro {plan.micro_batch_per_gpu} "
-            f"x gas {plan.gradient_accumulation_steps}, same samples"
-        )
-        self._apply_plan(
-            plan, reason=f"out of memory on {who} at micro {micro}; same samples", record=True, line=line
-        )
+        self._apply_plan(plan, reason=reason, record=True, line=line)
         return plan
 
     def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
@@ -564,44 +543,6 @@ def _leading_dim(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch:
         return _leading_dim(batch[0])
     raise TypeError(f"cannot tell the number of samples in a micro-batch of type {type(batch).__name__}")
-
-
-def _resplit(micro: list[tuple[Any, int]], gas: int) -> list[tuple[Any, int]]:
-    """This rank's samples of a ``train_batch(data_iter)`` step, re-cut into ``gas`` micro-batches."""
-    real = [b for b, n in micro if n]
-    if not real:
-        return [(micro[0][0], 0)] * gas
-    whole = _concat(real)
-    total = _leading_dim(whole)
-    out = []
-    for k in range(gas):
-        lo, hi = total * k // gas, total * (k + 1) // gas
-        out.append((_slice(whole, lo, hi), hi - lo) if hi > lo else (_slice(whole, 0, 1), 0))
-    return out
-
-
-def _concat(batches: list[Any]) -> Any:
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(batches)
-    if isinstance(first, dict):
-        return {k: _concat([b[k] for b in batches]) for k in first}
-    if isinstance(first, (list, tuple)):
-        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
-        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
-    raise TypeError(
-        f"an out-of-memory retry cannot re-split a micro-batch of type {type(first).__name__}; "
-        "pass training_data to ds_adabatch.initialize instead of train_batch(data_iter)"
-    )
-
-
-def _slice(batch: Any, lo: int, hi: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[lo:hi]
-    if isinstance(batch, dict):
-        return {k: _slice(v, lo, hi) for k, v in batch.items()}
-    parts = [_slice(v, lo, hi) for v in batch]
-    return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
 
 
 def _to_device(batch: Any, device: Any) -> Any:

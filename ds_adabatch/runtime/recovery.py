@@ -25,10 +25,17 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..plan import BatchPlan, plan_batch
 from .memory import MicroBatchMemory
-from .oom import OomAgreement, PeerOutOfMemory, discard_partial_step, is_out_of_memory
+from .oom import (
+    OomAgreement,
+    PeerOutOfMemory,
+    UnrecoverableOutOfMemory,
+    discard_partial_step,
+    is_out_of_memory,
+)
 
-__all__ = ["OomRecovery", "memory_for"]
+__all__ = ["OomRecovery", "memory_for", "replan_after_oom", "resplit_micro_batches"]
 
 logger = logging.getLogger("ds_adabatch")
 T = TypeVar("T")
@@ -114,6 +121,76 @@ class OomRecovery:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def replan_after_oom(
+    memory: MicroBatchMemory, plan: BatchPlan, ranks: list[int], step: int, allow_uneven: bool
+) -> tuple[BatchPlan, str, str]:
+    """The same global batch with smaller micro-batches after ``ranks`` ran out of memory at ``plan``.
+
+    Returns ``(new plan, reason for engine.history, the log line)``.
+
+    Raises:
+        UnrecoverableOutOfMemory: ``plan``'s micro-batch was 1 sample.
+    """
+    micro = plan.micro_batch_per_gpu
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    try:
+        memory.on_oom(micro)
+    except MemoryError:
+        raise UnrecoverableOutOfMemory(
+            f"out of memory on {who} at a micro-batch of 1 sample in step {step}: nothing smaller to "
+            "try. One sample needs less memory: ZeRO-3, CPU offload, activation checkpointing or "
+            "shorter sequences"
+        ) from None
+    # An epoch tail is planned unevenly whatever allow_uneven says (as the sampler plans it).
+    new = plan_batch(
+        plan.global_batch_size, plan.world_size, memory.limit, allow_uneven=allow_uneven or not plan.is_even
+    )
+    line = (
+        f"step {step}: OOM on {who} at micro {micro} -> micro {new.micro_batch_per_gpu} x gas "
+        f"{new.gradient_accumulation_steps}, same samples"
+    )
+    return new, f"out of memory on {who} at micro {micro}; same samples", line
+
+
+def resplit_micro_batches(micro: list[tuple[Any, int]], gas: int) -> list[tuple[Any, int]]:
+    """This rank's ``(batch, samples)`` micro-batches (pads have 0) re-cut into ``gas`` ones, in order:
+    a retry of a ``train_batch(data_iter)`` step runs the same samples with the new plan's GAS."""
+    real = [b for b, n in micro if n]
+    if not real:
+        return [(micro[0][0], 0)] * gas
+    whole = _concat(real)
+    total = sum(n for _, n in micro)
+    out = []
+    for k in range(gas):
+        lo, hi = total * k // gas, total * (k + 1) // gas
+        out.append((_slice(whole, lo, hi), hi - lo) if hi > lo else (_slice(whole, 0, 1), 0))
+    return out
+
+
+def _concat(batches: list[Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return {k: _concat([b[k] for b in batches]) for k in first}
+    if isinstance(first, (list, tuple)):
+        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
+    raise TypeError(
+        f"an out-of-memory retry cannot re-split a micro-batch of type {type(first).__name__}; "
+        "pass training_data to ds_adabatch.initialize instead of train_batch(data_iter)"
+    )
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi]
+    if isinstance(batch, dict):
+        return {k: _slice(v, lo, hi) for k, v in batch.items()}
+    parts = [_slice(v, lo, hi) for v in batch]
+    return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
 
 
 def memory_for(config: Any) -> MicroBatchMemory:
