@@ -64,31 +64,48 @@ def ds_config(extra: dict | None = None) -> dict:
     }
 
 
-def loops(data):
+def loops(data, plain_first: bool = False):
     import deepspeed
 
-    ada, *_ = ds_adabatch.initialize(
-        gpt2(),
-        {
-            **ds_config(),
-            "adabatch": {
-                "schedule": {"type": "constant", "value": MICRO * GAS},
-                "max_micro_batch_per_gpu": MICRO,
+    def build_ours():
+        ada, *_ = ds_adabatch.initialize(
+            gpt2(),
+            {
+                **ds_config(),
+                "adabatch": {
+                    "schedule": {"type": "constant", "value": MICRO * GAS},
+                    "max_micro_batch_per_gpu": MICRO,
+                },
             },
-        },
-        data,
-    )
-    model = gpt2()
-    cfg = ds_config(
-        {
-            "train_batch_size": MICRO * GAS,
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": GAS,
-        }
-    )
-    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            data,
+        )
+        return ada
+
+    def build_plain():
+        model = gpt2()
+        cfg = ds_config(
+            {
+                "train_batch_size": MICRO * GAS,
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_accumulation_steps": GAS,
+            }
+        )
+        plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return plain
+
+    if plain_first:  # which engine is built first decides where its memory lies
+        plain = build_plain()
+        ada = build_ours()
+    else:
+        ada = build_ours()
+        plain = build_plain()
     device = plain.device
-    loader = iter(torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=True, drop_last=True))
+
+    def epochs():
+        while True:
+            yield from torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=True, drop_last=True)
+
+    loader = epochs()
 
     def plain_step():
         for _ in range(GAS):
@@ -113,13 +130,12 @@ def syncs(step, n: int) -> Counter:
     where: Counter = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = traceback.extract_stack()[:-1]
-        for key in ("ds_adabatch", "deepspeed", "transformers"):
-            hit = [f for f in frames if f"/{key}/" in f.filename]
-            if hit:
-                f = hit[-1]
-                where[f"{key}: {os.path.basename(f.filename)}:{f.lineno} {f.name}"] += 1
-                return
+        # The innermost frame of a library (or of this script) is where the synchronisation happened.
+        for f in reversed(traceback.extract_stack()[:-1]):
+            for key in ("ds_adabatch", "deepspeed", "transformers", "benchmarks"):
+                if f"/{key}/" in f.filename:
+                    where[f"{key}: {os.path.basename(f.filename)}:{f.lineno} {f.name}"] += 1
+                    return
         where["other"] += 1
 
     torch.cuda.synchronize()
@@ -139,25 +155,26 @@ def syncs(step, n: int) -> Counter:
 
 def part_overhead_and_syncs(args) -> None:
     data = Tokens()
-    ada, plain, plain_step = loops(data)
+    ada, plain, plain_step = loops(data, plain_first=args.plain_first)
+    print(f"built first: {'hand-written' if args.plain_first else 'train_batch'} engine")
     params = sum(p.numel() for p in plain.module.parameters())
     for s in (ada.train_batch, plain_step):
         timed(s, 3)
-    t_ada, t_plain = [], []
-    for r in range(args.rounds):
-        pair = [(ada.train_batch, t_ada), (plain_step, t_plain)]
-        for step, sink in pair if r % 2 == 0 else reversed(pair):
-            sink.append(timed(step, args.steps))
-    m_ada, m_plain = statistics.median(t_ada), statistics.median(t_plain)
     print(
         f"\n## overhead: GPT-2 {params / 1e6:.1f} M parameters, bf16, ZeRO-2, micro {MICRO} x GAS {GAS}, seq {SEQ}"
     )
-    print(f"rounds: {args.rounds} x {args.steps} steps per loop")
-    print(
-        f"hand-written step: {m_plain * 1e3:.2f} ms (rounds: {', '.join(f'{t * 1e3:.2f}' for t in t_plain)})"
-    )
-    print(f"train_batch step:  {m_ada * 1e3:.2f} ms (rounds: {', '.join(f'{t * 1e3:.2f}' for t in t_ada)})")
-    print(f"ratio: {m_ada / m_plain:.4f}")
+    print(f"{args.repeats} repetitions of {args.rounds} rounds x {args.steps} steps per loop, alternating")
+    for rep in range(args.repeats):
+        t_ada, t_plain = [], []
+        for r in range(args.rounds):
+            pair = [(ada.train_batch, t_ada), (plain_step, t_plain)]
+            for step, sink in pair if r % 2 == 0 else reversed(pair):
+                sink.append(timed(step, args.steps))
+        m_ada, m_plain = statistics.median(t_ada), statistics.median(t_plain)
+        print(
+            f"repetition {rep + 1}: hand-written {m_plain * 1e3:.2f} ms, train_batch {m_ada * 1e3:.2f} ms, "
+            f"ratio {m_ada / m_plain:.4f} (of the fastest rounds: {min(t_ada) / min(t_plain):.4f})"
+        )
 
     every = ada.config.log.every_steps
     # Steady steps only: stop short of the step that resolves the pending losses.
@@ -170,16 +187,54 @@ def part_overhead_and_syncs(args) -> None:
     while ada.global_steps % every:
         ada.train_batch()
     n = every - 1
+    # DeepSpeed's own ZeRO-2 step synchronises (overflow and norm checks, in the hand-written loop too):
+    # "error" everywhere except inside DeepSpeed's step().
+    ds_step = ada.deepspeed.step
+
+    def step_without_debug(*a, **k):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return ds_step(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    ada.deepspeed.step = step_without_debug
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(n):
             ada.train_batch()
-        print(f'train_batch under set_sync_debug_mode("error"): {n} steady steps, no synchronisation')
+        print(
+            f'train_batch under set_sync_debug_mode("error") outside DeepSpeed\'s step(): {n} steady steps, '
+            "no synchronisation"
+        )
     except RuntimeError as err:
         print(f'train_batch under set_sync_debug_mode("error") raised: {err}')
         traceback.print_exc()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        ada.deepspeed.step = ds_step
+    ada.close()
+
+
+def part_profile(args) -> None:
+    """Where each loop's host time goes (cProfile over the same number of steady steps)."""
+    import cProfile
+    import pstats
+
+    ada, plain, plain_step = loops(Tokens())
+    for s in (ada.train_batch, plain_step):
+        timed(s, 3)
+    for name, step in (("hand-written", plain_step), ("train_batch", ada.train_batch)):
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        print(f"\n## cProfile, 20 steps, {name}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("ds_adabatch|dataloader|collate|gpu_step", 30)
     ada.close()
 
 
@@ -248,13 +303,17 @@ def part_fp16() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plain-first", action="store_true", help="build the hand-written loop's engine first")
     p.add_argument("--parts", default="overhead,fp16")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     if "overhead" in args.parts:
         part_overhead_and_syncs(args)
+    if "profile" in args.parts:
+        part_profile(args)
     if "fp16" in args.parts:
         part_fp16()
     torch.distributed.destroy_process_group()
