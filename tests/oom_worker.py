@@ -30,6 +30,11 @@ STAGES = {
     # Buckets of 50 elements: gradients are reduced during backward (and a weight of 80 elements
     # goes alone); the agreement runs before the first of those reduces.
     "z2_buckets": (2, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}),
+    # 2 loader workers: the prefetched next step (cut for the old plan) is dropped after a re-plan.
+    "z1_workers": (1, {"adabatch": {"data": {"shuffle": True, "seed": 3, "num_workers": 2}}}),
+    # bf16: DeepSpeed's BF16_Optimizer (ZeRO-0) and the ZeRO-2 optimizer's fp32 accumulation.
+    "z0_bf16": (0, {"bf16": {"enabled": True}}),
+    "z2_bf16": (2, {"bf16": {"enabled": True}}),
 }
 """Case name -> (ZeRO stage, extra ds_config); None means ZeRO-2 with the optimizer offloaded to CPU."""
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 
 HERE = Path(__file__).parent
 WORKER = HERE / "oom_worker.py"
-RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets")
+RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets", "z1_workers", "z0_bf16", "z2_bf16")
 ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2"
 
 
@@ -58,7 +58,9 @@ def _cases():
 @pytest.mark.parametrize(("world", "stage"), list(_cases()))
 def test_oom_mid_accumulation_first_step_and_repeated_is_exact(results, world, stage):
     r = _read(results, world, f"recover_{stage}")
-    assert r["max_rel_err"] <= 1e-5, (
+    # Without the discard the partial step's gradients leak into the update: 0.11 off (fp32 and bf16).
+    tol = 2e-2 if stage.endswith("bf16") else 1e-5
+    assert r["max_rel_err"] <= tol, (
         f"{stage} on {world} ranks: after OOM retries the final parameters differ from the big-batch "
         f"reference by {r['max_rel_err']:.2e}"
     )

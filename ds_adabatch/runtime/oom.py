@@ -17,7 +17,8 @@ rank is ever left in a collective the failed rank will not join. The first colle
 An OOM on a rank that has already passed its agreement point in that pass cannot be recovered (the
 others may be inside a later collective): it raises :class:`UnrecoverableOutOfMemory`, which names
 where it happened. When nothing fails the cost is that one small all-reduce per pass that has a
-collective (ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch).
+collective (ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch); in a world of one rank
+it costs nothing.
 
 :func:`discard_partial_step` then clears what the step accumulated, with each stage's own state.
 """
@@ -86,6 +87,9 @@ class OomAgreement:
     def _exchange(self, failed: bool) -> list[int]:
         self._agreed = True
         self.agreements += 1
+        if self.world_size == 1:
+            # Nobody to tell and nobody to wait for: no collective and no host read.
+            return [self.rank] if failed else []
         flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
         if failed:
             flags[self.rank] = 1.0
