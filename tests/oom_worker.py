@@ -89,7 +89,7 @@ def run_recover(name: str, stage: int, extra: dict | None, out_dir: str) -> None
         "params": {"warmup_min_lr": 0.1, "warmup_max_lr": 0.1, "warmup_num_steps": 1},
     }
     engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=48 * world), loss_fn=mse_loss)
-    batches, seen, plans = [], [], []
+    batches, seen, plans, retries = [], [], [], []
     scheduler = engine.deepspeed.lr_scheduler
     lr_start = scheduler.last_batch_iteration
     # Rank `last`: forwards 3 and 4 fail (micro 4 x gas 4: two micro-batches were accumulated, then the
@@ -109,6 +109,7 @@ def run_recover(name: str, stage: int, extra: dict | None, out_dir: str) -> None
             batches.append(engine.last_step_batch.global_batch.all_indices())
             seen += _ledger(engine)
             plans.append([engine.plan.micro_batch_per_gpu, engine.plan.gradient_accumulation_steps])
+            retries.append(engine.last_metrics.extra["oom_retries"])
     _finish(
         engine,
         name,
@@ -118,6 +119,7 @@ def run_recover(name: str, stage: int, extra: dict | None, out_dir: str) -> None
         {
             "plans": plans,
             "lr_steps": scheduler.last_batch_iteration - lr_start,
+            "oom_retries": retries,
             "agreements": engine.memory_recovery.agreement.agreements,
         },
     )
@@ -171,7 +173,23 @@ def run_auto(name: str, stage: int, extra: dict | None, out_dir: str, phase: str
                 "world_size": world,
             },
         )
+    # The learned limits travel in checkpoints: a fresh engine resumes with them.
+    ckpt = [os.path.join(out_dir, f"{name}_ckpt")]
+    dist.broadcast_object_list(ckpt, src=0)
+    engine.memory_recovery.memory.set_key(2048)
+    engine.memory_recovery.memory.on_oom(16)  # a second shape key, learned as 8
+    engine.save_checkpoint(ckpt[0])
+    limits_saved = engine.memory_recovery.memory.limits()
     engine.close()
+    fresh, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(n=n), loss_fn=mse_loss)
+    fresh.load_checkpoint(ckpt[0])
+    if fresh.global_rank == 0:
+        write(
+            out_dir,
+            f"{name}_resumed",
+            {"saved": repr(limits_saved), "loaded": repr(fresh.memory_recovery.memory.limits())},
+        )
+    fresh.close()
 
 
 def run_unrecoverable(out_dir: str) -> None:
@@ -229,6 +247,34 @@ def run_data_iter(out_dir: str) -> None:
     engine.close()
 
 
+def run_iterable(out_dir: str) -> None:
+    """An IterableDataset (each rank its own stream), ZeRO-0: after an OOM mid-accumulation the retry
+    re-splits the samples this rank already drew; nothing more is drawn."""
+    from engine_worker import Stream, stream_loss
+
+    world = dist.get_world_size()
+    cfg = _config(0, {}, {"schedule": {"type": "constant", "value": 8 * world}, "allow_uneven": False})
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Stream(), loss_fn=stream_loss)
+    seen, batches = [], []
+    with simulated_memory_limit(10**9, ranks=[world - 1], fail_calls=[2]):
+        for _ in range(3):
+            engine.train_batch()
+            mine = [int(i) for m in engine.last_step_batch.micro_batches if m.num_samples for i in m.batch[2]]
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            batches.append([i for part in gathered for i in part])
+            seen.append(gathered)
+    got = full_params(engine)
+    if engine.global_rank == 0:
+        want = reference(batches, Regression())
+        write(
+            out_dir,
+            "iterable_z0",
+            {"max_rel_err": float((got - want).abs().max() / want.abs().max()), "seen": seen},
+        )
+    engine.close()
+
+
 def run_partitioned_z3(out_dir: str) -> None:
     """ZeRO-3 with every parameter partitioned: a forward OOM on the last rank, after the forward's
     first parameter gather, cannot be recovered. That rank raises UnrecoverableOutOfMemory and exits;
@@ -257,6 +303,8 @@ def main() -> None:
         run_unrecoverable(out_dir)
     if cases is None or "data_iter_z2" in cases:
         run_data_iter(out_dir)
+    if cases is None or "iterable_z0" in cases:
+        run_iterable(out_dir)
     if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
         run_partitioned_z3(out_dir)
     dist.barrier()

@@ -88,6 +88,7 @@ def test_oom_mid_accumulation_first_step_and_repeated_is_exact(results, world, s
         "same global batch"
     )
     assert r["plans"] == [[1, 16], [2, 8], [1, 16]], f"micro x GAS each completed step used: {r['plans']}"
+    assert r["oom_retries"] == [2, 0, 2], f"the metrics' oom_retries per step: {r['oom_retries']}"
 
 
 def test_agreement_runs_once_per_step_at_zero_0_and_1_and_per_micro_batch_at_2_and_3(results):
@@ -148,3 +149,16 @@ def test_user_micro_batches_are_re_split_exactly(results):
     r = _read(results, 2, "data_iter_z2")
     assert r["max_rel_err"] <= 1e-5, f"train_batch(data_iter) after an OOM: off by {r['max_rel_err']:.2e}"
     assert r["plans"] == [[2, 4], [2, 4], [2, 4]] and r["global_samples"] == 48, r
+
+
+def test_an_iterable_dataset_retry_draws_nothing_more(results):
+    r = _read(results, 2, "iterable_z0")
+    assert r["max_rel_err"] <= 1e-5, f"IterableDataset after an OOM: off by {r['max_rel_err']:.2e}"
+    # Rank r streams r, r + 2, ...: 8 samples per rank per step, in order, none skipped or repeated.
+    want = [[list(range(16 * s + r, 16 * s + 16, 2)) for r in range(2)] for s in range(3)]
+    assert r["seen"] == want, r["seen"]
+
+
+def test_learned_limits_are_kept_in_checkpoints(results):
+    r = _read(results, 2, "auto_z2_resumed")
+    assert r["loaded"] == r["saved"] == "{None: 16, 2048: 8}", r
