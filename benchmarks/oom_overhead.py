@@ -63,7 +63,7 @@ def main() -> None:
         # (its hooks on every module count against the armed side).
         limit = simulated_memory_limit(10**9)
 
-        def armed_step(engine=armed):
+        def armed_step(engine=armed, limit=limit):
             if on_cpu:
                 limit.install()
             try:
