@@ -50,6 +50,7 @@ class CheckpointMixin:
             "noise": self.noise.state_dict(),
             "last_loss": self.last_loss,
             "last_grad_norm": self.last_grad_norm,
+            "memory": self.memory_recovery.memory.state_dict(),
         }
 
     def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
@@ -70,6 +71,8 @@ class CheckpointMixin:
         self.noise.load_state_dict(state["noise"])
         self.last_loss = state["last_loss"]
         self.last_grad_norm = state["last_grad_norm"]
+        if state.get("memory") is not None:  # checkpoints written before the memory section have none
+            self.memory_recovery.memory.load_state_dict(state["memory"])
         saved = state["global_batch"]
         batch = self.controller.resume_batch(saved, state["world_size"])
         if batch != saved and self.rank == 0:
@@ -98,6 +101,7 @@ class CheckpointMixin:
         Call on every rank, as with DeepSpeed.
         """
         ds = self.deepspeed
+        self.resolve_losses()  # the saved signals (last loss, its EMA) must include every step
         tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
         state = dict(client_state or {})
         state[_STATE_KEY] = self.adabatch_state_dict()
@@ -115,6 +119,7 @@ class CheckpointMixin:
         The client state returned excludes the adabatch entry. A different world size continues the
         same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
         """
+        self.resolve_losses()  # nothing pending may be folded into the loaded state later
         path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
         if path is None:
             return None, {}
