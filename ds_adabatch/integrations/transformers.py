@@ -55,7 +55,7 @@ from transformers.utils import is_datasets_available
 
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
-from ds_adabatch.runtime.lr import BatchCoupledLR
+from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
 from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
 from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.weights import loss_weight
@@ -463,6 +463,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
         )
         self.lr_scheduler = kept
         self._lr_coupling = coupling
+        bind = getattr(self.batch_state.controller.schedule, "bind_base_lr", None)
+        if coupling is not None and callable(bind):  # LR-aware schedules (seesaw) read the unscaled LR
+            bind(CurrentBaseLR(coupling))
         return kept
 
     # -- checkpoints and logs ------------------------------------------------------------------------
