@@ -10,6 +10,8 @@ same stream of training windows for a given seed; only the batch policy differs:
 ``linear``         linear ramp 8 -> 64 over the first 21,500 samples, then 64
 ``gradient-noise`` the ``gradient_noise`` schedule, start 8, every other parameter at its default
 ``loss-plateau``   the ``loss_plateau`` schedule, start 8, every other parameter at its default
+``fixed-32``       global batch 32 throughout (decaying-LR setting)
+``seesaw``         the ``seesaw`` schedule, start 8, defaults (decaying-LR setting)
 =================  ==============================================================================
 
 The learning rate is 2e-3 at the reference batch 8 and follows the batch with ``lr_scaling: sqrt``;
