@@ -130,3 +130,37 @@ def test_csv_png_and_table(quick_run):
     assert table in stdout, "the table is printed too"
     png = (out / "convergence.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, "convergence.png is not a real plot"
+
+
+@pytest.mark.slow
+def test_cosine_setting_quick(tmp_path):
+    # The decaying-LR setting: every run trains to exactly the sample budget; seesaw grows the batch
+    # where the cosine decays, so it takes fewer steps than the baseline for the same samples.
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "convergence.py"),
+        "--setting",
+        "cosine",
+        "--quick",
+        "--runs",
+        "fixed-8",
+        "seesaw",
+        "--out",
+        str(tmp_path),
+    ]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"convergence.py --setting cosine --quick failed:\n{proc.stderr[-4000:]}"
+    results = json.loads((tmp_path / "results.json").read_text())
+    cap = results["settings"]["cap"]
+    rows = {r["run"]: r for r in results["summary"]}
+    assert set(rows) == {"fixed-8", "seesaw"}
+    for r in rows.values():
+        assert r["samples"] == cap, f"{r['run']} did not stop at the budget: {r}"
+        assert math.isfinite(r["final_val"]) and r["steps_ratio"] is not None
+    assert rows["fixed-8"]["steps"] == cap // 8
+    assert rows["seesaw"]["steps"] < rows["fixed-8"]["steps"], "seesaw never grew the batch"
+    sched = results["ds_configs"]["seesaw"]["scheduler"]
+    assert sched["type"] == "WarmupCosineLR" and sched["params"]["cos_min_ratio"] == 0.1
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+    assert "Goal for `seesaw`" in (tmp_path / "summary.md").read_text()
