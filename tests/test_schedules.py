@@ -355,9 +355,16 @@ def test_granularity_rounds_every_value():
 
 
 def test_bounds_clamp_what_a_signal_driven_rule_asks_for():
-    # grow_only off: the lower bound is only reachable by a rule that may shrink.
+    # grow_only off: the lower bound is only reachable by a rule that may shrink; no change cap, so the
+    # bounds are what stops the rule.
     cfg = adabatch(
-        {"type": "gradient_noise", "start": 32, "warmup_steps": 0, "grow_only": False},
+        {
+            "type": "gradient_noise",
+            "start": 32,
+            "warmup_steps": 0,
+            "grow_only": False,
+            "max_change_factor": None,
+        },
         min_global_batch=16,
         max_global_batch=80,
     )

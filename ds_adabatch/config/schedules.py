@@ -370,6 +370,16 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     ``[current / (1 + hysteresis), current * (1 + hysteresis)]``; bounds, granularity and
     ``max_change_factor`` then apply as for every schedule.
 
+    Safety against a runaway estimate (all on by default): the averages remember a fixed number of
+    *samples* (``ema_reference_batch``), not of steps; the batch moves only while the estimate's
+    relative standard error is at most ``max_relative_error``; and one update changes the batch by at
+    most ``max_change_factor`` (this schedule's own, on top of the section's). With micro-batches far
+    below B_noise single estimates scatter over orders of magnitude; without these a 20-measurement
+    average at a start batch of 2 sent 13% of closed-loop runs to more than 4x the right batch (up to
+    34,328 for a target of 8.5); with them none of 200 exceeds 2x (tests/test_noise_closed_loop.py).
+    The price is patience at tiny batches: the batch holds at ``start`` until enough samples have been
+    measured to know where to go.
+
     Choosing ``scale``: in the same model, training at batch B costs about ``S_min (1 + B_simple / B)``
     optimizer steps and ``E_min (1 + B / B_simple)`` samples, so ``scale`` = k buys ``(1 + 1/k) S_min``
     steps for ``(1 + k) E_min`` samples. k = 1 is the knee (twice the minimum of both); a smaller k
@@ -440,6 +450,39 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         "the estimate both ways, e.g. after a learning-rate drop or a change of data mixture, where the "
         "noise scale can legitimately fall.",
     )
+    ema_reference_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Global batch (samples) whose measurement decays the EMAs by exactly ema_beta; a "
+        "measurement of B samples decays them by ema_beta^(B / ema_reference_batch) and weighs "
+        "accordingly more, so the averages remember about ema_reference_batch / (1 - ema_beta) samples "
+        "whatever the batch (AdaptDL's smoothing). A measurement's information grows with the "
+        "micro-batches it compares, so this keeps the average equally precise at every batch instead of "
+        "trusting 20 steps of 2 samples as much as 20 steps of 64. null: the larger of start and 16, "
+        "so a tiny start batch still averages at least 16 / (1 - ema_beta) = 320 samples (at "
+        "ema_beta 0.95) before its estimate can be trusted.",
+    )
+    max_relative_error: float | None = Field(
+        default=0.35,
+        gt=0.0,
+        description="The batch changes only while the smoothed B_simple's relative standard error "
+        "(unitless, from the spread of the single estimates and the number the averages hold) is at "
+        "most this; until then it holds. 0.35 puts the estimate within 2x of its mean with about 95% "
+        "confidence (two standard errors on a log scale, exp(2 x 0.35) = 2.0), the precision a batch "
+        "change needs to be worth its cost; smaller values wait longer. It replaces a fixed count of "
+        "warm-up measurements by the count the noise level actually needs: at micro-batches near "
+        "B_noise it is met after about as many steps as warmup_steps, at micro-batches far below it "
+        "many more. null: no test.",
+    )
+    max_change_factor: float | None = Field(
+        default=2.0,
+        gt=1.0,
+        description="One update moves the batch by at most this factor (unitless; 2.0: at most double "
+        "or halve), on top of the section's own max_change_factor (the tighter applies). The estimate "
+        "at the new batch is measured with more micro-batches and corrects an error before the next "
+        "move, so one bad estimate costs at most one doubling; real noise scales grow over many "
+        "steps, so following them in doublings costs little. null: no limit.",
+    )
     measure_every: int = Field(
         default=1,
         ge=1,
@@ -454,6 +497,13 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
 
     def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
         return [("start", self.start)]
+
+    def estimator_settings(self) -> dict[str, float]:
+        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
+        reference = self.ema_reference_batch
+        if reference is None:
+            reference = max(self.start, 16)
+        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}
 
 
 ScheduleConfig = Annotated[

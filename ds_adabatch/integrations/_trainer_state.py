@@ -101,7 +101,9 @@ class AdaptiveBatchState:
         self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
-            GradientNoiseEstimator(ema_beta=schedule.ema_beta) if schedule.type == "gradient_noise" else None
+            GradientNoiseEstimator(**schedule.estimator_settings())
+            if schedule.type == "gradient_noise"
+            else None
         )
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._noise_cadence = NoiseCadence(schedule)
@@ -173,6 +175,7 @@ class AdaptiveBatchState:
             loss_ema=self.loss_ema.value,
             lr=self.last_lr,
             noise_scale=None if self.noise is None else self.noise.noise_scale,
+            noise_scale_error=None if self.noise is None else self.noise.relative_error,
         )
         decision = self.controller.next_global_batch(ctx)
         batch = broadcast_int(decision.global_batch, self.device)
