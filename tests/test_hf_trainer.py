@@ -461,6 +461,31 @@ def test_dataloader_drop_last_skips_each_epoch_tail(tmp_path):
     assert trainer.state.global_step == trainer.state.max_steps == 6
 
 
+def test_drop_last_epochs_end_whole_and_the_lr_schedule_ends_with_them(tmp_path):
+    from hf_worker import IndexRegression
+
+    # 10 samples, batch 3 for 3 steps, then 4: epoch tails of 1, 2 and 2 samples are skipped, so 25 of
+    # the 30 samples of 3 epochs are trained.
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(10),
+        scheduler=lambda step, batch: 3 if step < 3 else 4,
+        per_device_train_batch_size=3,
+        num_train_epochs=3,
+        dataloader_drop_last=True,
+    )
+    trainer.train()
+    assert [sum(s["sizes"]) for s in rec.steps] == [3, 3, 3, 4, 4, 4, 4], [s["sizes"] for s in rec.steps]
+    epochs = [round(s["epoch"], 6) for s in rec.steps]
+    assert epochs == [0.3, 0.6, 1.0, 1.4, 2.0, 2.4, 3.0], f"state.epoch per step {epochs}"
+    assert trainer.state.epoch == pytest.approx(3.0), f"the run ended at epoch {trainer.state.epoch}"
+    # Linear decay over the stream's 30 samples, one tick per 3 (the initial batch): it must reach 0.
+    assert trainer.lr_scheduler.inner_steps == 10, f"LR ticked {trainer.lr_scheduler.inner_steps} of 10"
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12), (
+        f"LR ended at {trainer.lr_scheduler.get_last_lr()[0]}, not at the schedule's end"
+    )
+
+
 def test_fractional_epochs_stop_by_samples_and_accumulation_comes_from_args(tmp_path):
     from hf_worker import IndexRegression
 

@@ -266,8 +266,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
                     raise ValueError("the global batch has no target tokens (labels != -100) to average over")
         if self._lr_coupling is not None:
             # DeepSpeed steps its scheduler inside the boundary backward below; it must already count
-            # this step's samples.
-            self._lr_coupling.set_samples(state.samples_consumed)
+            # this step's samples (and the epoch tails drop_last skips: the schedule runs with the
+            # stream, so it ends with the epochs).
+            self._lr_coupling.set_samples(state.stream_samples)
         passes_items = by_token and self._passes_num_items()
         logged = torch.zeros((), device=device)
         measure = state.should_measure_noise(self.state.global_step, step.plan)
