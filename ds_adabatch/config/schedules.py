@@ -93,6 +93,18 @@ class StepScheduleConfig(ScheduleConfigBase):
 
     Example: ``{"type": "step", "start": 32, "end": 1536, "increment": 32,
     "ramp_samples": 6000000}`` adds 32 sequences every 127,659.6 samples.
+
+    Where it can differ from Megatron-LM by one step: Megatron computes the number of increments as
+    ``int(s / (ramp_samples / n))`` in floating point. When ``s * n / ramp_samples`` is exactly an
+    integer (an exact change point), that quotient can come out just below it (``8992 / (8992 / 7) =
+    6.999999999999999``) and Megatron moves to the next batch one optimizer step later. This schedule
+    uses integer arithmetic and changes at the exact point; at every other sample count the two give
+    the same batch (checked on random configurations, tests/test_schedules.py). Rounding: Megatron
+    needs each batch to be a multiple of micro-batch x data-parallel size and, with
+    ``--decrease-batch-size-if-needed``, rounds down to one; here a batch that is not plannable (not a
+    multiple of ``granularity`` and, without ``allow_uneven``, of the world size) rounds to the nearest
+    plannable batch (ties up), like every schedule's output. Choose ``increment`` and ``start`` as
+    multiples of that grid to get the same batches as Megatron.
     """
 
     type: Literal["step"] = Field(description="Schedule type.")
