@@ -67,7 +67,7 @@ class DataConfig(_Section):
 
 
 class LogConfig(_Section):
-    """Where plan changes and per-step metrics are written."""
+    """Where plan changes and per-step metrics are written, and how often pending losses are resolved."""
 
     jsonl: str | None = Field(
         None,
@@ -75,6 +75,16 @@ class LogConfig(_Section):
         description=(
             "Path of a JSON Lines file (relative to the working directory) that rank 0 appends one "
             "record to per optimizer step and per plan change; null: no file."
+        ),
+    )
+    every_steps: int = Field(
+        10,
+        ge=1,
+        description=(
+            "Optimizer steps between two resolutions of the per-step losses and gradient norms: one "
+            "small all-reduce then carries every pending step's loss sum, and those steps' records are "
+            "written. Between them a steady step issues no collective of its own. Reading a step's "
+            "loss sooner (float(engine.train_batch())) resolves it at once, on every rank."
         ),
     )
 

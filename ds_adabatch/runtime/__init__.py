@@ -4,5 +4,6 @@ from .engine import AdaptiveBatchEngine
 from .initialize import initialize
 from .lr import BatchCoupledLR
 from .metrics import PlanChange, StepMetrics
+from .step_loss import StepLoss
 
-__all__ = ["AdaptiveBatchEngine", "BatchCoupledLR", "PlanChange", "StepMetrics", "initialize"]
+__all__ = ["AdaptiveBatchEngine", "BatchCoupledLR", "PlanChange", "StepLoss", "StepMetrics", "initialize"]

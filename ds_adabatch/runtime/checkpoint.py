@@ -98,6 +98,7 @@ class CheckpointMixin:
         Call on every rank, as with DeepSpeed.
         """
         ds = self.deepspeed
+        self.resolve_losses()  # the saved signals (last loss, its EMA) must include every step
         tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
         state = dict(client_state or {})
         state[_STATE_KEY] = self.adabatch_state_dict()
@@ -115,6 +116,7 @@ class CheckpointMixin:
         The client state returned excludes the adabatch entry. A different world size continues the
         same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
         """
+        self.resolve_losses()  # nothing pending may be folded into the loaded state later
         path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
         if path is None:
             return None, {}

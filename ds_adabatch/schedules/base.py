@@ -73,6 +73,11 @@ class Schedule(Protocol):
     ``name`` is the config's ``type``; ``requires`` names the context signals (``"loss"``,
     ``"noise_scale"``, ``"tokens"``, ...) the rule reads, so callers know what to measure. A rule may
     set ``last_reason`` (one line saying why it returned what it did) for logging.
+
+    A rule fed only the context decides identically on every rank, so the runtime needs no collective
+    to agree on it. A rule whose answer may differ between ranks (a user's function) sets
+    ``needs_agreement = True`` and offers ``shared_state()`` / ``load_shared_state(values)`` (a list of
+    numbers): at each evaluation the runtime applies rank 0's answer and state everywhere.
     """
 
     name: str
