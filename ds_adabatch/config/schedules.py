@@ -428,10 +428,12 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         default=0.95,
         ge=0.0,
         lt=1.0,
-        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement (unitless). "
-        "0.95 averages about 1 / (1 - 0.95) = 20 measurements (about 39 effectively independent "
-        "ones): enough to tame single estimates whose |G|^2 can even come out negative, short enough "
-        "to follow a noise scale that grows several-fold early in training.",
+        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement of "
+        "ema_reference_batch samples (unitless; a measurement of B samples decays by "
+        "ema_beta^(B / ema_reference_batch)). 0.95 averages about 1 / (1 - 0.95) = 20 such "
+        "measurements (about 39 effectively independent ones): enough to tame single estimates whose "
+        "|G|^2 can even come out negative, short enough to follow a noise scale that grows several-fold "
+        "early in training.",
     )
     warmup_steps: int | None = Field(
         default=None,
