@@ -475,7 +475,9 @@ def test_gradient_noise_default_change_cap_doubles_at_most():
     assert rule.last_target == 500.0, "the reversal test remembers the uncapped target"
     assert at(rule, 2, 1000.0, batch=16) == 32.0
     cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 8})
-    assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 16.0}
+    assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 8.0}
+    tiny = SCHEDULES.validate_python({"type": "gradient_noise", "start": 2})
+    assert tiny.estimator_settings()["reference_batch"] == 8.0
     big = SCHEDULES.validate_python({"type": "gradient_noise", "start": 256})
     assert big.estimator_settings()["reference_batch"] == 256.0
 
