@@ -11,12 +11,15 @@ fed every ``measure_every`` optimizer steps). Per evaluation, with ``band = 1 + 
     if target / current in [1/band, band]:              hold
     if the move reverses the previous one and
        target / previous_target in [1/band, band]:      hold
-    else:                                               target, within current x/÷ max_change_factor
+    else:                                               target
+    the target is then kept in [current / f, current * f], f = the schedule's max_change_factor
 
-The controller then clamps the target to the bounds, caps the change by ``max_change_factor`` and
-rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of the estimator's EMA,
-``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate averages a full window of
-measurements.
+The controller then clamps the target to the bounds, caps the change by the section's
+``max_change_factor`` and rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of
+the estimator's EMA, ``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate
+averages a full window of measurements. The relative error is the estimator's
+(:attr:`~ds_adabatch.signals.GradientNoiseEstimator.relative_error`, ``ctx.noise_scale_error``); the
+config's field descriptions give the reason for each default.
 
 Why the reversal test: the band around the current batch alone cannot stop a flip-flop when one
 rounding step is wider than the band. With granularity 8 and a target hovering at 20, 20.5 rounds to
@@ -124,7 +127,7 @@ class GradientNoiseSchedule:
         f = self.max_change_factor
         if f is not None and not current / f <= target <= current * f:
             target = min(max(target, current / f), current * f)
-            self.last_reason += f", capped at x/÷{f:g} per update to {target:.6g}"
+            self.last_reason += f", capped to a factor {f:g} per update: {target:.6g}"
         return target
 
     def state_dict(self) -> dict[str, Any]:
