@@ -34,7 +34,7 @@ EVERY = 4  # log.every_steps in the cases
 class HostReads:
     """Counts tensor -> host reads while active (patched on torch.Tensor, restored on exit)."""
 
-    NAMES = ("item", "__float__", "__int__", "__bool__")
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
 
     def __init__(self) -> None:
         self.count = 0
@@ -105,8 +105,14 @@ def plain_loop(world: int) -> list[tuple[int, int]]:
     return run(step)
 
 
-def adaptive(adabatch: dict, *, token: bool = False) -> list[tuple[int, int]]:
-    section = {"max_micro_batch_per_gpu": MICRO, "log": {"every_steps": EVERY}, **adabatch}
+def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> list[tuple[int, int]]:
+    # Out-of-memory recovery (on by default) adds its own agreement: measured in its own case.
+    section = {
+        "max_micro_batch_per_gpu": MICRO,
+        "log": {"every_steps": EVERY},
+        "memory": {"recover_from_oom": armed},
+        **adabatch,
+    }
     if token:
         section["loss_normalization"] = "token"
     engine, *_ = ds_adabatch.initialize(
@@ -150,6 +156,9 @@ def main() -> None:
         'gradient_noise measuring every step with "token"': adaptive(
             {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}, token=True
         ),
+        "armed out-of-memory recovery (the default)": adaptive(
+            {"schedule": {"type": "constant", "value": batch}}, armed=True
+        ),
         "a user's callable schedule": adaptive(
             {
                 "schedule": {
@@ -165,6 +174,7 @@ def main() -> None:
             "plain": plain,
             "every_steps": EVERY,
             "first_step": 2,
+            "gas": GAS,
             "cases": {
                 name: [[c - p[0], r - p[1]] for (c, r), p in zip(counts, plain)]
                 for name, counts in cases.items()

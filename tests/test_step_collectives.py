@@ -82,3 +82,15 @@ def test_a_measured_step_carries_the_losses(counts):
     assert extra == [1] * len(extra), (
         f"{case}: the noise sums' all-reduce also carries the step's loss, so no step adds two: {extra}"
     )
+
+
+def test_armed_oom_recovery_adds_one_agreement_per_reducing_pass(counts):
+    # ZeRO-2 reduces gradients in every micro-batch's backward: armed recovery joins one small
+    # all-reduce (and reads its flags once) before each, GAS per step; nothing else changes.
+    armed = counts["cases"]["armed out-of-memory recovery (the default)"]
+    steady = counts["cases"]["constant schedule, sample normalisation"]
+    gas = counts["gas"]
+    extra = [(a[0] - s[0], a[1] - s[1]) for a, s in zip(armed, steady)]
+    assert extra == [(gas, gas)] * len(extra), (
+        f"armed recovery must add exactly GAS ({gas}) all-reduces and host reads per step: {extra}"
+    )

@@ -25,6 +25,7 @@ from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
 from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.comm import broadcast_int
+from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
@@ -88,6 +89,13 @@ class AdaptiveBatchState:
         self.lr = lr
         self.loss_normalization = loss_normalization
         """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
+        self.memory = MicroBatchMemory(
+            config.initial_micro_batch_limit,
+            config.micro_batch_limit,
+            grow_after_steps=config.memory.grow_after_steps,
+            backoff_factor=config.memory.backoff_factor,
+        )
+        """The micro-batch limit, lowered by out-of-memory errors and grown back (``"adabatch".memory``)."""
         self.scheduled_batch = controller.initial_global_batch()
         """The global batch the schedule chose for the latest decided step (before any epoch-tail replan)."""
         self.initial_plan = self.plan_for(self.scheduled_batch)
@@ -183,9 +191,21 @@ class AdaptiveBatchState:
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
         cfg = self.config
-        return plan_batch(
-            global_batch, self.world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
-        )
+        return plan_batch(global_batch, self.world_size, self.memory.limit, allow_uneven=cfg.allow_uneven)
+
+    def replan_after_oom(self, plan: BatchPlan, ranks: list[int], step: int) -> BatchPlan:
+        """Every rank agreed that ``ranks`` ran out of memory at ``plan``: the same samples, smaller
+        micro-batches (logged once on rank 0).
+
+        Raises:
+            UnrecoverableOutOfMemory: the failed micro-batch was 1 sample.
+        """
+        from ds_adabatch.runtime.recovery import replan_after_oom
+
+        new, _, line = replan_after_oom(self.memory, plan, ranks, step, self.config.allow_uneven)
+        if self.rank == 0:
+            logger.info("%s", line)
+        return new
 
     def plan_for_step(self, step: int) -> BatchPlan:
         """The plan of optimizer step ``step`` (completed steps before it); decided once, then cached.
@@ -305,6 +325,7 @@ class AdaptiveBatchState:
             "tokens": self.tokens,
             "last_lr": self.last_lr,
             "noise": None if self.noise is None else self.noise.state_dict(),
+            "memory": self.memory.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], global_step: int) -> None:
@@ -329,6 +350,8 @@ class AdaptiveBatchState:
         self.loss_ema.load_state_dict(state["loss_ema"])
         self.tokens = int(state["tokens"])
         self.last_lr = state["last_lr"]
+        if state.get("memory") is not None:  # absent from states written before OOM recovery
+            self.memory.load_state_dict(state["memory"])
         noise = state.get("noise")  # absent from states written before the Trainer measured it
         if self.noise is not None and noise is not None:
             self.noise.load_state_dict(noise)

@@ -61,6 +61,7 @@ from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
+from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.weights import loss_weight
 
 from ._trainer_callback import AdaptiveBatchCallback
@@ -143,6 +144,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._lr_coupling: BatchCoupledLR | None = None
         self._samples_at_start = 0
         self._shifts_labels: bool | None = None
+        self._recovery: OomRecovery | None = None
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
         self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
 
@@ -242,10 +244,46 @@ class AdaptiveBatchSizeTrainer(Trainer):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch of one optimizer step; returns the loss to log.
 
-        The returned value averaged over ranks is the step's mean loss over the global batch.
+        The returned value averaged over ranks is the step's mean loss over the global batch. Under
+        DeepSpeed with ``memory.recover_from_oom`` (the default), an out-of-memory error on any rank
+        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``).
         """
         if not isinstance(inputs, StepInputs):
             return super().training_step(model, inputs, num_items_in_batch)
+        state = self._require_state()
+        recovery = self._oom_recovery()
+        if recovery is None:
+            return self._adaptive_step(model, inputs)
+
+        def replan(ranks: list[int]) -> None:
+            plan = state.replan_after_oom(inputs.step.plan, ranks, self.state.global_step)
+            inputs.step = state.loader.reload(inputs.step, plan)
+            state.last_step = inputs.step
+
+        logged = recovery.run(lambda: self._adaptive_step(model, inputs), replan)
+        state.memory.on_clean_step(inputs.step.plan.micro_batch_per_gpu)
+        return logged
+
+    def _oom_recovery(self) -> OomRecovery | None:
+        """Out-of-memory recovery on the DeepSpeed engine (built once it exists), or None."""
+        state = self._require_state()
+        engine = self._deepspeed_engine()
+        if engine is None and state.config.auto_micro_batch:
+            raise ValueError(
+                "max_micro_batch_per_gpu 'auto' learns the micro-batch from out-of-memory errors, which "
+                "AdaptiveBatchSizeTrainer recovers under DeepSpeed only: pass TrainingArguments(deepspeed=...) "
+                "or give max_micro_batch_per_gpu an integer"
+            )
+        if engine is None or not state.config.memory.recover_from_oom:
+            return None
+        if self._recovery is None or self._recovery.deepspeed is not engine:
+            self._recovery = OomRecovery(
+                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
+            )
+        return self._recovery
+
+    def _adaptive_step(self, model: torch.nn.Module, inputs: StepInputs) -> torch.Tensor:
+        """One attempt at the step's micro-batches (``training_step`` without recovery)."""
         state = self._require_state()
         step = inputs.step
         self._apply_plan(step.plan)
@@ -275,6 +313,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         probe = self._noise_probe() if measure else None
         try:
             for i, mb in enumerate(micro):
+                if self._recovery is not None:  # a new pass: its own out-of-memory agreement point
+                    self._recovery.begin_pass(f"in micro-batch {i} of step {self.state.global_step}")
                 items = None
                 if by_token:
                     # Whatever the model does with num_items_in_batch, its loss is this micro-batch's own

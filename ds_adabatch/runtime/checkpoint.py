@@ -50,6 +50,7 @@ class CheckpointMixin:
             "noise": self.noise.state_dict(),
             "last_loss": self.last_loss,
             "last_grad_norm": self.last_grad_norm,
+            "memory": self.memory_recovery.memory.state_dict(),
         }
 
     def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
@@ -70,6 +71,8 @@ class CheckpointMixin:
         self.noise.load_state_dict(state["noise"])
         self.last_loss = state["last_loss"]
         self.last_grad_norm = state["last_grad_norm"]
+        if state.get("memory") is not None:  # checkpoints written before the memory section have none
+            self.memory_recovery.memory.load_state_dict(state["memory"])
         saved = state["global_batch"]
         batch = self.controller.resume_batch(saved, state["world_size"])
         if batch != saved and self.rank == 0:

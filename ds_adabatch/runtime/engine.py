@@ -41,6 +41,7 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
+from .recovery import OomRecovery, replan_after_oom, resplit_micro_batches
 from .step_loss import StepLoss
 from .step_sync import StepSync
 from .weights import loss_weight
@@ -99,6 +100,10 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._sync = StepSync(ds_engine.device)
+        # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
+        self.memory_recovery = OomRecovery(ds_engine, cfg, rank=self.rank, world_size=self.world_size)
+        self._memory_reason: str | None = None
+        self._step_ooms = 0
         self._apply_plan(self.plan, reason="initial plan", record=False)
 
     # ---------------------------------------------------------------------------------------------
@@ -138,6 +143,20 @@ class AdaptiveBatchEngine(CheckpointMixin):
     def lr_multiplier(self) -> float:
         return self.lr_coupling.multiplier
 
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch per GPU the next step may plan (samples): the integer
+        ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
+        the learned limit."""
+        return self.memory_recovery.memory.limit
+
+    def set_memory_key(self, key: int | str | None) -> None:
+        """Plan from the next step with the micro-batch limit learned for ``key`` (e.g. the sequence
+        length of a length curriculum); a new key starts at the initial limit. Limits of every key
+        are kept in checkpoints. Call it on every rank with the same value."""
+        self.memory_recovery.memory.set_key(key)
+        self._decided_step = None
+
     def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
         """Override the schedule: from the next step on the global batch is ``n``.
 
@@ -152,9 +171,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         if n is None:
             self._override = None
             return
-        plan_batch(
-            n, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
-        )
+        plan_batch(n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven)
         self._override = (int(n), reason)
         self._override_agreed = False
 
@@ -198,8 +215,22 @@ class AdaptiveBatchEngine(CheckpointMixin):
             total_samples = None
 
         step = self.global_steps
-        loss_sum, tokens, total_samples, total, probe_sums = self._forward_backward(
-            micro, total_samples, measure
+        # Out-of-memory recovery (recovery.py): an agreed OOM discards the partial step, lowers the
+        # micro-batch limit and re-runs the same samples, cut for the new plan.
+        current = {"micro": micro, "step": self.last_step_batch if data_iter is None else None}
+        self._step_ooms = 0
+
+        def replan(ranks: list[int]) -> None:
+            plan = self._replan_after_oom(ranks)
+            if current["step"] is not None:
+                batch = self.dataloader.reload(current["step"], plan)
+                self.last_step_batch = current["step"] = batch
+                current["micro"] = [(m.batch, m.num_samples) for m in batch.micro_batches]
+            else:
+                current["micro"] = resplit_micro_batches(current["micro"], plan.gradient_accumulation_steps)
+
+        loss_sum, tokens, total_samples, total, probe_sums = self.memory_recovery.run(
+            lambda: self._forward_backward(current["micro"], total_samples, measure), replan
         )
         self.global_steps += 1
         self.global_samples += total_samples
@@ -253,7 +284,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
+            recovery = self.memory_recovery
             for i, (batch, count) in enumerate(zip(batches, counts)):
+                recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}")
                 # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
                 # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
                 # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
@@ -267,6 +300,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
                     probe.end()
                     if i == last:
                         probe.read_reduced_norm()
+                if i == last:
+                    recovery.where = f"in the optimizer step of step {self.global_steps}"
                 ds.step()
                 if count:
                     loss_sum = loss_sum + loss.detach().to(torch.float64) * count
@@ -357,7 +392,10 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self._scheduled_batch = batch
         plan = self._plan_for(batch)
         if plan != self.plan:
+            if self._memory_reason is not None and batch == self.plan.global_batch_size:
+                reason = self._memory_reason
             self._apply_plan(plan, reason=reason, record=True)
+        self._memory_reason = None
 
     def _agree(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` on every rank, in one collective (with whatever StepSync has queued)."""
@@ -374,10 +412,19 @@ class AdaptiveBatchEngine(CheckpointMixin):
 
     def _plan_for(self, batch: int) -> BatchPlan:
         return plan_batch(
-            batch, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
+            batch, self.world_size, self.micro_batch_limit, allow_uneven=self.config.allow_uneven
         )
 
-    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool) -> None:
+    def _replan_after_oom(self, ranks: list[int]) -> BatchPlan:
+        """Every rank agreed that ``ranks`` ran out of memory: the same global batch, smaller micro-batches."""
+        plan, reason, line = replan_after_oom(
+            self.memory_recovery.memory, self.plan, ranks, self.global_steps, self.config.allow_uneven
+        )
+        self._step_ooms += 1
+        self._apply_plan(plan, reason=reason, record=True, line=line)
+        return plan
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
         old = self.plan
         apply_plan_to_engine(self.deepspeed, plan)
@@ -401,7 +448,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         )
         self.history.append(event)
         if self.rank == 0:
-            logger.info(format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
+            logger.info(line or format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
 
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale
@@ -429,6 +476,12 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
         ds.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
+        decision = self.memory_recovery.memory.on_clean_step(self.plan.micro_batch_per_gpu)
+        if decision is not None:
+            # Logged once, with the plan change it causes at the next decision.
+            self._memory_reason = (
+                f"micro-batch limit {decision.old_limit} -> {decision.new_limit} ({decision.reason})"
+            )
 
     def _record_step(
         self, step: int, started: float, lr_used: float, loss_sum: torch.Tensor, total: int
@@ -448,6 +501,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
             epoch=self.epoch,
             lr_multiplier=self.lr_coupling.multiplier,
             step_time_s=time.perf_counter() - started,
+            extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
         )
         loss = StepLoss(step, self.resolve_losses)
         # The norm DeepSpeed computed in this step (a device tensor under ZeRO 1-3): read it later.
