@@ -18,9 +18,11 @@ import argparse
 
 import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
 import deepspeed
+import torch
 import torch.distributed as dist
 
 import ds_adabatch
+from ds_adabatch.testing import simulated_memory_limit
 
 MICRO, GAS = 8, 2
 
@@ -50,20 +52,35 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     data = h.lm_data()
     spec = h.MODELS[args.model]
+    on_cpu = not torch.cuda.is_available()
     before_load = h.idle_check("at start", own_processes=world)
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):
         armed = make_engine(stage, world, data, True, spec)
         disarmed = make_engine(stage, world, data, False, spec)
+        # On the CPU nothing raises a recoverable out-of-memory error, so the agreement is armed only
+        # while a simulated limit is installed: one nothing exceeds, around the armed engine's steps
+        # (its hooks on every module count against the armed side).
+        limit = simulated_memory_limit(10**9)
+
+        def armed_step(engine=armed, limit=limit):
+            if on_cpu:
+                limit.install()
+            try:
+                engine.train_batch()
+            finally:
+                limit.remove()
+
+        steps = {id(armed): armed_step, id(disarmed): disarmed.train_batch}
         for e in (armed, disarmed):
-            h.time_steps(e.train_batch, 2)  # warm-up
+            h.time_steps(steps[id(e)], 2)  # warm-up
         before = armed.memory_recovery.agreement.agreements
         t_armed, t_disarmed = [], []
         for r in range(args.rounds):
             order = [(armed, t_armed), (disarmed, t_disarmed)]
             for engine, sink in order if r % 2 == 0 else reversed(order):
                 dist.barrier()
-                sink += h.time_steps(engine.train_batch, args.steps)
+                sink += h.time_steps(steps[id(engine)], args.steps)
         per_step = (armed.memory_recovery.agreement.agreements - before) / (args.rounds * args.steps)
         rows.append((stage, h.median(t_disarmed), h.median(t_armed), per_step))
         armed.close()

@@ -18,7 +18,15 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SimulatedMemoryLimit", "simulated_memory_limit"]
+__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory_limit"]
+
+_installed = 0  # simulated limits installed in this process
+
+
+def simulated_limit_installed() -> bool:
+    """Whether a :func:`simulated_memory_limit` is installed in this process (it arms the
+    out-of-memory agreement on the CPU, where no real out-of-memory error can be recovered)."""
+    return _installed > 0
 
 
 def _leading_dim(value: Any) -> int | None:
@@ -127,7 +135,10 @@ class SimulatedMemoryLimit:
 
     def install(self) -> SimulatedMemoryLimit:
         """Start raising (the context manager calls it)."""
+        global _installed
         hooks = torch.nn.modules.module
+        if not self._handles:
+            _installed += 1
         self._handles = [
             hooks.register_module_forward_pre_hook(self._pre),
             # always_call: the depth count stays right when a forward (or this pre-hook) raises.
@@ -137,6 +148,9 @@ class SimulatedMemoryLimit:
 
     def remove(self) -> None:
         """Stop raising."""
+        global _installed
+        if self._handles:
+            _installed -= 1
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -168,6 +182,8 @@ def simulated_memory_limit(
     whatever its size: an OOM in the middle of an accumulation, after other micro-batches were summed.
 
     Use it as a context manager, or call ``install()`` / ``remove()``; it hooks every ``nn.Module``
-    of the process while installed.
+    of the process while installed. Install it on **every** rank (``ranks`` chooses which raise): on
+    the CPU the runtime's out-of-memory agreement runs only while a simulated limit is installed, and
+    every rank must take part in it.
     """
     return SimulatedMemoryLimit(max_samples_per_forward, ranks, phase, fail_calls)

@@ -24,6 +24,7 @@ import deepspeed.comm as dist  # noqa: E402
 from engine_worker import Regression, make_model, mse_loss  # noqa: E402
 
 import ds_adabatch  # noqa: E402
+from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
 STAGE = 2
 MICRO, GAS = 4, 2
@@ -106,13 +107,9 @@ def plain_loop(world: int) -> list[tuple[int, int]]:
 
 
 def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> list[tuple[int, int]]:
-    # Out-of-memory recovery (on by default) adds its own agreement: measured in its own case.
-    section = {
-        "max_micro_batch_per_gpu": MICRO,
-        "log": {"every_steps": EVERY},
-        "memory": {"recover_from_oom": armed},
-        **adabatch,
-    }
+    # Default settings: out-of-memory recovery is on, but on the CPU nothing can raise an
+    # out-of-memory error, so it agrees on nothing unless a simulated limit is installed ("armed").
+    section = {"max_micro_batch_per_gpu": MICRO, "log": {"every_steps": EVERY}, **adabatch}
     if token:
         section["loss_normalization"] = "token"
     engine, *_ = ds_adabatch.initialize(
@@ -122,7 +119,11 @@ def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> lis
         loss_fn=mse_loss,
         token_count_fn=(lambda b: int(b[0].shape[0]) * 3) if token else None,
     )
-    counts = run(engine.train_batch)
+    if armed:  # a budget nothing exceeds: the agreement runs, nothing fails
+        with simulated_memory_limit(10**9):
+            counts = run(engine.train_batch)
+    else:
+        counts = run(engine.train_batch)
     engine.close()
     return counts
 
@@ -156,7 +157,7 @@ def main() -> None:
         'gradient_noise measuring every step with "token"': adaptive(
             {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}, token=True
         ),
-        "armed out-of-memory recovery (the default)": adaptive(
+        "armed out-of-memory recovery (a GPU's default)": adaptive(
             {"schedule": {"type": "constant", "value": batch}}, armed=True
         ),
         "a user's callable schedule": adaptive(

@@ -86,8 +86,9 @@ def test_a_measured_step_carries_the_losses(counts):
 
 def test_armed_oom_recovery_adds_one_agreement_per_reducing_pass(counts):
     # ZeRO-2 reduces gradients in every micro-batch's backward: armed recovery joins one small
-    # all-reduce (and reads its flags once) before each, GAS per step; nothing else changes.
-    armed = counts["cases"]["armed out-of-memory recovery (the default)"]
+    # all-reduce of host flags (a gloo group of its own on a GPU: no device sync) before each, and
+    # reads them once, GAS per step; nothing else changes.
+    armed = counts["cases"]["armed out-of-memory recovery (a GPU's default)"]
     steady = counts["cases"]["constant schedule, sample normalisation"]
     gas = counts["gas"]
     extra = [(a[0] - s[0], a[1] - s[1]) for a, s in zip(armed, steady)]

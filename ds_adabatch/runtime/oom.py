@@ -18,7 +18,13 @@ An OOM on a rank that has already passed its agreement point in that pass cannot
 others may be inside a later collective): it raises :class:`UnrecoverableOutOfMemory`, which names
 where it happened. When nothing fails the cost is that one small all-reduce per pass that has a
 collective (ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch); in a world of one rank
-it costs nothing.
+it costs nothing. The flags are host facts (an exception was caught or not), so on a GPU they travel
+over a CPU (gloo) process group of their own: the agreement never synchronises the GPU.
+
+Where it is armed: only where an out-of-memory error can be raised and survived, i.e. on an
+accelerator (CUDA, ...). DeepSpeed's CPU accelerator allocates from host memory, where exhaustion ends
+the process (the kernel's OOM killer) instead of raising, so on the CPU nothing is agreed and a steady
+step stays free of collectives, unless :func:`ds_adabatch.testing.simulated_memory_limit` is installed.
 
 :func:`discard_partial_step` then clears what the step accumulated, with each stage's own state.
 """
@@ -70,10 +76,23 @@ class OomAgreement:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.armed = False
+        self.enabled = True
+        self._can_raise = torch.device(device).type != "cpu"
+        self._group = _host_group(world_size)
         self._agreed = False
         self.agreements = 0  # number of agreement collectives issued (tests and benchmarks read it)
         self._install(ds_engine)
+
+    @property
+    def armed(self) -> bool:
+        """Whether passes agree: enabled, and an out-of-memory error can be raised here (see above)."""
+        if not self.enabled:
+            return False
+        if self._can_raise:
+            return True
+        from ds_adabatch.testing import simulated_limit_installed
+
+        return simulated_limit_installed()
 
     # -- the agreement ----------------------------------------------------------------------------
     def begin_pass(self) -> None:
@@ -90,12 +109,12 @@ class OomAgreement:
         if self.world_size == 1:
             # Nobody to tell and nobody to wait for: no collective and no host read.
             return [self.rank] if failed else []
-        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
+        flags = torch.zeros(self.world_size, dtype=torch.float32)  # host memory: no GPU involved
         if failed:
             flags[self.rank] = 1.0
         dist = torch.distributed
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags)
+            dist.all_reduce(flags, group=self._group)
         return [r for r, v in enumerate(flags.tolist()) if v > 0]
 
     def _before_collective(self) -> None:
@@ -237,3 +256,14 @@ def _discard_zero3(ds: Any, opt: Any) -> None:
         # is persistent (below stage3_param_persistence_threshold) nothing is released: releasing them
         # would make the retry's forward gather again, and an OOM after that gather is unrecoverable.
         opt.parameter_offload.get_param_coordinator().release_and_reset_all(ds.module)
+
+
+def _host_group(world_size: int) -> Any:
+    """A gloo process group for host-side flags when the default group is not gloo (NCCL); ``None``
+    (the default group) otherwise. Created on every rank, as ``new_group`` requires."""
+    dist = torch.distributed
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -60,13 +60,12 @@ class OomRecovery:
             self.agreement = OomAgreement(
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
-            self.agreement.armed = True
         self.where = ""
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
 
     @property
     def armed(self) -> bool:
-        return self.agreement is not None
+        return self.agreement is not None and self.agreement.armed
 
     def begin_pass(self, where: str) -> None:
         """Called before each micro-batch: a new pass, with its own agreement point."""
@@ -76,7 +75,7 @@ class OomRecovery:
 
     def run(self, attempt: Callable[[], T], replan: Callable[[list[int]], None]) -> T:
         """``attempt()`` until it completes; after an agreed OOM, clean up and call ``replan(ranks)``."""
-        if self.agreement is None:
+        if not self.armed:
             return attempt()
         snapshot = self._snapshot()
         while True:
