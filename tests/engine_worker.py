@@ -396,6 +396,9 @@ CKPT_SCHEDULES = {
         "warmup_steps": 2,
         "measure_every": 1,
         "hysteresis": 0.0,
+        # A 6-step run: the batch must move for the resume to test the schedule's state, so the
+        # confidence test (which waits for far more measurements) is off.
+        "max_relative_error": None,
     },
 }
 CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [(0, "callable"), (0, "plateau"), (0, "noise")]

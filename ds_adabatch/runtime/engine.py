@@ -353,6 +353,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
             loss_ema=self.loss_ema.value,
             grad_norm=self.last_grad_norm,
             noise_scale=noise,
+            noise_scale_error=self.noise.relative_error,
             lr=self.lr_coupling.get_lr()[0] if self.lr_coupling.get_lr() else None,
         )
 
@@ -453,7 +454,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
     # Gradient-noise scale
     def _noise_kwargs(self) -> dict[str, Any]:
         schedule = self.config.schedule
-        return {"ema_beta": schedule.ema_beta} if schedule.type == "gradient_noise" else {}
+        return schedule.estimator_settings() if schedule.type == "gradient_noise" else {}
 
     def _should_measure_noise(self) -> bool:
         return self._noise_cadence.due(
