@@ -59,7 +59,9 @@ def make_model() -> torch.nn.Module:
 
 def token_mean_loss(engine, batch) -> torch.Tensor:
     logits = engine(batch["input_ids"])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    )
 
 
 def sample_mean_loss(engine, batch) -> torch.Tensor:
