@@ -206,3 +206,17 @@ def test_pack_step_pads_with_the_shortest_sample() -> None:
     # 30 + 30 exceed 40 padded to the longest: three micro-batches, one pad running the 5-token sample.
     assert sum(1 for layout in layouts if layout.micro_batches == ((),)) == 1
     assert sorted(layout.costs[0] for layout in layouts) == [5, 5, 30, 30]
+
+
+def test_sample_unit_steps_take_that_many_samples() -> None:
+    lengths = np.arange(1, 11)
+    sampler = TokenBudgetSampler(
+        SampleLengths(10, lengths=lengths), micro_batch_tokens=20, step_unit="samples", shuffle=False
+    )
+    sizes = [sampler.next_step(4, 2).size for _ in range(4)]
+    assert sizes == [4, 4, 2, 4]  # the epoch's last step is the smaller remainder
+    dropping = TokenBudgetSampler(
+        SampleLengths(10, lengths=lengths), micro_batch_tokens=20, step_unit="samples", drop_last=True
+    )
+    steps = [dropping.next_step(4, 3) for _ in range(3)]
+    assert [s.size for s in steps] == [4, 4, 4] and steps[2].epoch == 1 and dropping.samples_skipped == 2

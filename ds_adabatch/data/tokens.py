@@ -208,6 +208,8 @@ class TokenBudgetSampler:
         truncate: Count a sample longer than the budget as ``micro_batch_tokens`` (the collate must
             cut it) instead of raising an error naming it.
         shuffle, seed, drop_last: As for :class:`~ds_adabatch.data.ElasticSampler`.
+        step_unit: What a step's target counts: ``"tokens"`` (samples are taken until their lengths
+            reach it) or ``"samples"`` (exactly that many samples, fewer at an epoch's end).
     """
 
     def __init__(
@@ -222,7 +224,11 @@ class TokenBudgetSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        step_unit: str = "tokens",
     ) -> None:
+        if step_unit not in ("tokens", "samples"):
+            raise ValueError(f"step_unit must be 'tokens' or 'samples', got {step_unit!r}")
+        self.step_unit = step_unit
         if not isinstance(lengths, SampleLengths):
             raise TypeError(f"lengths must be a SampleLengths, got {type(lengths).__name__}")
         if padding not in PADDING_MODES:
@@ -336,7 +342,8 @@ class TokenBudgetSampler:
             epoch, position = epoch + 1, 0
         skipped = 0
         indices, lengths = self._gather(epoch, position, target)
-        if lengths.sum() < target and self.drop_last and position > 0:
+        reached = lengths.sum() if self.step_unit == "tokens" else len(lengths)
+        if reached < target and self.drop_last and position > 0:
             skipped = self.num_samples - position
             epoch, position = epoch + 1, 0
             indices, lengths = self._gather(epoch, 0, target)
@@ -351,7 +358,10 @@ class TokenBudgetSampler:
         )  # fmt: skip
 
     def _gather(self, epoch: int, position: int, target: int) -> tuple[np.ndarray, np.ndarray]:
-        """Samples from ``position`` until their lengths reach ``target`` (or the epoch ends)."""
+        """Samples from ``position`` until their lengths (or their number) reach ``target``, or the epoch ends."""
+        if self.step_unit == "samples":
+            idx = self.take(epoch, position, min(self.num_samples, position + target))
+            return idx, self._capped(idx)
         got_idx: list[np.ndarray] = []
         got_len: list[np.ndarray] = []
         total, pos = 0, position

@@ -56,4 +56,5 @@ def token_budget_sampler(
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
         drop_last=cfg.data.drop_last,
+        step_unit=cfg.schedule.batch_unit,
     )
