@@ -18,6 +18,7 @@ Usage::
 
     python benchmarks/token_budget.py                              # count, writes results/token_budget.json
     python benchmarks/token_budget.py train --steps 30             # tokens/s on 2 CPU ranks (idle machine)
+    python benchmarks/token_budget.py deepspeed --budget 4096      # against DeepSpeed's dynamic batching
 """
 
 from __future__ import annotations
@@ -118,6 +119,61 @@ def count(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
+# -- deepspeed: what DeepSpeed's dynamic batching trains per step on the same data -------------------
+
+
+def deepspeed_compare(args: argparse.Namespace) -> dict:
+    """DeepSpeed 0.19.8's ``batch_by_seqlens`` (``data_efficiency.dynamic_batching``) against token steps.
+
+    Both pack micro-batches by the sum of lengths (``packed``) under the same budget, over the first
+    ``--ds-samples`` samples in the same order (DeepSpeed's ``sequence_picking_order: "dataloader"``), on
+    ``--world`` ranks with ``--ds-gas`` micro-batches per rank per step on DeepSpeed's side (its
+    ``effective_batch_size``). Token steps get DeepSpeed's mean tokens per step as their target; their
+    spreads leave out the epoch's smaller last step (reported as ``tail_step_tokens``).
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
+
+    from ds_adabatch.data import SampleLengths, TokenBudgetSampler
+
+    lengths = np.array([len(t) for t in corpus()], dtype=np.int64)[: args.ds_samples]
+    per_step = args.world * args.ds_gas
+    micro_ids, batch_sizes, _ = batch_by_seqlens(
+        lengths.tolist(), args.budget, effective_batch_size=per_step, sequence_picking_order="dataloader"
+    )
+    ds_steps = [micro_ids[k : k + per_step] for k in range(0, len(micro_ids), per_step)]
+    ds_tokens = [sum(int(lengths[i]) for _, ids in step for i in ids) for step in ds_steps]
+    ds_micro = [sum(int(lengths[i]) for i in ids) for _, ids in micro_ids]
+    trained = {i for _, ids in micro_ids for i in ids}
+    target = round(float(np.mean(ds_tokens)))
+    sampler = TokenBudgetSampler(SampleLengths(len(lengths), lengths=lengths), micro_batch_tokens=args.budget,
+                                 padding="packed", shuffle=False)  # fmt: skip
+    ours, passes, micro_max = [], [], 0
+    while not ours or sampler.position < len(lengths):
+        step = sampler.next_step(target, args.world)
+        ours.append(step.tokens)
+        passes.append(step.passes)
+        micro_max = max(
+            micro_max,
+            max(c for layout in step.layouts for c, m in zip(layout.costs, layout.micro_batches) if m),
+        )
+
+    def spread(values: list[int]) -> dict:
+        v = np.array(values, dtype=float)
+        return {"steps": len(v), "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()),
+                "cv": float(v.std() / v.mean())}  # fmt: skip
+
+    return {
+        "settings": {"samples": len(lengths), "budget": args.budget, "world": args.world, "ds_gas": args.ds_gas},
+        "deepspeed": {"tokens_per_step": spread(ds_tokens), "samples_per_step": spread(batch_sizes),
+                      "samples_not_trained": len(lengths) - len(trained), "largest_micro_tokens": max(ds_micro),
+                      "passes_per_rank_per_step": args.ds_gas},
+        "token_steps": {"target": target, "tokens_per_step": spread(ours[:-1]), "tail_step_tokens": ours[-1],
+                        "samples_not_trained": 0, "largest_micro_tokens": micro_max,
+                        "passes_per_rank_per_step": spread(passes[:-1])},
+    }  # fmt: skip
+
+
 # -- train: tokens/s on gloo ranks --------------------------------------------------------------------
 
 
@@ -204,7 +260,9 @@ def train(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="count", choices=["count", "train", "_worker"])
+    parser.add_argument(
+        "what", nargs="?", default="count", choices=["count", "train", "deepspeed", "_worker"]
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--budget", type=int, default=8192, help="peak tokens per forward pass")
     parser.add_argument("--step-tokens", type=int, default=65536, help="tokens per optimizer step")
@@ -212,13 +270,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=1024, help="bucket_window of the bucketed row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", default="tokens")
+    parser.add_argument("--ds-samples", type=int, default=3000, help="samples of the DeepSpeed comparison")
+    parser.add_argument(
+        "--ds-gas", type=int, default=4, help="DeepSpeed side: micro-batches per rank per step"
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "token_budget.json"))
     args = parser.parse_args(argv)
     if args.what == "_worker":
         _worker(args)
         return
-    result = count(args) if args.what == "count" else train(args)
-    out = HERE / "results" / f"token_budget{'' if args.what == 'count' else '_train'}.json"
+    result = {"count": count, "train": train, "deepspeed": deepspeed_compare}[args.what](args)
+    out = HERE / "results" / f"token_budget{'' if args.what == 'count' else '_' + args.what}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
