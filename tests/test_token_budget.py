@@ -52,6 +52,10 @@ def test_config_token_budget_keys() -> None:
             "adabatch.max_micro_batch_per_gpu",
         ),
         ({"schedule": {"type": "constant", "value": 8}, "micro_batch_tokens": 0}, "adabatch.micro_batch_tokens"),
+        (
+            {"schedule": {"type": "constant", "value": 64, "unit": "tokens"}, "micro_batch_tokens": 64, "lr_schedule_unit": "samples"},
+            "adabatch.lr_schedule_unit",
+        ),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_key(section: dict, path: str) -> None:
@@ -117,7 +121,7 @@ def _check_step(step, budget: int, padding: str, world: int, lengths: np.ndarray
     assert step.passes == -(-real // world)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 300),
     seed=st.integers(0, 2**32),
@@ -220,3 +224,22 @@ def test_sample_unit_steps_take_that_many_samples() -> None:
     )
     steps = [dropping.next_step(4, 3) for _ in range(3)]
     assert [s.size for s in steps] == [4, 4, 4] and steps[2].epoch == 1 and dropping.samples_skipped == 2
+
+
+def test_cli_describes_and_simulate_refuses_token_budgets(tmp_path, capsys) -> None:
+    import json
+
+    from ds_adabatch.cli import main
+
+    path = tmp_path / "tokens.json"
+    section = {"schedule": {"type": "constant", "unit": "tokens", "value": 4096}, "micro_batch_tokens": 512}
+    path.write_text(json.dumps({**_BASE, "adabatch": section}))
+    assert main(["validate", str(path), "--world-size", "2"]) == 0
+    assert "micro-batches of at most 512 tokens" in capsys.readouterr().out
+    assert (
+        main(
+            ["simulate", str(path), "--world-size", "2", "--samples", "10", "--out", str(tmp_path / "p.png")]
+        )
+        == 2
+    )
+    assert "micro_batch_tokens" in capsys.readouterr().err

@@ -319,6 +319,15 @@ def token_budget_problems(cfg: AdaBatchConfig) -> list[ConfigProblem]:
                 AUTO,
             )
         )
+    if cfg.schedule.batch_unit == "tokens" and cfg.lr_schedule_unit == "samples":
+        problems.append(
+            ConfigProblem(
+                "lr_schedule_unit",
+                "'samples' advances the LR scheduler per reference_batch samples, but this schedule's "
+                "batch is in tokens: use 'steps'",
+                "samples",
+            )
+        )
     if tokens is None:
         for key, default in (
             ("padding", "pad_to_longest"),
