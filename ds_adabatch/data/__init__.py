@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .lengths import SampleLengths
 from .order import MAX_NUM_SAMPLES, EpochOrder, epoch_order
 from .packing import RankLayout, pack_step
 from .sampler import ElasticSampler, GlobalBatch
-from .tokens import SampleLengths, TokenBudgetSampler, TokenStep
+from .tokens import TokenBudgetSampler, TokenStep
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loader import ElasticDataLoader, MicroBatch, StepBatch

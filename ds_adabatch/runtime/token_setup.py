@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ..config import AdaBatchConfig
-from ..data.tokens import SampleLengths, TokenBudgetSampler
+from ..data.lengths import SampleLengths
+from ..data.tokens import TokenBudgetSampler
 
 __all__ = ["token_budget_sampler"]
 
