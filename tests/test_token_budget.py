@@ -243,3 +243,23 @@ def test_cli_describes_and_simulate_refuses_token_budgets(tmp_path, capsys) -> N
         == 2
     )
     assert "micro_batch_tokens" in capsys.readouterr().err
+
+
+def test_trainer_refuses_a_token_budget_instead_of_ignoring_it() -> None:
+    from types import SimpleNamespace
+
+    from ds_adabatch.integrations._trainer_setup import build_batch_state
+
+    section = {"schedule": {"type": "constant", "unit": "tokens", "value": 4096}, "micro_batch_tokens": 512}
+    args = SimpleNamespace(
+        world_size=1, process_index=0, per_device_train_batch_size=2, deepspeed={**_BASE, "adabatch": section}
+    )
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        build_batch_state(
+            args,
+            list(range(8)),
+            list,
+            batch_size_scheduler=None,
+            gradient_accumulation_steps=1,
+            max_micro_batch_per_gpu=None,
+        )
