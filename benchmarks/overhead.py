@@ -67,11 +67,12 @@ def measure_model(name: str, args, world: int, rank: int, data) -> dict:
         h.time_steps(s, 3)
 
     t_ada, t_plain = [], []
+    steps = args.large_steps if name == "large" else args.steps
     for r in range(args.rounds):
         order = [(ada_step, t_ada), (plain_step, t_plain)]
         for step, sink in order if r % 2 == 0 else reversed(order):
             dist.barrier()
-            sink += h.time_steps(step, args.steps)
+            sink += h.time_steps(step, steps)
 
     # One plan change inside a run: what deciding and applying a new plan adds to the step.
     base = MICRO * GAS * world
@@ -98,7 +99,10 @@ def measure_model(name: str, args, world: int, rank: int, data) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per loop per round")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per loop per round (small model)")
+    p.add_argument(
+        "--large-steps", type=int, default=3, help="optimizer steps per loop per round (large model)"
+    )
     p.add_argument("--changes", type=int, default=6, help="plan changes to time")
     p.add_argument("--models", default="small,large", help="comma-separated: small, large")
     args = p.parse_args()
@@ -114,7 +118,7 @@ def main() -> None:
         print(f"\n{before}\n{after}")
         print(
             f"{world} ranks, ZeRO-2, global {MICRO * GAS * world} = micro {MICRO} x gas {GAS}, "
-            f"{args.rounds} interleaved rounds x {args.steps} steps per loop\n"
+            f"{args.rounds} interleaved rounds x {args.steps} (small) / {args.large_steps} (large) steps per loop\n"
         )
         print(
             "| model | parameters | hand-written step | `train_batch` step | ratio | plan change in place |"

@@ -438,6 +438,9 @@ CKPT_SCHEDULES = {
         "warmup_steps": 2,
         "measure_every": 1,
         "hysteresis": 0.0,
+        # A 6-step run: the batch must move for the resume to test the schedule's state, so the
+        # confidence test (which waits for far more measurements) is off.
+        "max_relative_error": None,
     },
     "seesaw": {"type": "seesaw", "start": 4},
 }

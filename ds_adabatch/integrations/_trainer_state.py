@@ -109,7 +109,9 @@ class AdaptiveBatchState:
         self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
-            GradientNoiseEstimator(ema_beta=schedule.ema_beta) if schedule.type == "gradient_noise" else None
+            GradientNoiseEstimator(**schedule.estimator_settings())
+            if schedule.type == "gradient_noise"
+            else None
         )
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._noise_cadence = NoiseCadence(schedule)
@@ -135,8 +137,38 @@ class AdaptiveBatchState:
 
     @property
     def epoch(self) -> float:
-        """Fractional epoch: completed epochs plus the current one's coverage."""
+        """Fractional epoch: completed epochs plus the current one's coverage.
+
+        With ``drop_last``, an epoch whose untrained tail is smaller than the next step's batch (the
+        tail will be skipped) reads as complete: the last epoch of a run ends at a whole number, as it
+        does without ``drop_last``.
+        """
+        nxt = self._next_batch()
+        if nxt is not None and nxt.epoch > self.sampler.epoch:
+            return float(nxt.epoch)
         return self.sampler.fractional_epoch
+
+    @property
+    def stream_samples(self) -> int:
+        """Samples of the stream passed: trained ones, plus the epoch tails ``drop_last`` skipped.
+
+        The tail of the current epoch counts once it is smaller than the current plan's batch (it can
+        no longer be trained at that batch). This is the clock of a samples-based LR schedule, so the
+        schedule ends with the epochs whatever tails the batch sizes left out.
+        """
+        s = self.sampler
+        passed = s.samples_consumed + s.samples_skipped
+        if s.drop_last:
+            left = s.num_samples - s.position
+            if 0 < left < self.plan.global_batch_size:
+                passed += left
+        return passed
+
+    def _next_batch(self) -> Any:
+        """The next step's global batch if that step's plan is already decided, else None."""
+        if self._decided is None:
+            return None
+        return self.sampler.peek_batch(self._decided[1])
 
     @property
     def samples_consumed(self) -> int:
@@ -193,6 +225,7 @@ class AdaptiveBatchState:
             loss_ema=self.loss_ema.value,
             lr=self.last_lr,
             noise_scale=None if self.noise is None else self.noise.noise_scale,
+            noise_scale_error=None if self.noise is None else self.noise.relative_error,
         )
         decision = self.controller.next_global_batch(ctx)
         batch = broadcast_int(decision.global_batch, self.device)
@@ -259,11 +292,18 @@ class AdaptiveBatchState:
         return math.ceil(self.num_train_epochs * per_epoch)
 
     def scheduler_steps(self) -> int:
-        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set)."""
+        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set).
+
+        In samples: the stream's ``num_train_epochs x dataset size`` (:attr:`stream_samples` advances
+        it, skipped tails included, so it ends with the last epoch however large the tails were). In
+        steps: the steps of the initial batch.
+        """
         if not self.epoch_based:
             return self.max_steps
-        unit = self.lr.reference_batch if self.lr.unit == "samples" else self.initial_plan.global_batch_size
-        return max(1, math.ceil(self.planned_samples() / unit))
+        if self.lr.unit == "samples":
+            stream = math.ceil(self.num_train_epochs * self.sampler.num_samples)
+            return max(1, math.ceil(stream / self.lr.reference_batch))
+        return max(1, math.ceil(self.planned_samples() / self.initial_plan.global_batch_size))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self, global_step: int) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class ScheduleContext:
     """Latest global gradient norm (L2, after reduction, before clipping)."""
     noise_scale: float | None = None
     """Latest gradient-noise scale estimate B_simple, in samples."""
+    noise_scale_error: float | None = None
+    """Standard error of ``noise_scale`` relative to its value (unitless; ``inf`` while unknown, None
+    where the caller does not measure it)."""
     lr: float | None = None
     """Learning rate of the latest step."""
 
