@@ -332,6 +332,7 @@ def _seesaw_problems(cfg: AdaBatchConfig) -> list[ConfigProblem]:
                 ref,
             )
         )
+    return problems
 
 
 def token_budget_problems(cfg: AdaBatchConfig) -> list[ConfigProblem]:
