@@ -175,7 +175,16 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
     ledger = out / "ledger.jsonl"
     procs = []
     for k in range(2):
-        launcher = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3"]
+        launcher = [
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "1",
+        ]
         launcher += [
             "--rdzv-backend",
             "c10d",
@@ -189,7 +198,7 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
         launcher += ["--local-addr", cluster.addr(k)]
         launcher += [
             "--rdzv-conf",
-            f"join_timeout=60,last_call_timeout=3,is_host={'true' if k == 0 else 'false'}",
+            f"join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={'true' if k == 0 else 'false'}",
         ]
         procs.append(cluster.launch(k, launcher, args, tmp_path / f"node{k}.log"))
     try:
