@@ -62,7 +62,9 @@ def main() -> None:
             engine.save_checkpoint(folder, keep_last=1)
             saves.append(time.perf_counter() - t)
         tag = elastic.latest_complete_tag(folder)
-        size = sum(os.path.getsize(os.path.join(folder, tag, f)) for f in os.listdir(os.path.join(folder, tag)))
+        size = sum(
+            os.path.getsize(os.path.join(folder, tag, f)) for f in os.listdir(os.path.join(folder, tag))
+        )
         convert = None
         if stage > 0:
             dist.barrier()

@@ -1,6 +1,7 @@
 """The main job across "nodes": network namespaces on a private bridge (scripts/netns-cluster.sh).
 
-- static: ``torchrun --nnodes 2 --node-rank k`` (one rank per node) trains step for step what one node
+- static: ``torchrun --nnodes 2 --node-rank k`` and the ``deepspeed`` launcher's no-ssh mode (one rank
+  per node) train step for step what one node
   with two ranks trains (same global batches, same sample indices, losses within fp32 tolerance);
 - elastic: ``torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts 3`` on two nodes; node B's
   processes are killed mid-run, node A's agent restarts the job on one rank, which resumes from the last
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netns-cluster.sh"
 JOB = ROOT / "runners" / "train_lm.py"
 SAMPLES = 2400
+STATIC_SAMPLES = 400
 PORT = 29500  # each namespace has its own ports: no race with anything else on the machine
 
 
@@ -59,7 +61,7 @@ class Cluster:
         return f"{self.subnet}.{k + 1}"
 
     def launch(self, k: int, launcher_args: list[str], job_args: list[str], log: Path) -> subprocess.Popen:
-        """torchrun on node ``k`` (its own session, output to ``log``)."""
+        """``python LAUNCHER_ARGS train_lm.py JOB_ARGS`` on node ``k`` (its own session, output to ``log``)."""
         env = dict(
             os.environ,
             DS_ACCELERATOR="cpu",
@@ -68,8 +70,7 @@ class Cluster:
             GLOO_SOCKET_IFNAME="eth0",  # the node's own interface, not the host's
             PYTHONPATH=str(ROOT),
         )
-        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, "-m", "torch.distributed.run"]
-        cmd += [*launcher_args, str(JOB), *job_args]
+        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, *launcher_args, str(JOB), *job_args]
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -149,20 +150,38 @@ def _same_steps(got: list[dict], want: list[dict], rel: float) -> None:
         )
 
 
-def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path, launcher):
     out = tmp_path / "run"
     out.mkdir()
-    cfg = _config(tmp_path, 2)
+    args = _job_args(_config(tmp_path, 2), out)
+    args[args.index("--samples") + 1] = str(STATIC_SAMPLES)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     procs = []
     for k in range(2):
-        launcher = ["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1"]
-        launcher += ["--master-addr", cluster.addr(0), "--master-port", str(PORT)]
-        procs.append(cluster.launch(k, launcher, _job_args(cfg, out), tmp_path / f"node{k}.log"))
+        if launcher == "torchrun":
+            argv = [
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(k),
+                "--nproc-per-node",
+                "1",
+            ]
+            argv += ["--master-addr", cluster.addr(0), "--master-port", str(PORT)]
+        else:
+            # The deepspeed launcher's no-ssh mode: one launcher per node, each told its rank.
+            argv = ["-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh"]
+            argv += ["--node_rank", str(k), "--master_addr", cluster.addr(0), "--master_port", str(PORT)]
+        procs.append(cluster.launch(k, argv, args, tmp_path / f"node{k}.log"))
     codes = _wait(procs, 300)
     assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-4000:]
     got = _ledger(out / "ledger.jsonl")
     assert all(r["world_size"] == 2 for r in got)
-    assert len(got) == len(reference)
+    assert got[-1]["samples"] >= STATIC_SAMPLES and len(got) < len(reference)
     _same_steps(got, reference, rel=1e-5)
 
 
