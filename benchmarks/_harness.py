@@ -18,9 +18,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model  # noqa: E402
 
-__all__ = ["ROOT", "ds_config", "lm_data", "lm_model", "median", "time_steps"]
+__all__ = ["MODELS", "ROOT", "ds_config", "idle_check", "lm_data", "lm_model", "median", "time_steps"]
 
 SPEC = ModelSpec()
+MODELS = {
+    "small": ModelSpec(),  # the main job's model: 2 layers x width 128, 0.44 M parameters
+    "large": ModelSpec(layers=4, width=512, heads=8),  # compute dominates: 12.7 M parameters
+}
 
 
 def lm_data(max_bytes: int = 4_000_000) -> ByteWindows:
@@ -28,8 +32,21 @@ def lm_data(max_bytes: int = 4_000_000) -> ByteWindows:
     return ByteWindows(ByteCorpus(max_bytes=max_bytes).train, SPEC.context)
 
 
-def lm_model(seed: int = 0):
-    return build_model(SPEC, seed=seed)
+def lm_model(seed: int = 0, spec: ModelSpec = SPEC):
+    return build_model(spec, seed=seed)
+
+
+def idle_check(when: str, own_processes: int = 0) -> str:
+    """One line with the 1-minute load average; warns when other work shared the cores.
+
+    ``own_processes``: busy processes of the benchmark itself at this point (its ranks), which the
+    load average counts too.
+    """
+    load = os.getloadavg()[0]
+    line = f"load average {when}: {load:.2f} (1 min), {os.cpu_count()} cores"
+    if load > own_processes + 0.5:
+        line += "  WARNING: the machine was not idle; these timings are not figures"
+    return line
 
 
 def ds_config(stage: int, adabatch: dict, *, micro: int, gas: int, world: int) -> dict:

@@ -1,21 +1,20 @@
 """Runtime overhead: ``engine.train_batch()`` against a hand-written DeepSpeed loop, and plan-change cost.
 
-Same model (the main job's byte-level GPT-2), same data, same fixed plan (global 32 = micro 8 x GAS 2 on
-2 ranks), ZeRO-2, interleaved in one launch::
+Same model, same data, same fixed plan (global 32 = micro 8 x GAS 2 on 2 ranks), ZeRO-2, interleaved in
+one launch, for the main job's byte-level GPT-2 (``small``, 0.44 M parameters) and a larger one where
+compute dominates (``large``, 4 layers x width 512)::
 
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 benchmarks/overhead.py
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/overhead.py
 
-It prints a markdown table: median step time of each loop and their ratio (goal <= 1.02), the cost of
-one plan change inside a run, and the cost of the alternative — saving a checkpoint and restarting the
-engine with the new batch (in-process: it leaves out the new process launch and imports, so the real
-restart costs more).
+It prints the load average before and after (and a warning when the machine was not idle), then a
+markdown table per model: median step time of each loop and their ratio, and the cost of one plan change
+inside a run. ``benchmarks/relaunch.py`` measures the alternative users pay without an in-place change:
+stopping the job and relaunching it from a checkpoint with the new batch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 
 import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
@@ -28,9 +27,9 @@ import ds_adabatch
 MICRO, GAS = 8, 2
 
 
-def plain_loop(world: int, rank: int, data, rounds_hint: int):
+def plain_loop(world: int, rank: int, data, spec):
     """The DeepSpeed loop users write: DistributedSampler, DataLoader, forward/backward/step per micro-batch."""
-    model = h.lm_model()
+    model = h.lm_model(spec=spec)
     cfg = h.ds_config(2, {}, micro=MICRO, gas=GAS, world=world)
     cfg.pop("adabatch")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -47,87 +46,89 @@ def plain_loop(world: int, rank: int, data, rounds_hint: int):
     return engine, step
 
 
-def adaptive_loop(world: int, data):
+def adaptive_loop(world: int, data, spec, extra: dict | None = None):
     adabatch = {
         "schedule": {"type": "constant", "value": MICRO * GAS * world},
         "max_micro_batch_per_gpu": MICRO,
+        **(extra or {}),
     }
     cfg = h.ds_config(2, adabatch, micro=MICRO, gas=GAS, world=world)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         cfg.pop(key)
-    engine, *_ = ds_adabatch.initialize(h.lm_model(), cfg, data)
+    engine, *_ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
     return engine, engine.train_batch
+
+
+def measure_model(name: str, args, world: int, rank: int, data) -> dict:
+    spec = h.MODELS[name]
+    ada, ada_step = adaptive_loop(world, data, spec)
+    plain, plain_step = plain_loop(world, rank, data, spec)
+    for s in (ada_step, plain_step):  # warm-up: allocator, first-step compilation of buckets
+        h.time_steps(s, 3)
+
+    t_ada, t_plain = [], []
+    steps = args.large_steps if name == "large" else args.steps
+    for r in range(args.rounds):
+        order = [(ada_step, t_ada), (plain_step, t_plain)]
+        for step, sink in order if r % 2 == 0 else reversed(order):
+            dist.barrier()
+            sink += h.time_steps(step, steps)
+
+    # One plan change inside a run: what deciding and applying a new plan adds to the step.
+    base = MICRO * GAS * world
+    change_cost = []
+    for i in range(args.changes):
+        ada.set_global_batch_size(base * 2 if i % 2 == 0 else base)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ada.next_plan()
+        change_cost.append(time.perf_counter() - t0)
+        ada.train_batch()
+        ada.set_global_batch_size(None)
+    ada.close()
+    params = sum(p.numel() for p in plain.module.parameters())
+    return {
+        "params": params,
+        "plain": h.median(t_plain),
+        "ada": h.median(t_ada),
+        "change": h.median(change_cost),
+        "n_change": len(change_cost),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per loop per round")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per loop per round (small model)")
+    p.add_argument(
+        "--large-steps", type=int, default=3, help="optimizer steps per loop per round (large model)"
+    )
     p.add_argument("--changes", type=int, default=6, help="plan changes to time")
+    p.add_argument("--models", default="small,large", help="comma-separated: small, large")
     args = p.parse_args()
 
+    before = h.idle_check("before")
     deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     data = h.lm_data()
-    ada, ada_step = adaptive_loop(world, data)
-    plain, plain_step = plain_loop(world, rank, data, args.rounds)
-    for s in (ada_step, plain_step):  # warm-up: allocator, first-step compilation of buckets
-        h.time_steps(s, 3)
-
-    t_ada, t_plain = [], []
-    for r in range(args.rounds):
-        order = [(ada_step, t_ada), (plain_step, t_plain)]
-        for step, sink in order if r % 2 == 0 else reversed(order):
-            dist.barrier()
-            sink += h.time_steps(step, args.steps)
-
-    # One plan change inside a run: the step that applies it minus a steady step of the new plan.
-    base = MICRO * GAS * world
-    change_cost = []
-    for i in range(args.changes):
-        target = base * 2 if i % 2 == 0 else base
-        ada.set_global_batch_size(target)
-        dist.barrier()
-        t0 = time.perf_counter()
-        ada._decide_plan()  # applying the plan is all a change adds to the step that follows
-        change_cost.append(time.perf_counter() - t0)
-        ada.set_global_batch_size(None)
-        ada.train_batch()
-
-    # The alternative to changing in place: checkpoint, rebuild the engine with the new batch, reload.
-    restart = []
-    with tempfile.TemporaryDirectory() as tmp:
-        ckdir = os.path.join(tmp, "ck")
-        ckdir = [ckdir]
-        dist.broadcast_object_list(ckdir, src=0)
-        for _ in range(2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            ada.save_checkpoint(ckdir[0])
-            ada.close()
-            ada, _ = adaptive_loop(world, data)
-            ada.load_checkpoint(ckdir[0])
-            dist.barrier()
-            restart.append(time.perf_counter() - t0)
+    results = {name: measure_model(name, args, world, rank, data) for name in args.models.split(",")}
+    after = h.idle_check("after", own_processes=world)
 
     if rank == 0:
-        m_ada, m_plain = h.median(t_ada), h.median(t_plain)
-        m_change, m_restart = h.median(change_cost), h.median(restart)
+        print(f"\n{before}\n{after}")
         print(
-            f"\n{world} ranks, ZeRO-2, global {base} = micro {MICRO} x gas {GAS}, "
-            f"{args.rounds} interleaved rounds x {args.steps} steps\n"
+            f"{world} ranks, ZeRO-2, global {MICRO * GAS * world} = micro {MICRO} x gas {GAS}, "
+            f"{args.rounds} interleaved rounds x {args.steps} (small) / {args.large_steps} (large) steps per loop\n"
         )
-        print("| measure | value |")
-        print("|---|---|")
-        print(f"| median step, hand-written DeepSpeed loop | {m_plain * 1e3:.1f} ms |")
-        print(f"| median step, `engine.train_batch()` | {m_ada * 1e3:.1f} ms |")
-        print(f"| ratio train_batch / hand-written | {m_ada / m_plain:.3f} |")
-        print(f"| one plan change in place (median of {len(change_cost)}) | {m_change * 1e3:.2f} ms |")
         print(
-            f"| checkpoint + rebuild engine + reload, in process (median of {len(restart)}) | {m_restart:.2f} s |"
+            "| model | parameters | hand-written step | `train_batch` step | ratio | plan change in place |"
         )
-        print(f"| restart / in-place change | {m_restart / m_change:.0f}x |")
-    ada.close()
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in results.items():
+            print(
+                f"| {name} | {r['params'] / 1e6:.2f} M | {r['plain'] * 1e3:.1f} ms | {r['ada'] * 1e3:.1f} ms "
+                f"| {r['ada'] / r['plain']:.3f} | {r['change'] * 1e3:.2f} ms |"
+            )
     dist.barrier()
     dist.destroy_process_group()
 

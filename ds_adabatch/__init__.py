@@ -22,7 +22,7 @@ from .plan import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
-    from .runtime import AdaptiveBatchEngine, initialize
+    from .runtime import AdaptiveBatchEngine, UnrecoverableOutOfMemory, initialize
 
 _LAZY = {
     "AdaBatchConfig": "ds_adabatch.config",
@@ -30,6 +30,7 @@ _LAZY = {
     "load_ds_config": "ds_adabatch.config",
     "AdaptiveBatchEngine": "ds_adabatch.runtime",
     "initialize": "ds_adabatch.runtime",
+    "UnrecoverableOutOfMemory": "ds_adabatch.runtime",
 }
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "LoadedConfig",
     "PlanError",
+    "UnrecoverableOutOfMemory",
     "__version__",
     "compatible_batch_sizes",
     "initialize",

@@ -178,7 +178,7 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
     lines = [
         f"  schedule: {json.dumps(cfg.schedule.model_dump(mode='json'))}",
         f"  global batch {lo}..{hi}, multiple of {cfg.granularity}; max micro-batch "
-        f"{cfg.max_micro_batch_per_gpu} per GPU; {mode}",
+        f"{_micro_text(cfg)} per GPU; {mode}",
     ]
     if not planned_by_world:
         lines.append("  (give --world-size N to see the plans)")
@@ -189,9 +189,19 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
         for name, value in cfg.schedule.endpoint_batches(world):
             if value == planned.plan.global_batch_size:
                 continue
-            plan = plan_batch(value, world, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven)
+            plan = plan_batch(value, world, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven)
             lines.append(f"    {name}: {plan.describe()}")
     return lines
+
+
+def _micro_text(cfg: Any) -> str:
+    """``8``, or for ``"auto"`` what the runtime starts from and its ceiling."""
+    if not cfg.auto_micro_batch:
+        return str(cfg.max_micro_batch_per_gpu)
+    ceiling = cfg.memory.micro_batch_ceiling
+    start = cfg.memory.initial_micro_batch_per_gpu
+    first = f"from {start}" if start else "from one pass per step"
+    return f"auto (learned {first}, at most {ceiling if ceiling else 'one pass per step'})"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -396,6 +396,9 @@ CKPT_SCHEDULES = {
         "warmup_steps": 2,
         "measure_every": 1,
         "hysteresis": 0.0,
+        # A 6-step run: the batch must move for the resume to test the schedule's state, so the
+        # confidence test (which waits for far more measurements) is off.
+        "max_relative_error": None,
     },
 }
 CKPT_CASES = [(stage, "linear") for stage in (0, 1, 2, 3)] + [(0, "callable"), (0, "plateau"), (0, "noise")]
@@ -427,9 +430,9 @@ def ckpt_config(stage: int, schedule: str) -> dict:
     )
 
 
-def ckpt_record(engine) -> dict:
+def ckpt_record(engine, loss) -> dict:
     return {
-        "loss": float(engine.last_loss),
+        "loss": float(loss),
         "indices": engine.last_step_batch.global_batch.all_indices(),
         "plan": [
             engine.plan.global_batch_size,
@@ -450,8 +453,7 @@ def phase_ckpt_save(out_dir: str) -> None:
         for k in range(CKPT_STEPS):
             if k == CKPT_AT:
                 engine.save_checkpoint(os.path.join(out_dir, name))
-            engine.train_batch()
-            steps.append(ckpt_record(engine))
+            steps.append(ckpt_record(engine, engine.train_batch()))
         if engine.global_rank == 0:
             write(
                 out_dir,
@@ -476,8 +478,7 @@ def phase_ckpt_resume(out_dir: str) -> None:
         start = engine.global_steps
         steps = []
         for _ in range(start, CKPT_STEPS):
-            engine.train_batch()
-            steps.append(ckpt_record(engine))
+            steps.append(ckpt_record(engine, engine.train_batch()))
         if engine.global_rank == 0:
             write(out_dir, f"{name}_resumed_w{engine.world_size}", {"start": start, "steps": steps})
         engine.close()
@@ -519,8 +520,7 @@ def resume_universal(out_dir: str) -> None:
     start = engine.global_steps
     steps = []
     for _ in range(start, CKPT_STEPS):
-        engine.train_batch()
-        steps.append(ckpt_record(engine))
+        steps.append(ckpt_record(engine, engine.train_batch()))
     write(out_dir, f"{name}_universal_w{engine.world_size}", {"start": start, "steps": steps})
     engine.close()
 

@@ -12,6 +12,9 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
 * ``exact``: one optimizer step of a tiny GPT-2 (labels partly -100) with the same global batch split
   as 1 x 8 and 4 x 2 (and, with DeepSpeed, unevenly and with a zero-weight pad), compared with a
   plain-PyTorch big-batch SGD step.
+* ``models``: a BERT classifier (forward takes ``**kwargs``, loss ignores ``num_items_in_batch``), a
+  GPT-2 LM (honours it) and a module without ``**kwargs``, each at GAS 1, GAS 4 and a GAS that
+  changes every step: every step's applied gradient (SGD, lr 1) and logged loss against plain PyTorch.
 * ``ramp``: no scheduler; the DeepSpeed config's "adabatch" section ramps the global batch.
 * ``noise``: the ``gradient_noise`` schedule from the "adabatch" section: the estimate against a
   closed form (ZeRO 0 and the backend's stage), the batch following it, and a resume continuing it.
@@ -36,7 +39,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from engine_worker import NOISE_DIM, NOISE_ESTIMATE  # noqa: E402
 from engine_worker import GaussianRegression as _GaussianPairs  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
 
@@ -296,6 +306,139 @@ def run_exact(out: Path, ds: bool) -> dict:
     return results
 
 
+class Sentences(torch.utils.data.Dataset):
+    """Token sequences with a class label each (for a sequence classifier)."""
+
+    def __init__(self, n: int = EXACT_SAMPLES, seq: int = SEQ) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, 256, (n, seq), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+            "labels": self.labels[i],
+        }
+
+
+def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
+    """A BERT classifier from a config: its forward takes **kwargs, its loss ignores num_items_in_batch."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config)
+
+
+class ParamRecorder(TrainerCallback):
+    """Records, per optimizer step, the global batch's samples and all parameters after the update."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+        self.trainer = trainer
+        self.steps: list[tuple[list[int], torch.Tensor, list[int]]] = []
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        step = self.trainer.batch_state.last_step
+        plan = step.plan
+        shape = [plan.global_batch_size, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps]
+        self.steps.append((step.global_batch.all_indices(), flat(self.trainer.model), shape))
+
+
+MODELS = {
+    "bert": (tiny_bert, Sentences),
+    "gpt2": (tiny_gpt2, TokenWindows),
+    "plain": (Regressor, lambda: IndexRegression(EXACT_SAMPLES)),
+}
+SPLITS = {
+    # per-device samples of each optimizer step, largest micro-batch
+    "gas1": ([4, 4], 4),
+    "gas4": ([4, 4], 1),
+    "changing": ([1, 4, 2, 3], 1),
+}
+
+
+def _mean_loss_and_grad(model: torch.nn.Module, params: torch.Tensor, samples: list[dict]) -> tuple:
+    """Plain PyTorch at ``params``: the mean loss over all ``samples`` as one batch, and its gradient."""
+    model = copy.deepcopy(model)
+    torch.nn.utils.vector_to_parameters(params.float(), model.parameters())
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    loss = model(**batch)["loss"]
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    return float(loss), grad
+
+
+def run_models(out: Path, ds: bool) -> dict:
+    """SGD with lr 1 for every model x split: each step's update and logged loss against plain PyTorch.
+
+    With lr 1 and no clipping the update of step k is minus the gradient the Trainer applied; the
+    reference is the gradient of the mean loss over step k's global batch as one batch (BERT and the
+    plain module: mean over samples; GPT-2: over target tokens), taken at the parameters before step k.
+    """
+    results: dict[str, Any] = {}
+    for model_name, (build, make_data) in MODELS.items():
+        for split, (sizes, max_micro) in SPLITS.items():
+            data = make_data()
+            model = build()
+            start = copy.deepcopy(model)
+            args = _args(
+                out / f"{model_name}_{split}",
+                max_steps=len(sizes),
+                per_device_train_batch_size=sizes[0],
+                learning_rate=1.0,
+                optim="sgd",
+                lr_scheduler_type="constant",
+                max_grad_norm=0.0,
+                weight_decay=0.0,
+                use_cpu=True,
+                deepspeed=ds_config() if ds else None,
+            )
+            trainer = AdaptiveBatchSizeTrainer(
+                batch_size_scheduler=lambda step, batch, sizes=sizes: sizes[min(step, len(sizes) - 1)],
+                model=model,
+                args=args,
+                train_dataset=data,
+                max_micro_batch_per_gpu=max_micro,
+            )
+            recorder = ParamRecorder(trainer)
+            trainer.add_callback(recorder)
+            trainer.train()
+            logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+            before = flat(start)
+            steps = []
+            for (indices, after, shape), loss in zip(recorder.steps, logged):
+                ref_loss, ref_grad = _mean_loss_and_grad(start, before, [data[i] for i in indices])
+                applied = before - after  # lr 1: the gradient the optimizer applied
+                steps.append(
+                    {
+                        "plan": shape,
+                        "samples": len(indices),
+                        "grad_rel_err": float((applied - ref_grad).abs().max() / ref_grad.abs().max()),
+                        "grad_ratio": float(applied.norm() / ref_grad.norm()),
+                        "logged_loss": loss,
+                        "true_loss": ref_loss,
+                    }
+                )
+                before = after
+            results[f"{model_name}_{split}"] = {
+                "accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
+                "steps": steps,
+            }
+    return results
+
+
 RAMP = {
     "schedule": {"type": "linear", "start": 2, "end": 8, "ramp_samples": 16},
     "max_micro_batch_per_gpu": 2,
@@ -388,6 +531,10 @@ def run_noise(out: Path, ds: bool) -> dict:
             "warmup_steps": 3,
             "hysteresis": 0.0,
             "ema_beta": 0.5,
+            # 12 steps: the batch must follow the estimate at once (step 3), so neither the
+            # confidence test nor the change cap applies.
+            "max_relative_error": None,
+            "max_change_factor": None,
         },
         "max_micro_batch_per_gpu": 4,
         "granularity": 4,
@@ -425,7 +572,13 @@ def run_noise(out: Path, ds: bool) -> dict:
     return result
 
 
-SCENARIOS = {"seed": run_seed, "exact": run_exact, "ramp": run_ramp, "noise": run_noise}
+SCENARIOS = {
+    "seed": run_seed,
+    "exact": run_exact,
+    "models": run_models,
+    "ramp": run_ramp,
+    "noise": run_noise,
+}
 
 
 def main(argv: list[str]) -> None:

@@ -2,7 +2,8 @@
 
 Three torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``use_cpu=False``) serve
 the multi-rank tests: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3 and plain DDP. Each runs the seed's scheduler with a
-checkpoint and a resume, one optimizer step split several ways against a big-batch reference and,
+checkpoint and a resume, one optimizer step split several ways against a big-batch reference, (ZeRO-2
+and DDP) three kinds of model at GAS 1, 4 and changing against plain PyTorch and,
 with DeepSpeed, a config-driven ramp and the gradient_noise schedule. The single-process tests train in this process without
 DeepSpeed.
 """
@@ -44,7 +45,7 @@ def _launch(out: Path, backend: str, *scenarios: str) -> Path:
 
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "ramp", "noise")
+    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "models", "ramp", "noise")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def zero3_results(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_ddp"), "ddp", "seed", "exact")
+    return _launch(tmp_path_factory.mktemp("hf_ddp"), "ddp", "seed", "exact", "models")
 
 
 def _read(out: Path, scenario: str, backend: str, rank: int) -> dict:
@@ -82,6 +83,7 @@ def _epochs_of(steps_by_rank: list[list[dict]]) -> list[list[int]]:
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.multirank) for b in ("ds", "zero3", "ddp")]
 DEEPSPEED = [pytest.param(b, marks=pytest.mark.multirank) for b in ("ds", "zero3")]
+WITH_AND_WITHOUT_DEEPSPEED = [pytest.param(b, marks=pytest.mark.multirank) for b in ("ds", "ddp")]
 
 
 # -- the seed's scheduler on 2 ranks -----------------------------------------------------------------
@@ -225,6 +227,36 @@ def test_one_step_split_1x8_or_4x2_gives_the_same_parameters(request, backend):
         assert case["diff_vs_reference"] < TOL, (
             f"{name}: weights differ from the big-batch token-mean SGD step by {case['diff_vs_reference']}"
         )
+
+
+@pytest.mark.parametrize("backend", WITH_AND_WITHOUT_DEEPSPEED)
+def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(request, backend):
+    # BERT's forward takes **kwargs (so the Trainer's num_items_in_batch path is taken) but its loss is
+    # its own mean; GPT-2 divides by num_items_in_batch; the plain module takes no **kwargs. SGD with
+    # lr 1: the update is minus the applied gradient, compared per step with plain PyTorch's gradient
+    # of the mean loss over the step's global batch at the same parameters.
+    plans = {
+        "gas1": [[8, 4, 1]] * 2,
+        "gas4": [[8, 1, 4]] * 2,
+        "changing": [[2, 1, 1], [8, 1, 4], [4, 1, 2], [6, 1, 3]],
+    }
+    takes_kwargs = {"bert": True, "gpt2": True, "plain": False}
+    out = _results(request, backend)
+    for rank in (0, 1):
+        result = _read(out, "models", backend, rank)
+        assert sorted(result) == sorted(f"{m}_{s}" for m in takes_kwargs for s in plans), sorted(result)
+        for name, case in result.items():
+            model, split = name.split("_")
+            assert case["accepts_loss_kwargs"] is takes_kwargs[model], f"{name}: model_accepts_loss_kwargs"
+            assert [s["plan"] for s in case["steps"]] == plans[split], f"{name}: plans {case['steps']}"
+            for k, s in enumerate(case["steps"]):
+                assert s["grad_rel_err"] < 1e-4, (
+                    f"{backend} {name} step {k + 1} (plan {s['plan']}): the applied gradient is "
+                    f"{s['grad_ratio']:.6f}x the full-batch mean's norm, max rel. error {s['grad_rel_err']:.3g}"
+                )
+                assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5), (
+                    f"{backend} {name} step {k + 1}: logged loss {s['logged_loss']}, true mean {s['true_loss']}"
+                )
 
 
 @pytest.mark.parametrize("backend", DEEPSPEED)
@@ -427,6 +459,31 @@ def test_dataloader_drop_last_skips_each_epoch_tail(tmp_path):
         assert len(set(got)) == 6, f"epoch {e}: trained {got}, expected 6 distinct of the 7 samples"
     assert rec.steps[2]["coverage"] == pytest.approx(6 / 7), "the dropped tail still counts as trained"
     assert trainer.state.global_step == trainer.state.max_steps == 6
+
+
+def test_drop_last_epochs_end_whole_and_the_lr_schedule_ends_with_them(tmp_path):
+    from hf_worker import IndexRegression
+
+    # 10 samples, batch 3 for 3 steps, then 4: epoch tails of 1, 2 and 2 samples are skipped, so 25 of
+    # the 30 samples of 3 epochs are trained.
+    trainer, rec = _trainer(
+        tmp_path,
+        IndexRegression(10),
+        scheduler=lambda step, batch: 3 if step < 3 else 4,
+        per_device_train_batch_size=3,
+        num_train_epochs=3,
+        dataloader_drop_last=True,
+    )
+    trainer.train()
+    assert [sum(s["sizes"]) for s in rec.steps] == [3, 3, 3, 4, 4, 4, 4], [s["sizes"] for s in rec.steps]
+    epochs = [round(s["epoch"], 6) for s in rec.steps]
+    assert epochs == [0.3, 0.6, 1.0, 1.4, 2.0, 2.4, 3.0], f"state.epoch per step {epochs}"
+    assert trainer.state.epoch == pytest.approx(3.0), f"the run ended at epoch {trainer.state.epoch}"
+    # Linear decay over the stream's 30 samples, one tick per 3 (the initial batch): it must reach 0.
+    assert trainer.lr_scheduler.inner_steps == 10, f"LR ticked {trainer.lr_scheduler.inner_steps} of 10"
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12), (
+        f"LR ended at {trainer.lr_scheduler.get_last_lr()[0]}, not at the schedule's end"
+    )
 
 
 def test_fractional_epochs_stop_by_samples_and_accumulation_comes_from_args(tmp_path):

@@ -137,6 +137,57 @@ def test_estimator_on_linear_regression_matches_closed_form(seed):
     assert abs(est.noise_scale - truth) / truth < 0.2, f"B_simple {est.noise_scale:.2f} vs truth {truth:.2f}"
 
 
+def test_estimator_memory_counts_samples_not_measurements():
+    # reference 16: a measurement of 64 samples decays the past as four of 16 samples do.
+    by_samples = GradientNoiseEstimator(ema_beta=0.9, reference_batch=16)
+    by_steps = GradientNoiseEstimator(ema_beta=0.9)
+    for est in (by_samples, by_steps):
+        est.update(4, 2.0 + 60.0 / 4, 16, 2.0 + 60.0 / 16)  # B_simple 30
+        est.update(4, 1.0 + 60.0 / 4, 64, 1.0 + 60.0 / 64)  # B_simple 60
+    # The 64-sample measurement weighs 1 - 0.9^4 = 0.344 against the first's 0.1 x 0.9^4 = 0.066.
+    w_old, w_new = 0.1 * 0.9**4, 1 - 0.9**4
+    g2 = (2.0 * w_old + 1.0 * w_new) / (w_old + w_new)
+    assert by_samples.grad_sq_norm == pytest.approx(g2)
+    assert by_steps.grad_sq_norm == pytest.approx((2.0 * 0.09 + 1.0 * 0.1) / 0.19)
+    assert by_samples.effective_measurements == pytest.approx((w_old + w_new) ** 2 / (w_old**2 + w_new**2))
+
+
+def test_estimator_relative_error_shrinks_with_evidence():
+    rng = torch.Generator().manual_seed(0)
+    est = GradientNoiseEstimator(ema_beta=0.99)
+    assert est.relative_error == math.inf
+    errors = []
+    for _ in range(400):
+        noise = float(torch.randn((), generator=rng)) * 0.3
+        est.update(4, (1.0 + noise) + 60.0 / 4, 64, (1.0 + noise) + 60.0 / 64)
+        errors.append(est.relative_error)
+    assert errors[0] == math.inf, "one measurement has no spread to judge"
+    assert errors[10] > errors[100] > errors[399] > 0, errors[::50]
+    # Identical measurements: the estimate is exact.
+    exact = GradientNoiseEstimator()
+    for _ in range(3):
+        exact.update(4, 2.0 + 60.0 / 4, 64, 2.0 + 60.0 / 64)
+    assert exact.relative_error == pytest.approx(0.0, abs=1e-6)
+
+
+def test_estimator_reads_version_1_state_with_an_unknown_error():
+    v1 = {
+        "kind": "GradientNoiseEstimator",
+        "version": 1,
+        "ema_beta": 0.9,
+        "grad_sq_norm_raw": 0.1 * 2.0 * (1 + 0.9),  # two measurements of |G|^2 2 and tr 60
+        "trace_sigma_raw": 0.1 * 60.0 * (1 + 0.9),
+        "count": 2,
+        "skipped": 1,
+    }
+    est = GradientNoiseEstimator(ema_beta=0.9)
+    est.load_state_dict(v1)
+    assert est.noise_scale == pytest.approx(30.0) and est.count == 2 and est.skipped == 1
+    assert est.relative_error == math.inf, "version 1 kept no spread: the error is unknown"
+    with pytest.raises(ValueError, match="version"):
+        est.load_state_dict({**est.state_dict(), "version": 9})
+
+
 # ---------------------------------------------------------------- loss_plateau
 
 
@@ -298,9 +349,9 @@ def test_seed_parameters_on_a_converging_run():
 
 
 def noise_rule(**fields):
-    # scale 1.0 and two-way moves pinned: these tests are about warm-up, hysteresis and state, not the
-    # default scale or the default grow-only policy (which have their own tests below).
-    fields = {"scale": 1.0, "grow_only": False, **fields}
+    # scale 1.0, two-way moves and no change cap pinned: these tests are about warm-up, hysteresis and
+    # state, not the default scale, grow-only policy or change cap (which have their own tests below).
+    fields = {"scale": 1.0, "grow_only": False, "max_change_factor": None, **fields}
     cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 100, **fields})
     return build_schedule(cfg, world_size=1)
 
@@ -397,6 +448,38 @@ def test_gradient_noise_grow_only_holds_every_fall():
     assert [at(rule, s, b) for s, b in enumerate((50.0, 10.0, 82.0, 119.0), 1)] == [100] * 4
     assert at(rule, 5, 121.0) == 121.0
     assert rule.moves == 1 and rule.last_direction == 1
+
+
+def test_gradient_noise_holds_until_the_estimate_is_confident():
+    rule = noise_rule(warmup_steps=0, max_relative_error=0.35)
+
+    def with_error(error):
+        ctx = ScheduleContext(
+            step=1, samples=0, global_batch=100, world_size=1, noise_scale=400.0, noise_scale_error=error
+        )
+        return rule(ctx)
+
+    assert with_error(math.inf) == 100
+    assert with_error(0.36) == 100
+    assert "not yet confident" in rule.last_reason
+    assert with_error(0.35) == 400.0
+    assert with_error(None) == 400.0, "a caller that does not measure the error is not held"
+
+
+def test_gradient_noise_default_change_cap_doubles_at_most():
+    rule = build_schedule(SCHEDULES.validate_python({"type": "gradient_noise", "start": 8}), world_size=1)
+    assert rule.max_change_factor == 2.0 and rule.max_relative_error == 0.35
+    rule.warmup_steps = 0
+    assert at(rule, 1, 1000.0, batch=8) == 16.0
+    assert "capped" in rule.last_reason
+    assert rule.last_target == 500.0, "the reversal test remembers the uncapped target"
+    assert at(rule, 2, 1000.0, batch=16) == 32.0
+    cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 8})
+    assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 8.0}
+    tiny = SCHEDULES.validate_python({"type": "gradient_noise", "start": 2})
+    assert tiny.estimator_settings()["reference_batch"] == 8.0
+    big = SCHEDULES.validate_python({"type": "gradient_noise", "start": 256})
+    assert big.estimator_settings()["reference_batch"] == 256.0
 
 
 def through_granularity(rule, estimates, start=16, granularity=8):

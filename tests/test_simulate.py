@@ -115,7 +115,14 @@ def test_replay_feeds_the_recorded_loss(tmp_path):
 def test_replay_feeds_the_noise_scale(tmp_path):
     records = [{"samples": s, "noise_scale": 50.0 if s < 500 else 200.0} for s in range(0, 3000, 50)]
     replay = write_jsonl(tmp_path / "metrics.jsonl", records)
-    cfg = loaded({"type": "gradient_noise", "start": 32, "scale": 1.0, "warmup_steps": 2}, granularity=8)
+    noise = {
+        "type": "gradient_noise",
+        "start": 32,
+        "scale": 1.0,
+        "warmup_steps": 2,
+        "max_change_factor": None,
+    }
+    cfg = loaded(noise, granularity=8)
     rows = simulate(cfg, world_size=1, samples=3000, out_png=None, out_csv=None, replay=replay)
     # steps 0 and 1 warm up; at step 2 the recorded 50 is outside the band around 32 -> 48.
     assert [r["global_batch"] for r in rows[:4]] == [32, 32, 48, 48]

@@ -272,7 +272,7 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
         path = f"{SECTION}.schedule" + (f".{name}" if name else "")
         try:
             candidate = plan_batch(
-                value, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
+                value, world_size, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven
             )
         except PlanError as err:
             message = f"cannot be planned on {world_size} ranks: {err}"
@@ -342,7 +342,7 @@ def _batch_key_agreement_problems(
                 _mismatch("train_batch_size", tbs, f"the adabatch schedule starts at {initial}", str(initial))
             )
         micro = given.get("train_micro_batch_size_per_gpu")
-        if micro is not None and micro > cfg.max_micro_batch_per_gpu:
+        if micro is not None and micro > cfg.micro_batch_limit:
             problems.append(
                 _mismatch(
                     "train_micro_batch_size_per_gpu",

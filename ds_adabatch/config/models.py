@@ -9,11 +9,12 @@ Checks that need the world size or DeepSpeed's own keys live in :mod:`ds_adabatc
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import ConfigError, ConfigProblem
+from .memory import AUTO, UNBOUNDED_MICRO_BATCH, MemoryConfig, memory_problems
 from .schedules import ScheduleConfig
 
 __all__ = ["AdaBatchConfig", "DataConfig", "LogConfig", "LrScalingConfig", "endpoint_problems"]
@@ -67,7 +68,7 @@ class DataConfig(_Section):
 
 
 class LogConfig(_Section):
-    """Where plan changes and per-step metrics are written."""
+    """Where plan changes and per-step metrics are written, and how often pending losses are resolved."""
 
     jsonl: str | None = Field(
         None,
@@ -75,6 +76,16 @@ class LogConfig(_Section):
         description=(
             "Path of a JSON Lines file (relative to the working directory) that rank 0 appends one "
             "record to per optimizer step and per plan change; null: no file."
+        ),
+    )
+    every_steps: int = Field(
+        10,
+        ge=1,
+        description=(
+            "Optimizer steps between two resolutions of the per-step losses and gradient norms: one "
+            "small all-reduce then carries every pending step's loss sum, and those steps' records are "
+            "written. Between them a steady step issues no collective of its own. Reading a step's "
+            "loss sooner (float(engine.train_batch())) resolves it at once, on every rank."
         ),
     )
 
@@ -93,11 +104,11 @@ class AdaBatchConfig(_Section):
             'e.g. {"type": "linear", "start": 16, "end": 64, "ramp_samples": 100000}.'
         )
     )
-    max_micro_batch_per_gpu: int = Field(
-        ge=1,
+    max_micro_batch_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         description=(
             "Largest micro-batch one GPU runs in a forward/backward pass, in samples; larger global "
-            "batches use more gradient-accumulation steps."
+            "batches use more gradient-accumulation steps. 'auto': learned at run time as the largest "
+            "micro-batch that fits in memory (see memory)."
         ),
     )
     min_global_batch: int | None = Field(
@@ -153,6 +164,31 @@ class AdaBatchConfig(_Section):
         default_factory=DataConfig, description="Order of the global sample stream and data loading."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Metric and plan-change logs.")
+    memory: MemoryConfig = Field(
+        default_factory=MemoryConfig,
+        description="Out-of-memory recovery inside a step and how an 'auto' micro-batch is learned.",
+    )
+
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch ever planned, in samples: the integer ``max_micro_batch_per_gpu``, or
+        with ``"auto"`` ``memory.micro_batch_ceiling`` (a very large number without one)."""
+        if self.max_micro_batch_per_gpu != AUTO:
+            return int(self.max_micro_batch_per_gpu)
+        return self.memory.micro_batch_ceiling or UNBOUNDED_MICRO_BATCH
+
+    @property
+    def initial_micro_batch_limit(self) -> int:
+        """The micro-batch bound of the first step, in samples: ``micro_batch_limit``, or with ``"auto"``
+        ``memory.initial_micro_batch_per_gpu`` when given."""
+        if self.max_micro_batch_per_gpu == AUTO and self.memory.initial_micro_batch_per_gpu is not None:
+            return self.memory.initial_micro_batch_per_gpu
+        return self.micro_batch_limit
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        """True when the micro-batch per GPU is learned at run time (``"auto"``)."""
+        return self.max_micro_batch_per_gpu == AUTO
 
     @model_validator(mode="after")
     def _cross_checks(self) -> AdaBatchConfig:
@@ -165,7 +201,7 @@ class AdaBatchConfig(_Section):
 
     def cross_field_problems(self) -> list[ConfigProblem]:
         """Problems between fields that do not depend on the world size (paths relative to the section)."""
-        problems: list[ConfigProblem] = []
+        problems: list[ConfigProblem] = memory_problems(self.max_micro_batch_per_gpu, self.memory)
         lo, hi, g = self.min_global_batch, self.max_global_batch, self.granularity
         bounds_ordered = lo is None or hi is None or lo <= hi
         if not bounds_ordered:

@@ -93,6 +93,18 @@ class StepScheduleConfig(ScheduleConfigBase):
 
     Example: ``{"type": "step", "start": 32, "end": 1536, "increment": 32,
     "ramp_samples": 6000000}`` adds 32 sequences every 127,659.6 samples.
+
+    Where it can differ from Megatron-LM by one step: Megatron computes the number of increments as
+    ``int(s / (ramp_samples / n))`` in floating point. When ``s * n / ramp_samples`` is exactly an
+    integer (an exact change point), that quotient can come out just below it (``8992 / (8992 / 7) =
+    6.999999999999999``) and Megatron moves to the next batch one optimizer step later. This schedule
+    uses integer arithmetic and changes at the exact point; at every other sample count the two give
+    the same batch (checked on random configurations, tests/test_schedules.py). Rounding: Megatron
+    needs each batch to be a multiple of micro-batch x data-parallel size and, with
+    ``--decrease-batch-size-if-needed``, rounds down to one; here a batch that is not plannable (not a
+    multiple of ``granularity`` and, without ``allow_uneven``, of the world size) rounds to the nearest
+    plannable batch (ties up), like every schedule's output. Choose ``increment`` and ``start`` as
+    multiples of that grid to get the same batches as Megatron.
     """
 
     type: Literal["step"] = Field(description="Schedule type.")
@@ -370,6 +382,16 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     ``[current / (1 + hysteresis), current * (1 + hysteresis)]``; bounds, granularity and
     ``max_change_factor`` then apply as for every schedule.
 
+    Safety against a runaway estimate (all on by default): the averages remember a fixed number of
+    *samples* (``ema_reference_batch``), not of steps; the batch moves only while the estimate's
+    relative standard error is at most ``max_relative_error``; and one update changes the batch by at
+    most ``max_change_factor`` (this schedule's own, on top of the section's). With micro-batches far
+    below B_noise single estimates scatter over orders of magnitude; without these a 20-measurement
+    average at a start batch of 2 sent 51 of 200 closed-loop runs to more than 4x the right batch (up
+    to 1,936 for a target of 8.5); with them no run from 2 exceeds 16 (tests/test_noise_closed_loop.py).
+    The price is patience at tiny batches: the batch holds at ``start`` until enough samples have been
+    measured to know where to go.
+
     Choosing ``scale``: in the same model, training at batch B costs about ``S_min (1 + B_simple / B)``
     optimizer steps and ``E_min (1 + B / B_simple)`` samples, so ``scale`` = k buys ``(1 + 1/k) S_min``
     steps for ``(1 + k) E_min`` samples. k = 1 is the knee (twice the minimum of both); a smaller k
@@ -406,10 +428,12 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         default=0.95,
         ge=0.0,
         lt=1.0,
-        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement (unitless). "
-        "0.95 averages about 1 / (1 - 0.95) = 20 measurements (about 39 effectively independent "
-        "ones): enough to tame single estimates whose |G|^2 can even come out negative, short enough "
-        "to follow a noise scale that grows several-fold early in training.",
+        description="EMA factor of the |G|^2 and tr(Sigma) estimates, per measurement of "
+        "ema_reference_batch samples (unitless; a measurement of B samples decays by "
+        "ema_beta^(B / ema_reference_batch)). 0.95 averages about 1 / (1 - 0.95) = 20 such "
+        "measurements (about 39 effectively independent ones): enough to tame single estimates whose "
+        "|G|^2 can even come out negative, short enough to follow a noise scale that grows several-fold "
+        "early in training.",
     )
     warmup_steps: int | None = Field(
         default=None,
@@ -440,6 +464,41 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         "the estimate both ways, e.g. after a learning-rate drop or a change of data mixture, where the "
         "noise scale can legitimately fall.",
     )
+    ema_reference_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Global batch (samples) whose measurement decays the EMAs by exactly ema_beta; a "
+        "measurement of B samples decays them by ema_beta^(B / ema_reference_batch) and weighs "
+        "accordingly more, so the averages remember about ema_reference_batch / (1 - ema_beta) samples "
+        "whatever the batch (AdaptDL's smoothing). A measurement's information grows with the "
+        "micro-batches it compares, so this keeps the average equally precise at every batch instead of "
+        "trusting 20 steps of 2 samples as much as 20 steps of 64. null: the larger of start and 8: "
+        "about 20 measurements at the start batch, as AdaptDL anchors its memory at the initial batch, "
+        "and at least 8 / (1 - ema_beta) = 160 samples (at ema_beta 0.95) for a tiny start, whose "
+        "single estimates are the noisiest. (16 held the convergence benchmark's first increase back "
+        "by 30-200 steps; 8 leaves closed-loop runs from a start of 2 below 2x the target.)",
+    )
+    max_relative_error: float | None = Field(
+        default=0.35,
+        gt=0.0,
+        description="The batch changes only while the smoothed B_simple's relative standard error "
+        "(unitless, from the spread of the single estimates and the number the averages hold) is at "
+        "most this; until then it holds. 0.35 puts the estimate within 2x of its mean with about 95% "
+        "confidence (two standard errors on a log scale, exp(2 x 0.35) = 2.0), the precision a batch "
+        "change needs to be worth its cost; smaller values wait longer. It replaces a fixed count of "
+        "warm-up measurements by the count the noise level actually needs: at micro-batches near "
+        "B_noise it is met after about as many steps as warmup_steps, at micro-batches far below it "
+        "many more. null: no test.",
+    )
+    max_change_factor: float | None = Field(
+        default=2.0,
+        gt=1.0,
+        description="One update moves the batch by at most this factor (unitless; 2.0: at most double "
+        "or halve), on top of the section's own max_change_factor (the tighter applies). The estimate "
+        "at the new batch is measured with more micro-batches and corrects an error before the next "
+        "move, so one bad estimate costs at most one doubling; real noise scales grow over many "
+        "steps, so following them in doublings costs little. null: no limit.",
+    )
     measure_every: int = Field(
         default=1,
         ge=1,
@@ -454,6 +513,13 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
 
     def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
         return [("start", self.start)]
+
+    def estimator_settings(self) -> dict[str, float]:
+        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
+        reference = self.ema_reference_batch
+        if reference is None:
+            reference = max(self.start, 8)
+        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}
 
 
 ScheduleConfig = Annotated[

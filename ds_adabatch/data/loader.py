@@ -215,6 +215,7 @@ class ElasticDataLoader:
         self._iterator: Iterator[Any] | None = None
         self._pushback: deque[Any] = deque()
         self._last_sample: Any = None
+        self._step_samples: dict[int, list[Any]] = {}  # this step's raw samples (reload)
         self._stream_epoch = 0
         self._drawn = 0
 
@@ -277,6 +278,32 @@ class ElasticDataLoader:
             micro = self._load_pooled(batch, plan)
         self._sampler.commit(batch)
         return StepBatch(tuple(micro), batch.plan, self._rank, batch.epoch, batch)
+
+    def reload(self, step: StepBatch, plan: BatchPlan) -> StepBatch:
+        """``step``'s samples again, cut for ``plan`` (same global batch size); consumes nothing.
+
+        An out-of-memory retry uses it to re-run the same samples with a smaller micro-batch. With an
+        ``IterableDataset`` this rank's own samples are re-split into ``plan``'s accumulation steps.
+        """
+        self._check_plan(plan)
+        if step.global_batch is not None:
+            batch = step.global_batch.with_plan(plan)
+            return StepBatch(tuple(self._load_inline(batch)), plan, self._rank, step.epoch, batch)
+        samples = [s for m in step.micro_batches if m.num_samples for s in self._step_samples.get(id(m), [])]
+        ordinals = [o for m in step.micro_batches for o in m.indices]
+        gas = plan.gradient_accumulation_steps
+        micro = []
+        for k in range(gas):
+            lo, hi = len(samples) * k // gas, len(samples) * (k + 1) // gas
+            if hi > lo:
+                micro.append(MicroBatch(self._collate(samples[lo:hi]), tuple(ordinals[lo:hi]), hi - lo))
+            else:
+                micro.append(MicroBatch(self._collate(samples[:1] or [self._last_sample]), (), 0))
+        self._step_samples = {}
+        for k, m in enumerate(micro):
+            lo, hi = len(samples) * k // gas, len(samples) * (k + 1) // gas
+            self._step_samples[id(m)] = samples[lo:hi] if m.num_samples else []
+        return StepBatch(tuple(micro), plan, self._rank, step.epoch, None)
 
     def _check_plan(self, plan: BatchPlan) -> None:
         if not isinstance(plan, BatchPlan):
@@ -392,9 +419,12 @@ class ElasticDataLoader:
                 self._last_sample = samples[-1]
         pad_value: Any = None
         micro = []
+        self._step_samples = {}
         for samples, ordinals in drawn:
             if samples:
                 micro.append(MicroBatch(self._collate(samples), ordinals, len(samples)))
+                # Kept until the next step: an out-of-memory retry re-cuts them (reload).
+                self._step_samples[id(micro[-1])] = samples
                 continue
             if pad_value is None:
                 if self._last_sample is None:  # nothing drawn yet: peek one and give it back

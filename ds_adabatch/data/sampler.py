@@ -142,6 +142,25 @@ class GlobalBatch:
         """All sample indices in slot order (step-major), which is the global order from :attr:`start`."""
         return self._order.tolist()
 
+    def with_plan(self, plan: BatchPlan) -> GlobalBatch:
+        """The same samples cut for another plan of the same global batch size (an out-of-memory
+        retry re-runs them with a smaller micro-batch); consumes nothing."""
+        if plan.global_batch_size != self.size or plan.world_size != self.world_size:
+            raise ValueError(
+                f"a batch of {self.size} samples on {self.world_size} ranks cannot be re-cut for "
+                f"{plan.describe()}: the global batch size and world size must stay the same"
+            )
+        return GlobalBatch(
+            plan=plan,
+            requested_plan=self.requested_plan,
+            epoch=self.epoch,
+            start=self.start,
+            skipped=self.skipped,
+            order=self._order,
+            key=self._key,
+            origin=self._origin,
+        )
+
     def as_array(self) -> np.ndarray:
         """All sample indices in slot order as a read-only ``int64`` array (no copy)."""
         view = self._order.view()

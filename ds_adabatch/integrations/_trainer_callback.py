@@ -33,9 +33,10 @@ class AdaptiveBatchCallback(TrainerCallback):
         batch_state = self.trainer.batch_state
         if batch_state is None:
             return
-        state.epoch = batch_state.epoch
         step = state.global_step
+        # The next step's plan first: whether drop_last skips the epoch's tail depends on its batch.
         batch_state.plan_for_step(step)
+        state.epoch = batch_state.epoch
         if batch_state.epoch_based:
             state.max_steps = batch_state.step_budget(step)
             self._set_bar_total(state.max_steps)

@@ -25,6 +25,7 @@ from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
 from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.comm import broadcast_int
+from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
@@ -88,6 +89,13 @@ class AdaptiveBatchState:
         self.lr = lr
         self.loss_normalization = loss_normalization
         """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
+        self.memory = MicroBatchMemory(
+            config.initial_micro_batch_limit,
+            config.micro_batch_limit,
+            grow_after_steps=config.memory.grow_after_steps,
+            backoff_factor=config.memory.backoff_factor,
+        )
+        """The micro-batch limit, lowered by out-of-memory errors and grown back (``"adabatch".memory``)."""
         self.scheduled_batch = controller.initial_global_batch()
         """The global batch the schedule chose for the latest decided step (before any epoch-tail replan)."""
         self.initial_plan = self.plan_for(self.scheduled_batch)
@@ -101,7 +109,9 @@ class AdaptiveBatchState:
         self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
-            GradientNoiseEstimator(ema_beta=schedule.ema_beta) if schedule.type == "gradient_noise" else None
+            GradientNoiseEstimator(**schedule.estimator_settings())
+            if schedule.type == "gradient_noise"
+            else None
         )
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._noise_cadence = NoiseCadence(schedule)
@@ -127,8 +137,38 @@ class AdaptiveBatchState:
 
     @property
     def epoch(self) -> float:
-        """Fractional epoch: completed epochs plus the current one's coverage."""
+        """Fractional epoch: completed epochs plus the current one's coverage.
+
+        With ``drop_last``, an epoch whose untrained tail is smaller than the next step's batch (the
+        tail will be skipped) reads as complete: the last epoch of a run ends at a whole number, as it
+        does without ``drop_last``.
+        """
+        nxt = self._next_batch()
+        if nxt is not None and nxt.epoch > self.sampler.epoch:
+            return float(nxt.epoch)
         return self.sampler.fractional_epoch
+
+    @property
+    def stream_samples(self) -> int:
+        """Samples of the stream passed: trained ones, plus the epoch tails ``drop_last`` skipped.
+
+        The tail of the current epoch counts once it is smaller than the current plan's batch (it can
+        no longer be trained at that batch). This is the clock of a samples-based LR schedule, so the
+        schedule ends with the epochs whatever tails the batch sizes left out.
+        """
+        s = self.sampler
+        passed = s.samples_consumed + s.samples_skipped
+        if s.drop_last:
+            left = s.num_samples - s.position
+            if 0 < left < self.plan.global_batch_size:
+                passed += left
+        return passed
+
+    def _next_batch(self) -> Any:
+        """The next step's global batch if that step's plan is already decided, else None."""
+        if self._decided is None:
+            return None
+        return self.sampler.peek_batch(self._decided[1])
 
     @property
     def samples_consumed(self) -> int:
@@ -151,9 +191,21 @@ class AdaptiveBatchState:
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
         cfg = self.config
-        return plan_batch(
-            global_batch, self.world_size, cfg.max_micro_batch_per_gpu, allow_uneven=cfg.allow_uneven
-        )
+        return plan_batch(global_batch, self.world_size, self.memory.limit, allow_uneven=cfg.allow_uneven)
+
+    def replan_after_oom(self, plan: BatchPlan, ranks: list[int], step: int) -> BatchPlan:
+        """Every rank agreed that ``ranks`` ran out of memory at ``plan``: the same samples, smaller
+        micro-batches (logged once on rank 0).
+
+        Raises:
+            UnrecoverableOutOfMemory: the failed micro-batch was 1 sample.
+        """
+        from ds_adabatch.runtime.recovery import replan_after_oom
+
+        new, _, line = replan_after_oom(self.memory, plan, ranks, step, self.config.allow_uneven)
+        if self.rank == 0:
+            logger.info("%s", line)
+        return new
 
     def plan_for_step(self, step: int) -> BatchPlan:
         """The plan of optimizer step ``step`` (completed steps before it); decided once, then cached.
@@ -173,6 +225,7 @@ class AdaptiveBatchState:
             loss_ema=self.loss_ema.value,
             lr=self.last_lr,
             noise_scale=None if self.noise is None else self.noise.noise_scale,
+            noise_scale_error=None if self.noise is None else self.noise.relative_error,
         )
         decision = self.controller.next_global_batch(ctx)
         batch = broadcast_int(decision.global_batch, self.device)
@@ -239,11 +292,18 @@ class AdaptiveBatchState:
         return math.ceil(self.num_train_epochs * per_epoch)
 
     def scheduler_steps(self) -> int:
-        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set)."""
+        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set).
+
+        In samples: the stream's ``num_train_epochs x dataset size`` (:attr:`stream_samples` advances
+        it, skipped tails included, so it ends with the last epoch however large the tails were). In
+        steps: the steps of the initial batch.
+        """
         if not self.epoch_based:
             return self.max_steps
-        unit = self.lr.reference_batch if self.lr.unit == "samples" else self.initial_plan.global_batch_size
-        return max(1, math.ceil(self.planned_samples() / unit))
+        if self.lr.unit == "samples":
+            stream = math.ceil(self.num_train_epochs * self.sampler.num_samples)
+            return max(1, math.ceil(stream / self.lr.reference_batch))
+        return max(1, math.ceil(self.planned_samples() / self.initial_plan.global_batch_size))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self, global_step: int) -> dict[str, Any]:
@@ -265,6 +325,7 @@ class AdaptiveBatchState:
             "tokens": self.tokens,
             "last_lr": self.last_lr,
             "noise": None if self.noise is None else self.noise.state_dict(),
+            "memory": self.memory.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], global_step: int) -> None:
@@ -289,6 +350,8 @@ class AdaptiveBatchState:
         self.loss_ema.load_state_dict(state["loss_ema"])
         self.tokens = int(state["tokens"])
         self.last_lr = state["last_lr"]
+        if state.get("memory") is not None:  # absent from states written before OOM recovery
+            self.memory.load_state_dict(state["memory"])
         noise = state.get("noise")  # absent from states written before the Trainer measured it
         if self.noise is not None and noise is not None:
             self.noise.load_state_dict(noise)

@@ -21,9 +21,13 @@ the inside of one optimizer step change:
   passed to ``accelerator.prepare``, so accelerate prefetches nothing of a stale size.
 * ``training_step`` runs the step's micro-batches: the accumulation boundary (DeepSpeed) or gradient
   sync (DDP) on the last one only, each loss scaled so the update is the exact mean over the global
-  batch: by samples, ``loss x count x world / total``, or by target tokens through the Trainer's own
-  ``num_items_in_batch`` path with the global token count. Zero-weight pads keep every rank running
-  the same number of passes.
+  batch: ``loss x count x world / total``, with ``count`` and ``total`` the micro-batch's and the
+  global batch's samples, or target tokens (``labels != -100``) where the Trainer would normalise by
+  ``num_items_in_batch``. The model is handed the micro-batch's *own* token count as
+  ``num_items_in_batch``, so its loss is that micro-batch's mean whether it honours the argument (a
+  causal LM divides its summed loss by it) or ignores it (``BertForSequenceClassification`` returns its
+  own mean regardless): the normalisation never depends on the model. Zero-weight pads keep every
+  rank running the same number of passes.
 * The Trainer's epochs are the sample stream's epochs; ``state.epoch`` is the fractional epoch of
   samples seen, and with ``num_train_epochs`` the step budget (``state.max_steps``, progress bar) is
   re-estimated every step and closes exactly when the epochs are trained.
@@ -57,6 +61,7 @@ from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
+from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.weights import loss_weight
 
 from ._trainer_callback import AdaptiveBatchCallback
@@ -139,6 +144,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._lr_coupling: BatchCoupledLR | None = None
         self._samples_at_start = 0
         self._shifts_labels: bool | None = None
+        self._recovery: OomRecovery | None = None
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
         self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
 
@@ -238,10 +244,46 @@ class AdaptiveBatchSizeTrainer(Trainer):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch of one optimizer step; returns the loss to log.
 
-        The returned value averaged over ranks is the step's mean loss over the global batch.
+        The returned value averaged over ranks is the step's mean loss over the global batch. Under
+        DeepSpeed with ``memory.recover_from_oom`` (the default), an out-of-memory error on any rank
+        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``).
         """
         if not isinstance(inputs, StepInputs):
             return super().training_step(model, inputs, num_items_in_batch)
+        state = self._require_state()
+        recovery = self._oom_recovery()
+        if recovery is None:
+            return self._adaptive_step(model, inputs)
+
+        def replan(ranks: list[int]) -> None:
+            plan = state.replan_after_oom(inputs.step.plan, ranks, self.state.global_step)
+            inputs.step = state.loader.reload(inputs.step, plan)
+            state.last_step = inputs.step
+
+        logged = recovery.run(lambda: self._adaptive_step(model, inputs), replan)
+        state.memory.on_clean_step(inputs.step.plan.micro_batch_per_gpu)
+        return logged
+
+    def _oom_recovery(self) -> OomRecovery | None:
+        """Out-of-memory recovery on the DeepSpeed engine (built once it exists), or None."""
+        state = self._require_state()
+        engine = self._deepspeed_engine()
+        if engine is None and state.config.auto_micro_batch:
+            raise ValueError(
+                "max_micro_batch_per_gpu 'auto' learns the micro-batch from out-of-memory errors, which "
+                "AdaptiveBatchSizeTrainer recovers under DeepSpeed only: pass TrainingArguments(deepspeed=...) "
+                "or give max_micro_batch_per_gpu an integer"
+            )
+        if engine is None or not state.config.memory.recover_from_oom:
+            return None
+        if self._recovery is None or self._recovery.deepspeed is not engine:
+            self._recovery = OomRecovery(
+                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
+            )
+        return self._recovery
+
+    def _adaptive_step(self, model: torch.nn.Module, inputs: StepInputs) -> torch.Tensor:
+        """One attempt at the step's micro-batches (``training_step`` without recovery)."""
         state = self._require_state()
         step = inputs.step
         self._apply_plan(step.plan)
@@ -250,9 +292,11 @@ class AdaptiveBatchSizeTrainer(Trainer):
         by_token = self._normalizes_by_tokens(micro[0].batch)
         total = step.global_batch_size
         tokens = 0
+        own: list[int] = []
         counts: list[int] = []
         if by_token or state.needs_tokens:
-            counts = [0 if m.is_pad else self._count_items(m.batch) for m in micro]
+            own = [self._count_items(m.batch) for m in micro]
+            counts = [0 if m.is_pad else c for m, c in zip(micro, own)]
             tokens = int(all_reduce_sum([sum(counts)], device)[0])
             if by_token:
                 total = tokens
@@ -260,25 +304,35 @@ class AdaptiveBatchSizeTrainer(Trainer):
                     raise ValueError("the global batch has no target tokens (labels != -100) to average over")
         if self._lr_coupling is not None:
             # DeepSpeed steps its scheduler inside the boundary backward below; it must already count
-            # this step's samples.
-            self._lr_coupling.set_samples(state.samples_consumed)
-        items = torch.tensor(total, device=device) if by_token else None
-        scale = world / self._token_loss_scale() if by_token else 1.0
+            # this step's samples (and the epoch tails drop_last skips: the schedule runs with the
+            # stream, so it ends with the epochs).
+            self._lr_coupling.set_samples(state.stream_samples)
+        passes_items = by_token and self._passes_num_items()
         logged = torch.zeros((), device=device)
         measure = state.should_measure_noise(self.state.global_step, step.plan)
         probe = self._noise_probe() if measure else None
         try:
             for i, mb in enumerate(micro):
+                if self._recovery is not None:  # a new pass: its own out-of-memory agreement point
+                    self._recovery.begin_pass(f"in micro-batch {i} of step {self.state.global_step}")
+                items = None
                 if by_token:
-                    factor = 0.0 if mb.is_pad else scale
+                    # Whatever the model does with num_items_in_batch, its loss is this micro-batch's own
+                    # mean over its target tokens (see _micro_backward); the weight makes it the mean
+                    # over the global batch's tokens.
+                    weight = loss_weight(counts[i], world, total)
+                    factor = weight / (self._token_loss_scale() if passes_items else 1)
+                    if passes_items:
+                        items = torch.tensor(max(own[i], 1), device=device)
                 else:
-                    factor = loss_weight(mb.num_samples, world, total)
+                    factor = weight = loss_weight(mb.num_samples, world, total)
                 if probe is not None:
                     # The backward differentiates the micro-batch's own mean loss times this weight.
-                    weight = loss_weight(counts[i], world, total) if by_token else factor
                     probe.begin(weight, 0 if mb.is_pad else mb.num_samples)
                 sync = i == len(micro) - 1
-                logged = logged + self._micro_backward(model, mb.batch, factor, items, sync=sync, probe=probe)
+                loss = self._micro_backward(model, mb.batch, factor, items, sync=sync, probe=probe)
+                if weight != 0.0:  # a micro-batch without targets may have a NaN mean
+                    logged = logged + loss
         finally:
             if probe is not None:
                 probe.close()
@@ -355,19 +409,27 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._applied_plan = plan
 
     def _normalizes_by_tokens(self, batch: Any) -> bool:
-        # transformers 5.23 Trainer._get_num_items_in_batch counts items exactly in this case.
-        counts = (
-            isinstance(batch, Mapping)
-            and "labels" in batch
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-        )
+        """Whether the step's mean is over target tokens (``labels != -100``) rather than samples.
+
+        By default as the Trainer decides (transformers 5.23 ``Trainer._get_num_items_in_batch`` counts
+        items when the batch has labels and the model takes loss kwargs or a ``compute_loss_func`` is
+        set); ``adabatch.loss_normalization`` overrides it.
+        """
+        labelled = isinstance(batch, Mapping) and "labels" in batch
         mode = self._require_state().loss_normalization
-        if mode == "token" and not counts:
+        if mode == "token" and not labelled:
             raise ValueError(
-                'adabatch.loss_normalization "token" needs batches with "labels" and a model whose forward '
-                "takes num_items_in_batch (**kwargs), or a compute_loss_func"
+                'adabatch.loss_normalization "token" needs batches that are dicts with a "labels" tensor '
+                '(the targets are counted as labels != -100); use "sample" for other batches'
             )
-        return counts and mode != "sample"
+        if mode is not None:
+            return mode == "token"
+        return labelled and self._passes_num_items()
+
+    def _passes_num_items(self) -> bool:
+        # transformers 5.23 Trainer.compute_loss hands num_items_in_batch to the model's forward when
+        # model_accepts_loss_kwargs, and to compute_loss_func.
+        return bool(self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
 
     def _count_items(self, batch: Mapping[str, Any]) -> int:
         if self._shifts_labels is None:
@@ -377,11 +439,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return count_target_tokens(batch, self._shifts_labels)
 
     def _token_loss_scale(self) -> int:
-        # transformers 5.23 Trainer.compute_loss multiplies a num_items_in_batch loss by the number of
-        # data-parallel processes when average_tokens_across_devices; otherwise the factor is ours.
-        if self.args.average_tokens_across_devices and (
-            self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        ):
+        # transformers 5.23 Trainer.compute_loss multiplies a loss computed with num_items_in_batch by
+        # the number of data-parallel processes when average_tokens_across_devices (whether or not the
+        # model used the count); that factor is divided out again.
+        if self.args.average_tokens_across_devices and self._passes_num_items():
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
 

@@ -52,6 +52,7 @@ class CheckpointMixin:
             "noise": self.noise.state_dict(),
             "last_loss": self.last_loss,
             "last_grad_norm": self.last_grad_norm,
+            "memory": self.memory_recovery.memory.state_dict(),
         }
 
     def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
@@ -72,6 +73,8 @@ class CheckpointMixin:
         self.noise.load_state_dict(state["noise"])
         self.last_loss = state["last_loss"]
         self.last_grad_norm = state["last_grad_norm"]
+        if state.get("memory") is not None:  # checkpoints written before the memory section have none
+            self.memory_recovery.memory.load_state_dict(state["memory"])
         saved = state["global_batch"]
         batch = self.controller.resume_batch(saved, state["world_size"])
         if batch != saved and self.rank == 0:
@@ -109,6 +112,7 @@ class CheckpointMixin:
         then deletes all but the newest K complete checkpoints (and their converted copies).
         """
         ds = self.deepspeed
+        self.resolve_losses()  # the saved signals (last loss, its EMA) must include every step
         tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
         state = dict(client_state or {})
         state[_STATE_KEY] = self.adabatch_state_dict()
@@ -147,6 +151,7 @@ class CheckpointMixin:
         DeepSpeed's universal format (once, on rank 0; cached as ``<tag>_universal`` and reused) unless
         ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
         """
+        self.resolve_losses()  # nothing pending may be folded into the loaded state later
         ds = self.deepspeed
         if tag is None:
             tag = elastic_ckpt.latest_complete_tag(load_dir)

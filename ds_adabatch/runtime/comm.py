@@ -3,7 +3,7 @@
 DeepSpeed's communication layer (``deepspeed.comm``, 0.19.8) runs on ``torch.distributed``'s default
 process group, so these work under DeepSpeed, under plain DDP (the Hugging Face integration) and in a
 single process. Each call packs its values into one tensor: one optimizer step costs at most two extra
-small collectives (a broadcast of the decided batch size and an all-reduce of sums).
+small collectives; a steady step issues none (see :mod:`ds_adabatch.runtime.step_sync`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device 
         [
             v.detach().to(device=device, dtype=torch.float64).reshape(())
             if isinstance(v, torch.Tensor)
-            else torch.tensor(float(v), dtype=torch.float64, device=device)
+            # A fill on the device, not a host-to-device copy (which would synchronise a GPU).
+            else torch.full((), float(v), dtype=torch.float64, device=device)
             for v in values
         ]
     )

@@ -2,15 +2,22 @@
 
 The loop of one optimizer step (every rank runs it in lockstep)::
 
-    decide    schedule(context) -> desired batch -> bounds/granularity -> plan_batch  (rank 0 broadcasts)
+    decide    schedule(context) -> desired batch -> bounds/granularity -> plan_batch
+              (identical everywhere from global values; a user function's answer is agreed)
     apply     new plan? -> DeepSpeed batch keys, ZeRO optimizer GAS, throughput timer, LR multiplier
     fetch     the sampler's next global batch, cut for this rank (pads where a rank has nothing)
+    totals    the global batch's samples come from the sampler; token counts (or a user iterator's
+              sizes) are summed over ranks in the step's one collective
     for each micro-batch:
               set_gradient_accumulation_boundary(last)   # DeepSpeed's micro_steps counter is not used
               loss = loss_fn(engine, batch)               # mean over the micro-batch
               backward(loss * count * W / total, scale_wrt_gas=False)
               step()                                      # DeepSpeed updates only on the boundary
-    account   one all-reduce: loss sum (and noise-scale sums); exact samples / tokens; metrics
+    account   exact samples / tokens; the step's loss sum stays on the device until the next
+              collective or every log.every_steps steps (StepSync), then metrics are written
+
+A steady step (map-style data, sample normalisation, no change of batch, no noise measurement) issues no
+collective and no host synchronisation beyond DeepSpeed's own.
 
 Everything not defined here is delegated to the wrapped ``deepspeed.DeepSpeedEngine``
 (``engine.module``, ``engine.eval()``, ``engine.global_rank``, ...), which is also ``engine.deepspeed``.
@@ -29,12 +36,14 @@ import torch
 from ..plan import BatchPlan, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
 from ..signals import EmaLoss, GradientNoiseEstimator
-from . import comm
 from .batch_shape import apply_plan_to_engine
 from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
+from .recovery import OomRecovery, replan_after_oom, resplit_micro_batches
+from .step_loss import StepLoss
+from .step_sync import StepSync
 from .weights import loss_weight
 
 __all__ = ["AdaptiveBatchEngine"]
@@ -79,6 +88,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.global_tokens = 0
         self.history: list[PlanChange] = []
         self._override: tuple[int, str] | None = None
+        self._override_agreed = False
         self._decided_step: int | None = None  # the step whose plan next_plan() already applied
         self._scheduled_batch = self.plan.global_batch_size
         self.last_step_batch: Any = None
@@ -89,6 +99,11 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
+        self._sync = StepSync(ds_engine.device)
+        # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
+        self.memory_recovery = OomRecovery(ds_engine, cfg, rank=self.rank, world_size=self.world_size)
+        self._memory_reason: str | None = None
+        self._step_ooms = 0
         self._apply_plan(self.plan, reason="initial plan", record=False)
 
     # ---------------------------------------------------------------------------------------------
@@ -128,12 +143,26 @@ class AdaptiveBatchEngine(CheckpointMixin):
     def lr_multiplier(self) -> float:
         return self.lr_coupling.multiplier
 
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch per GPU the next step may plan (samples): the integer
+        ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
+        the learned limit."""
+        return self.memory_recovery.memory.limit
+
+    def set_memory_key(self, key: int | str | None) -> None:
+        """Plan from the next step with the micro-batch limit learned for ``key`` (e.g. the sequence
+        length of a length curriculum); a new key starts at the initial limit. Limits of every key
+        are kept in checkpoints. Call it on every rank with the same value."""
+        self.memory_recovery.memory.set_key(key)
+        self._decided_step = None
+
     def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
         """Override the schedule: from the next step on the global batch is ``n``.
 
         ``None`` hands control back to the schedule. ``n`` must be plannable on this world size
         (a multiple of it, unless ``allow_uneven``); it is not rounded or bounded. Call it on every
-        rank with the same value (rank 0's value is the one applied).
+        rank (the next step agrees on it in one small collective; rank 0's value is the one applied).
 
         Raises:
             PlanError: ``n`` cannot be split over this world size.
@@ -142,20 +171,24 @@ class AdaptiveBatchEngine(CheckpointMixin):
         if n is None:
             self._override = None
             return
-        plan_batch(
-            n, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
-        )
+        plan_batch(n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven)
         self._override = (int(n), reason)
+        self._override_agreed = False
 
     # ---------------------------------------------------------------------------------------------
     # One optimizer step
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """Run exactly one optimizer step; return the mean loss over the global batch (same on all ranks).
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> StepLoss:
+        """Run exactly one optimizer step; return its mean loss over the global batch.
 
         Without ``data_iter`` the step takes the sampler's next global batch of exactly
         ``plan.global_batch_size`` samples (fewer only for the last batch of an epoch). With
         ``data_iter``, ``plan.gradient_accumulation_steps`` micro-batches are drawn from it; their real
-        sizes (the first dimension) are all-reduced and weighted, so the update is still the exact mean.
+        sizes (the first dimension) are summed over ranks and weighted, so the update is still the exact
+        mean.
+
+        The returned :class:`~ds_adabatch.runtime.StepLoss` is the same on every rank. It is resolved
+        every ``adabatch.log.every_steps`` steps without extra cost; reading it sooner (``float(loss)``)
+        resolves it at once, which is a collective: read it on every rank.
         """
         started = time.perf_counter()
         self.next_plan()
@@ -174,47 +207,73 @@ class AdaptiveBatchEngine(CheckpointMixin):
                 self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
                 lr_used = self.lr_coupling.get_lr()[0]
             micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
-            # An iterable dataset has no global view: the all-reduce below counts its samples.
+            # An iterable dataset has no global view: the step's collective counts its samples.
             total_samples = step_batch.global_batch.size if step_batch.global_batch is not None else None
         else:
             micro = [next(data_iter) for _ in range(self.plan.gradient_accumulation_steps)]
             micro = [(b, _leading_dim(b)) for b in micro]
             total_samples = None
 
-        loss_sum, tokens, total_samples, total = self._forward_backward(micro, total_samples, measure)
+        step = self.global_steps
+        # Out-of-memory recovery (recovery.py): an agreed OOM discards the partial step, lowers the
+        # micro-batch limit and re-runs the same samples, cut for the new plan.
+        current = {"micro": micro, "step": self.last_step_batch if data_iter is None else None}
+        self._step_ooms = 0
 
+        def replan(ranks: list[int]) -> None:
+            plan = self._replan_after_oom(ranks)
+            if current["step"] is not None:
+                batch = self.dataloader.reload(current["step"], plan)
+                self.last_step_batch = current["step"] = batch
+                current["micro"] = [(m.batch, m.num_samples) for m in batch.micro_batches]
+            else:
+                current["micro"] = resplit_micro_batches(current["micro"], plan.gradient_accumulation_steps)
+
+        loss_sum, tokens, total_samples, total, probe_sums = self.memory_recovery.run(
+            lambda: self._forward_backward(current["micro"], total_samples, measure), replan
+        )
         self.global_steps += 1
         self.global_samples += total_samples
         self.global_tokens += tokens
-        mean_loss = loss_sum / total
-        self.last_loss = float(mean_loss)
-        self.loss_ema.update(self.last_loss)
-        self.last_grad_norm = self._grad_norm()
         self._after_step()
-        self._emit(started, lr_used)
-        return mean_loss
+        if probe_sums is not None:
+            self._sync.defer(probe_sums[0], self._noise_callback(total_samples, probe_sums[1]))
+        loss = self._record_step(step, started, lr_used, loss_sum, total)
+        # Measured noise sums are folded into the next step's collective when every step has one
+        # (token counts); otherwise they are summed now, so the next decision sees this measurement.
+        flush_noise = probe_sums is not None and not self.counts_tokens
+        if flush_noise or self.global_steps % self.config.log.every_steps == 0:
+            self._sync.reduce()
+        return loss
+
+    def resolve_losses(self) -> None:
+        """Sum every pending step's loss (and queued measurements) over ranks now; call on every rank.
+
+        Afterwards every :class:`StepLoss` returned so far reads without a collective, and the JSONL and
+        monitor records of those steps are written.
+        """
+        self._sync.reduce()
 
     def _forward_backward(
         self, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
-    ) -> tuple[torch.Tensor, int, int, int]:
+    ) -> tuple[torch.Tensor, int, int, int, tuple[list[Any], Callable[[], float | None]] | None]:
         ds = self.deepspeed
         device = ds.device
         by_token = self.config.loss_normalization == "token"
-        batches = [_to_device(b, device) for b, _ in micro]
         samples = [n for _, n in micro]
-        tokens = (
-            [self._count_tokens(b) if n else 0 for b, n in zip(batches, samples)]
-            if self.counts_tokens
-            else []
-        )
+        # Tokens are counted on the loader's host tensors: no device read.
+        tokens = [self._count_tokens(b) if n else 0 for b, n in micro] if self.counts_tokens else []
         counts = tokens if by_token else samples
+        batches = [_to_device(b, device) for b, _ in micro]
 
-        # One small all-reduce gives every rank the totals the weights need (tokens are only known
-        # once this rank's batches are loaded; samples are known, except with a user data_iter).
-        totals = comm.all_reduce_sum([float(sum(samples)), float(sum(counts)), float(sum(tokens))], device)
-        total_samples = int(totals[0]) if total_samples is None else total_samples
-        total = int(totals[1])
-        total_tokens = int(totals[2])
+        if total_samples is not None and not self.counts_tokens:
+            # The sampler gave every rank the global batch's size: nothing to agree on.
+            total, total_tokens = total_samples, 0
+        else:
+            # Per-rank counts: one collective, which also carries whatever StepSync has queued.
+            totals = self._sync.reduce([float(sum(samples)), float(sum(counts)), float(sum(tokens))])
+            total_samples = int(totals[0]) if total_samples is None else total_samples
+            total, total_tokens = int(totals[1]), int(totals[2])
         if total <= 0:
             raise ValueError("the global batch has no samples (or no target tokens) to train on")
         # DeepSpeed steps the LR scheduler inside the boundary step(); in "samples" mode it must
@@ -225,7 +284,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
+            recovery = self.memory_recovery
             for i, (batch, count) in enumerate(zip(batches, counts)):
+                recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}")
                 # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
                 # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
                 # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
@@ -239,6 +300,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
                     probe.end()
                     if i == last:
                         probe.read_reduced_norm()
+                if i == last:
+                    recovery.where = f"in the optimizer step of step {self.global_steps}"
                 ds.step()
                 if count:
                     loss_sum = loss_sum + loss.detach().to(torch.float64) * count
@@ -247,11 +310,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
                 probe.close()
             ds.set_gradient_accumulation_boundary(None)
 
-        extra = probe.local_sums() if probe is not None else [0.0, 0.0, 0.0]
-        reduced = comm.all_reduce_sum([loss_sum, *extra], device)
-        if probe is not None:
-            self._update_noise(reduced[1:], total_samples, probe)
-        return reduced[0], total_tokens, total_samples, total
+        measured = (probe.local_sums(), probe.reduced_sq_norm_later()) if probe is not None else None
+        return loss_sum, total_tokens, total_samples, total, measured
 
     def _micro_loss(self, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -293,6 +353,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
             loss_ema=self.loss_ema.value,
             grad_norm=self.last_grad_norm,
             noise_scale=noise,
+            noise_scale_error=self.noise.relative_error,
             lr=self.lr_coupling.get_lr()[0] if self.lr_coupling.get_lr() else None,
         )
 
@@ -309,24 +370,61 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return self.plan
 
     def _decide_plan(self) -> None:
+        # Batch shape must be identical on every rank. Schedules fed only global values (step,
+        # samples, tokens, all-reduced signals) decide identically everywhere with no collective;
+        # inputs that can differ between ranks (a user's function, set_global_batch_size) are agreed
+        # in one small collective: rank 0's value is the one applied.
+        step = self.global_steps
         if self._override is not None:
             batch, reason = self._override
+            if not self._override_agreed:
+                batch = self._agree([batch])[0]
+                self._override, self._override_agreed = (batch, reason), True
         else:
-            decision = self.controller.next_global_batch(self._context())
+            controller = self.controller
+            evaluates = controller.evaluates_at(step)
+            if evaluates and "loss" in controller.schedule.requires:
+                self.resolve_losses()  # the rule reads the latest loss: it must be all-reduced
+            decision = controller.next_global_batch(self._context())
             batch, reason = decision.global_batch, decision.reason
-        # Batch shape must be identical on every rank: rank 0's decision is the one applied.
-        batch = comm.broadcast_int(batch, self.deepspeed.device)
+            if evaluates and getattr(controller.schedule, "needs_agreement", False):
+                batch = self._agree_schedule(batch)
         self._scheduled_batch = batch
         plan = self._plan_for(batch)
         if plan != self.plan:
+            if self._memory_reason is not None and batch == self.plan.global_batch_size:
+                reason = self._memory_reason
             self._apply_plan(plan, reason=reason, record=True)
+        self._memory_reason = None
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank, in one collective (with whatever StepSync has queued)."""
+        mine = [float(v) if self.rank == 0 else 0.0 for v in values]
+        return [int(round(float(v))) for v in self._sync.reduce(mine)]
+
+    def _agree_schedule(self, batch: int) -> int:
+        """Agree on a rank-dependent schedule's answer and on the state it keeps (rank 0's)."""
+        schedule = self.controller.schedule
+        state = list(schedule.shared_state())
+        agreed = self._agree([batch, *state])
+        schedule.load_shared_state(agreed[1:])
+        return agreed[0]
 
     def _plan_for(self, batch: int) -> BatchPlan:
         return plan_batch(
-            batch, self.world_size, self.config.max_micro_batch_per_gpu, allow_uneven=self.config.allow_uneven
+            batch, self.world_size, self.micro_batch_limit, allow_uneven=self.config.allow_uneven
         )
 
-    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool) -> None:
+    def _replan_after_oom(self, ranks: list[int]) -> BatchPlan:
+        """Every rank agreed that ``ranks`` ran out of memory: the same global batch, smaller micro-batches."""
+        plan, reason, line = replan_after_oom(
+            self.memory_recovery.memory, self.plan, ranks, self.global_steps, self.config.allow_uneven
+        )
+        self._step_ooms += 1
+        self._apply_plan(plan, reason=reason, record=True, line=line)
+        return plan
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
         old = self.plan
         apply_plan_to_engine(self.deepspeed, plan)
@@ -350,28 +448,26 @@ class AdaptiveBatchEngine(CheckpointMixin):
         )
         self.history.append(event)
         if self.rank == 0:
-            logger.info(format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
+            logger.info(line or format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
 
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale
     def _noise_kwargs(self) -> dict[str, Any]:
         schedule = self.config.schedule
-        return {"ema_beta": schedule.ema_beta} if schedule.type == "gradient_noise" else {}
+        return schedule.estimator_settings() if schedule.type == "gradient_noise" else {}
 
     def _should_measure_noise(self) -> bool:
         return self._noise_cadence.due(
             self.global_steps, self.world_size, self.plan.gradient_accumulation_steps
         )
 
-    def _update_noise(self, sums: list[torch.Tensor], total_samples: int, probe: NoiseProbe) -> None:
-        update_estimator(self.noise, sums, total_samples, probe.reduced_sq_norm())
+    def _noise_callback(
+        self, total_samples: int, sq_big: Callable[[], float | None]
+    ) -> Callable[[list[torch.Tensor]], None]:
+        def fold(sums: list[torch.Tensor]) -> None:
+            update_estimator(self.noise, sums, total_samples, sq_big())
 
-    def _grad_norm(self) -> float | None:
-        norm = self.deepspeed.get_global_grad_norm()
-        if norm is None:
-            return None
-        norm = float(norm)
-        return norm if math.isfinite(norm) else None
+        return fold
 
     # ---------------------------------------------------------------------------------------------
     # Bookkeeping
@@ -380,8 +476,17 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
         ds.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
+        decision = self.memory_recovery.memory.on_clean_step(self.plan.micro_batch_per_gpu)
+        if decision is not None:
+            # Logged once, with the plan change it causes at the next decision.
+            self._memory_reason = (
+                f"micro-batch limit {decision.old_limit} -> {decision.new_limit} ({decision.reason})"
+            )
 
-    def _emit(self, started: float, lr_used: float) -> None:
+    def _record_step(
+        self, step: int, started: float, lr_used: float, loss_sum: torch.Tensor, total: int
+    ) -> StepLoss:
+        """The step's record and loss, completed when its loss sum has been summed over ranks."""
         plan = self.plan
         record = StepMetrics(
             step=self.global_steps,
@@ -391,22 +496,41 @@ class AdaptiveBatchEngine(CheckpointMixin):
             micro_batch_per_gpu=plan.micro_batch_per_gpu,
             gradient_accumulation_steps=plan.gradient_accumulation_steps,
             lr=lr_used,
-            loss=self.last_loss if self.last_loss is not None else float("nan"),
+            loss=float("nan"),
             train_coverage=self.train_coverage,
             epoch=self.epoch,
             lr_multiplier=self.lr_coupling.multiplier,
             step_time_s=time.perf_counter() - started,
-            grad_norm=self.last_grad_norm,
-            noise_scale=self.noise.noise_scale,
+            extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
         )
+        loss = StepLoss(step, self.resolve_losses)
+        # The norm DeepSpeed computed in this step (a device tensor under ZeRO 1-3): read it later.
+        norm = self.deepspeed.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().clone()
+
+        def resolved(sums: list[torch.Tensor]) -> None:
+            mean = float(sums[0]) / total
+            loss.set_value(mean)
+            grad_norm = None if norm is None else float(norm)
+            record.loss = mean
+            record.grad_norm = grad_norm if grad_norm is None or math.isfinite(grad_norm) else None
+            record.noise_scale = self.noise.noise_scale
+            self.last_loss, self.last_grad_norm = mean, record.grad_norm
+            self.loss_ema.update(mean)
+            self.metrics.write(record)
+
+        # The step's record now; its loss and grad norm are filled in when resolved.
         self.last_metrics = record
-        self.metrics.write(record)
+        self._sync.defer([loss_sum], resolved)
+        return loss
 
     def _sampler(self) -> Any:
         return getattr(self.dataloader, "sampler", None)
 
     def close(self) -> None:
-        """Stop data workers and close the metrics file."""
+        """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics file."""
+        self.resolve_losses()
         self.metrics.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):
             self.dataloader.close()

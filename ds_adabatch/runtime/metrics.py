@@ -120,6 +120,7 @@ class MetricsWriter:
                 events.append(("Train/adabatch/tokens", record.tokens, x))
             if record.noise_scale is not None:
                 events.append(("Train/adabatch/noise_scale", record.noise_scale, x))
+            events += [(f"Train/adabatch/{key}", value, x) for key, value in record.extra.items()]
             self.monitor.write_events(events)
 
     def close(self) -> None:

@@ -118,11 +118,26 @@ class NoiseProbe:
 
     def reduced_sq_norm(self) -> float | None:
         """The big batch's squared gradient norm (the same on every rank), after the step."""
+        return self.reduced_sq_norm_later()()
+
+    def reduced_sq_norm_later(self) -> Callable[[], float | None]:
+        """Capture the big batch's norm now (after the step) without reading it on the host.
+
+        Returns a function that gives :meth:`reduced_sq_norm`'s value when called, so a GPU is only
+        synchronised when the measurement is folded into the estimate.
+        """
         norm = self._reduced_norm() if self._reduced_norm is not None else None
-        if norm is None:
-            return None if self._big is None else float(self._big)
-        norm = float(norm)
-        return norm * norm if math.isfinite(norm) else None
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().clone()  # DeepSpeed may reuse its buffer in the next step
+        big = self._big
+
+        def value() -> float | None:
+            if norm is None:
+                return None if big is None else float(big)
+            n = float(norm)
+            return n * n if math.isfinite(n) else None
+
+        return value
 
     def local_sums(self) -> list[torch.Tensor | float]:
         """This rank's (sum of small-batch squared norms, micro-batches measured, sum of 1/size)."""

@@ -59,6 +59,9 @@ class ScheduleContext:
     """Latest global gradient norm (L2, after reduction, before clipping)."""
     noise_scale: float | None = None
     """Latest gradient-noise scale estimate B_simple, in samples."""
+    noise_scale_error: float | None = None
+    """Standard error of ``noise_scale`` relative to its value (unitless; ``inf`` while unknown, None
+    where the caller does not measure it)."""
     lr: float | None = None
     """Learning rate of the latest step."""
 
@@ -70,6 +73,11 @@ class Schedule(Protocol):
     ``name`` is the config's ``type``; ``requires`` names the context signals (``"loss"``,
     ``"noise_scale"``, ``"tokens"``, ...) the rule reads, so callers know what to measure. A rule may
     set ``last_reason`` (one line saying why it returned what it did) for logging.
+
+    A rule fed only the context decides identically on every rank, so the runtime needs no collective
+    to agree on it. A rule whose answer may differ between ranks (a user's function) sets
+    ``needs_agreement = True`` and offers ``shared_state()`` / ``load_shared_state(values)`` (a list of
+    numbers): at each evaluation the runtime applies rank 0's answer and state everywhere.
     """
 
     name: str

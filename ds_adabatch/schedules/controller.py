@@ -107,6 +107,10 @@ class BatchSizeController:
             batch = self.schedule.current * self.world_size
         return self._round(batch)
 
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the schedule itself is consulted for optimizer step ``step`` (else the batch holds)."""
+        return step > 0 and step % self.update_interval == 0
+
     def initial_desired(self) -> float:
         """The schedule config's first batch, before rounding."""
         first = self.schedule_config.initial_batch(self.world_size)
@@ -125,7 +129,7 @@ class BatchSizeController:
         if ctx.step <= 0:
             desired = self.initial_desired()
             decision = self._settle(desired, None, "initial batch")
-        elif ctx.step % self.update_interval:
+        elif not self.evaluates_at(ctx.step):
             # Between evaluations: keep the batch, re-rounded only if it stopped being plannable
             # (a resume on another world size).
             held = float(ctx.global_batch)

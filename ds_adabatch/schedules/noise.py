@@ -5,17 +5,21 @@ The rule reads ``ctx.noise_scale``, the smoothed estimate the runtime keeps with
 fed every ``measure_every`` optimizer steps). Per evaluation, with ``band = 1 + hysteresis``::
 
     if step < warmup or no estimate:                    hold the current batch (``start`` at first)
+    if relative error > max_relative_error:             hold (not yet confident)
     target = scale * noise_scale
     if grow_only and target <= current * band:          hold
     if target / current in [1/band, band]:              hold
     if the move reverses the previous one and
        target / previous_target in [1/band, band]:      hold
     else:                                               target
+    the target is then kept in [current / f, current * f], f = the schedule's max_change_factor
 
-The controller then clamps the target to the bounds, caps the change by ``max_change_factor`` and
-rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of the estimator's EMA,
-``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate averages a full window of
-measurements.
+The controller then clamps the target to the bounds, caps the change by the section's
+``max_change_factor`` and rounds it. ``warmup`` is ``warmup_steps`` when set, else one time constant of
+the estimator's EMA, ``ceil(measure_every / (1 - ema_beta))`` steps: the first moment its estimate
+averages a full window of measurements. The relative error is the estimator's
+(:attr:`~ds_adabatch.signals.GradientNoiseEstimator.relative_error`, ``ctx.noise_scale_error``); the
+config's field descriptions give the reason for each default.
 
 Why the reversal test: the band around the current batch alone cannot stop a flip-flop when one
 rounding step is wider than the band. With granularity 8 and a target hovering at 20, 20.5 rounds to
@@ -60,6 +64,10 @@ class GradientNoiseSchedule:
         self.grow_only = bool(config.grow_only)
         self.measure_every = int(config.measure_every)
         self.ema_beta = float(config.ema_beta)
+        self.max_relative_error = (
+            None if config.max_relative_error is None else float(config.max_relative_error)
+        )
+        self.max_change_factor = None if config.max_change_factor is None else float(config.max_change_factor)
         self.warmup_steps = (
             int(config.warmup_steps)
             if config.warmup_steps is not None
@@ -83,6 +91,14 @@ class GradientNoiseSchedule:
         estimate = ctx.noise_scale
         if estimate is None or not math.isfinite(estimate) or estimate <= 0:
             self.last_reason = f"no usable noise-scale estimate ({estimate!r}): hold"
+            return current
+        error = ctx.noise_scale_error
+        if self.max_relative_error is not None and error is not None and not error <= self.max_relative_error:
+            # None: a caller that does not measure the error (a replay); the runtime always does.
+            self.last_reason = (
+                f"B_noise {estimate:.6g} not yet confident (relative error {error:.3g} > "
+                f"{self.max_relative_error:g}): hold"
+            )
             return current
         target = self.scale * estimate
         band = 1.0 + self.hysteresis
@@ -108,6 +124,10 @@ class GradientNoiseSchedule:
         self.last_direction = direction
         self.moves += 1
         self.last_reason = f"{said}: target (was {current:g})"
+        f = self.max_change_factor
+        if f is not None and not current / f <= target <= current * f:
+            target = min(max(target, current / f), current * f)
+            self.last_reason += f", capped to a factor {f:g} per update: {target:.6g}"
         return target
 
     def state_dict(self) -> dict[str, Any]:

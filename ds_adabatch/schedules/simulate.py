@@ -195,7 +195,7 @@ def simulate(
         )
         decision = controller.next_global_batch(ctx)
         batch = decision.global_batch
-        plan = plan_batch(batch, world_size, cfg.max_micro_batch_per_gpu, allow_uneven=allow_uneven)
+        plan = plan_batch(batch, world_size, cfg.initial_micro_batch_limit, allow_uneven=allow_uneven)
         rows.append(
             {
                 "step": step,

@@ -61,6 +61,9 @@ class CallableSchedule:
 
     name = "callable"
     requires: frozenset[str] = frozenset()
+    needs_agreement = True
+    """A user's function may answer differently on different ranks (time, files, randomness): the
+    runtime applies rank 0's answer everywhere, and its remembered batch with it."""
 
     def __init__(self, config: Any, function: Callable[..., Any] | None = None) -> None:
         self.path = str(config.function)
@@ -92,6 +95,13 @@ class CallableSchedule:
         scale = ctx.world_size if self.per == "device" else 1
         self.last_reason = f"{self.path}(step={ctx.step}, batch_size={before}) -> {value} {self.unit}"
         return float(value * scale)
+
+    def shared_state(self) -> list[int]:
+        """What must be equal on every rank after an evaluation: the remembered batch."""
+        return [self.current]
+
+    def load_shared_state(self, values: list[int]) -> None:
+        (self.current,) = (int(v) for v in values)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -72,11 +72,11 @@ class EmaLoss:
         self._raw, self.count = (1.0 - self.beta) * restored, 1
 
 
-def _check_state(state: Any, kind: str) -> None:
+def _check_state(state: Any, kind: str, version: int = _STATE_VERSION) -> None:
     if not isinstance(state, dict) or state.get("kind") != kind:
         found = state.get("kind") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"expected a {kind} state dict, got {found!r}")
-    if state.get("version") != _STATE_VERSION:
+    if state.get("version") != version:
         raise ValueError(
-            f"{kind} state has version {state.get('version')!r}; this ds_adabatch reads {_STATE_VERSION}"
+            f"{kind} state has version {state.get('version')!r}; this ds_adabatch reads {version}"
         )

@@ -8,7 +8,17 @@ appendix A). Two measured batch sizes give unbiased estimates of both terms::
     tr(Sigma) ~ (|g_small|^2 - |g_big|^2) / (1 / b_small - 1 / b_big)
 
 Each single estimate is very noisy (|G|^2 can even come out negative), so the ratio is taken of two
-separate bias-corrected EMAs, never of one measurement.
+separate bias-corrected EMAs, never of one measurement. Two things keep a schedule from acting on noise:
+
+* the memory scales with the batch: a measurement of a global batch of ``B`` samples decays the past
+  by ``ema_beta ** (B / reference_batch)`` (AdaptDL's rule), so the averages remember a fixed number of
+  samples rather than of measurements. A measurement's information grows with the micro-batches it
+  compares (``B / b_small`` of them), so this keeps the precision of the average the same at every
+  batch, instead of trusting 20 steps of 2 samples as much as 20 steps of 64;
+* :attr:`GradientNoiseEstimator.relative_error` is the standard error of the smoothed ratio relative
+  to its value, from the weighted spread of the single estimates (first-order, covariance included).
+  A schedule can wait until it is small: at micro-batches far below B_noise single estimates scatter
+  over orders of magnitude and the average needs many of them.
 
 What the runtime measures, every ``measure_every`` optimizer steps, on a data-parallel job with
 micro-batch ``m``, ``GAS`` accumulation steps and ``W`` ranks:
@@ -30,24 +40,37 @@ from .ema import _check_state
 
 __all__ = ["GradientNoiseEstimator"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class GradientNoiseEstimator:
-    """Smoothed estimates of |G|^2, tr(Sigma) and their ratio B_simple (in samples).
+    """Smoothed estimates of |G|^2, tr(Sigma) and their ratio B_simple (in samples), with an error bar.
 
-    Restoring a state written with another ``ema_beta`` restarts both averages from the restored values.
+    Restoring a state written with another ``ema_beta`` or ``reference_batch`` restarts the averages
+    from the restored values.
 
     Args:
-        ema_beta: weight of the past in both EMAs, in [0, 1), per measurement.
+        ema_beta: weight of the past in both EMAs, in [0, 1), per measurement of ``reference_batch``
+            samples.
+        reference_batch: global batch (samples) at which one measurement decays the past by exactly
+            ``ema_beta``; a measurement of ``B`` samples decays it by ``ema_beta ** (B /
+            reference_batch)`` and weighs accordingly more. ``None``: every measurement decays by
+            ``ema_beta`` whatever its batch.
     """
 
-    def __init__(self, ema_beta: float = 0.95) -> None:
+    def __init__(self, ema_beta: float = 0.95, reference_batch: float | None = None) -> None:
         if not 0.0 <= ema_beta < 1.0:
             raise ValueError(f"ema_beta must be in [0, 1), got {ema_beta!r}")
+        if reference_batch is not None and not reference_batch > 0:
+            raise ValueError(f"reference_batch must be > 0 samples or None, got {reference_batch!r}")
         self.ema_beta = float(ema_beta)
-        self._g2 = 0.0
-        self._trace = 0.0
+        self.reference_batch = None if reference_batch is None else float(reference_batch)
+        # Decayed sums over measurements i with weights w_i: sum w, sum w^2, sum w x, sum w x^2 for
+        # x = |G|^2 (g) and tr(Sigma) (t), and sum w g t. The means are the bias-corrected EMAs.
+        self._w = self._w2 = 0.0
+        self._g = self._gg = 0.0
+        self._t = self._tt = 0.0
+        self._gt = 0.0
         self.count = 0
         """Measurements averaged so far."""
         self.skipped = 0
@@ -57,20 +80,20 @@ class GradientNoiseEstimator:
         self.last_trace_sigma: float | None = None
         """The latest single tr(Sigma) estimate (unsmoothed)."""
 
-    def _corrected(self, raw: float) -> float | None:
-        if self.count == 0:
-            return None
-        return raw / (1.0 - self.ema_beta**self.count)
+    def _decay(self, b_big: float) -> float:
+        if self.reference_batch is None:
+            return self.ema_beta
+        return self.ema_beta ** (b_big / self.reference_batch)
 
     @property
     def grad_sq_norm(self) -> float | None:
         """Smoothed |G|^2, None before the first measurement."""
-        return self._corrected(self._g2)
+        return None if self.count == 0 or self._w <= 0 else self._g / self._w
 
     @property
     def trace_sigma(self) -> float | None:
         """Smoothed tr(Sigma) (per-sample gradient variance, summed over parameters)."""
-        return self._corrected(self._trace)
+        return None if self.count == 0 or self._w <= 0 else self._t / self._w
 
     @property
     def noise_scale(self) -> float | None:
@@ -79,6 +102,31 @@ class GradientNoiseEstimator:
         if g2 is None or trace is None or g2 <= 0.0:
             return None
         return trace / g2
+
+    @property
+    def effective_measurements(self) -> float:
+        """How many equally weighted measurements the averages are worth: (sum w)^2 / sum w^2."""
+        return self._w * self._w / self._w2 if self._w2 > 0 else 0.0
+
+    @property
+    def relative_error(self) -> float:
+        """Standard error of :attr:`noise_scale` relative to its value (``inf`` while unknown).
+
+        First-order (delta method) error of the ratio of the two weighted means, from the weighted
+        variances and covariance of the single estimates and the effective number of measurements;
+        ``inf`` with fewer than two effective measurements or no usable estimate.
+        """
+        scale = self.noise_scale
+        n = self.effective_measurements
+        if scale is None or scale <= 0 or n <= 1.0 + 1e-9:
+            return math.inf
+        w = self._w
+        g, t = self._g / w, self._t / w
+        var_g = max(self._gg / w - g * g, 0.0)
+        var_t = max(self._tt / w - t * t, 0.0)
+        cov = self._gt / w - g * t
+        rel_sq = var_t / (t * t) + var_g / (g * g) - 2.0 * cov / (g * t)
+        return math.sqrt(max(rel_sq, 0.0) / (n - 1.0))
 
     def update(self, b_small: float, sq_norm_small: Any, b_big: float, sq_norm_big: Any) -> float | None:
         """Add one measurement (floats or 0-d tensors) and return the current ``noise_scale``.
@@ -97,10 +145,16 @@ class GradientNoiseEstimator:
             return self.noise_scale
         g2 = (b_big * big - b_small * small) / (b_big - b_small)
         trace = (small - big) / (1.0 / b_small - 1.0 / b_big)
-        beta = self.ema_beta
+        f = self._decay(float(b_big))
+        w = 1.0 - f  # a bias-corrected EMA: the newest measurement weighs 1 - decay
         self.count += 1
-        self._g2 = beta * self._g2 + (1.0 - beta) * g2
-        self._trace = beta * self._trace + (1.0 - beta) * trace
+        self._w = f * self._w + w
+        self._w2 = f * f * self._w2 + w * w
+        self._g = f * self._g + w * g2
+        self._gg = f * self._gg + w * g2 * g2
+        self._t = f * self._t + w * trace
+        self._tt = f * self._tt + w * trace * trace
+        self._gt = f * self._gt + w * g2 * trace
         self.last_grad_sq_norm, self.last_trace_sigma = g2, trace
         return self.noise_scale
 
@@ -109,23 +163,52 @@ class GradientNoiseEstimator:
             "kind": "GradientNoiseEstimator",
             "version": _STATE_VERSION,
             "ema_beta": self.ema_beta,
-            "grad_sq_norm_raw": self._g2,
-            "trace_sigma_raw": self._trace,
+            "reference_batch": self.reference_batch,
+            "sums": [self._w, self._w2, self._g, self._gg, self._t, self._tt, self._gt],
             "count": self.count,
             "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_state(state, "GradientNoiseEstimator")
+        version = state.get("version") if isinstance(state, dict) else None
+        if version == 1 and state.get("kind") == "GradientNoiseEstimator":
+            state = _from_version_1(state)
+        _check_state(state, "GradientNoiseEstimator", _STATE_VERSION)
         self.skipped = int(state["skipped"])
         count = int(state["count"])
-        g2, trace = float(state["grad_sq_norm_raw"]), float(state["trace_sigma_raw"])
-        if state["ema_beta"] == self.ema_beta or count == 0:
-            self._g2, self._trace, self.count = g2, trace, count
+        sums = [float(v) for v in state["sums"]]
+        same = state["ema_beta"] == self.ema_beta and state["reference_batch"] == self.reference_batch
+        if same or count == 0:
+            self._w, self._w2, self._g, self._gg, self._t, self._tt, self._gt = sums
+            self.count = count
             return
-        # A changed ema_beta cannot reuse the raw sums (their bias correction depends on beta):
-        # restart both averages from the restored smoothed values, weighted as one measurement.
-        correction = 1.0 - float(state["ema_beta"]) ** count
-        self._g2 = (1.0 - self.ema_beta) * g2 / correction
-        self._trace = (1.0 - self.ema_beta) * trace / correction
+        # Other smoothing settings cannot reuse the sums (their weights depend on them): restart both
+        # averages from the restored means, weighted as one measurement (its error then unknown).
+        w = sums[0]
+        g, t = sums[2] / w, sums[4] / w
+        self._w = self._w2 = 1.0
+        self._g, self._gg, self._t, self._tt, self._gt = g, g * g, t, t * t, g * t
         self.count = 1
+
+
+def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept the two plain EMAs only: their means carry over, their spread is unknown.
+
+    The restored averages count as one measurement, so :attr:`GradientNoiseEstimator.relative_error`
+    is unknown until new measurements arrive.
+    """
+    count = int(state["count"])
+    beta = float(state["ema_beta"])
+    w = 1.0 - beta**count if count else 0.0
+    g, t = float(state["grad_sq_norm_raw"]), float(state["trace_sigma_raw"])
+    mean_g, mean_t = (g / w, t / w) if w > 0 else (0.0, 0.0)
+    sums = [w, w * w, g, w * mean_g * mean_g, t, w * mean_t * mean_t, w * mean_g * mean_t]
+    return {
+        "kind": "GradientNoiseEstimator",
+        "version": _STATE_VERSION,
+        "ema_beta": beta,
+        "reference_batch": None,
+        "sums": sums,
+        "count": count,
+        "skipped": int(state["skipped"]),
+    }

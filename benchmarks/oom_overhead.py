@@ -1,0 +1,104 @@
+"""Cost of armed out-of-memory recovery when nothing fails: ``train_batch()`` armed vs disarmed.
+
+Same model (the main job's byte-level GPT-2), data and fixed plan (micro 8 x GAS 2 per rank) for two
+engines that differ only in ``"memory": {"recover_from_oom": ...}``, timed interleaved in one launch,
+for each ZeRO stage given::
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/oom_overhead.py
+    torchrun --nproc-per-node 8 benchmarks/oom_overhead.py --stages 0,1,2,3     # GPUs
+
+Armed, every pass that issues a DeepSpeed gradient collective first joins one all-reduce of one flag per
+rank (ZeRO-0/1: once per step at the boundary; ZeRO-2/3: once per micro-batch), and each step saves the
+RNG state. The table gives median step times, their ratio (goal <= 1.01) and the agreements per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import ds_adabatch
+from ds_adabatch.testing import simulated_memory_limit
+
+MICRO, GAS = 8, 2
+
+
+def make_engine(stage: int, world: int, data, armed: bool, spec):
+    adabatch = {
+        "schedule": {"type": "constant", "value": MICRO * GAS * world},
+        "max_micro_batch_per_gpu": MICRO,
+        "memory": {"recover_from_oom": armed},
+    }
+    cfg = h.ds_config(stage, adabatch, micro=MICRO, gas=GAS, world=world)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        cfg.pop(key)
+    engine, *_ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
+    return engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", default="0,2", help="comma-separated ZeRO stages")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per engine per round")
+    p.add_argument("--model", choices=sorted(h.MODELS), default="small", help="benchmarks/_harness.py MODELS")
+    args = p.parse_args()
+
+    deepspeed.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = h.lm_data()
+    spec = h.MODELS[args.model]
+    on_cpu = not torch.cuda.is_available()
+    before_load = h.idle_check("at start", own_processes=world)
+    rows = []
+    for stage in (int(s) for s in args.stages.split(",")):
+        armed = make_engine(stage, world, data, True, spec)
+        disarmed = make_engine(stage, world, data, False, spec)
+        # On the CPU nothing raises a recoverable out-of-memory error, so the agreement is armed only
+        # while a simulated limit is installed: one nothing exceeds, around the armed engine's steps
+        # (its hooks on every module count against the armed side).
+        limit = simulated_memory_limit(10**9)
+
+        def armed_step(engine=armed, limit=limit):
+            if on_cpu:
+                limit.install()
+            try:
+                engine.train_batch()
+            finally:
+                limit.remove()
+
+        steps = {id(armed): armed_step, id(disarmed): disarmed.train_batch}
+        for e in (armed, disarmed):
+            h.time_steps(steps[id(e)], 2)  # warm-up
+        before = armed.memory_recovery.agreement.agreements
+        t_armed, t_disarmed = [], []
+        for r in range(args.rounds):
+            order = [(armed, t_armed), (disarmed, t_disarmed)]
+            for engine, sink in order if r % 2 == 0 else reversed(order):
+                dist.barrier()
+                sink += h.time_steps(steps[id(engine)], args.steps)
+        per_step = (armed.memory_recovery.agreement.agreements - before) / (args.rounds * args.steps)
+        rows.append((stage, h.median(t_disarmed), h.median(t_armed), per_step))
+        armed.close()
+        disarmed.close()
+    if rank == 0:
+        print(
+            f"\n{world} ranks, model {args.model}, micro {MICRO} x gas {GAS} per rank, {args.rounds} rounds x "
+            f"{args.steps} steps\n{before_load}\n{h.idle_check('at end', own_processes=world)}\n"
+        )
+        print(
+            "| ZeRO | median step, disarmed | median step, armed | armed / disarmed | agreements per step |"
+        )
+        print("|---|---|---|---|---|")
+        for stage, off, on, per_step in rows:
+            print(f"| {stage} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {on / off:.3f} | {per_step:g} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Agreeing on an out-of-memory error inside a step, and discarding the step's partial gradients.
+
+Why an agreement point, and where (DeepSpeed 0.19.8). A rank that raises ``torch.OutOfMemoryError``
+stops issuing collectives; any other rank already inside one (a gradient reduce, a ZeRO-3 parameter
+gather) would wait forever. So before the **first collective DeepSpeed issues in each forward/backward
+pass**, every rank joins one small all-reduce (a vector with one entry per rank): a rank that is still
+healthy says 0; a rank that has just caught an OOM jumps straight to it and says 1. If anyone said 1,
+the healthy ranks raise :class:`PeerOutOfMemory` from inside DeepSpeed *before* its collective, so no
+rank is ever left in a collective the failed rank will not join. The first collective of a pass is:
+
+- ZeRO-0: ``DeepSpeedEngine.allreduce_gradients`` at the accumulation boundary (none before it);
+- ZeRO-1/2 (and ZeRO-2 CPU offload): ``DeepSpeedZeroOptimizer.reduce_ipg_grads``, called when a
+  gradient bucket fills during backward or at the end of backward (ZeRO-1 only at the boundary);
+- ZeRO-3: the optimizer's ``__reduce_and_partition_ipg_grads`` and the parameter coordinator's
+  ``__all_gather_params`` (a forward gathers parameters unless all are persistent).
+
+An OOM on a rank that has already passed its agreement point in that pass cannot be recovered (the
+others may be inside a later collective): it raises :class:`UnrecoverableOutOfMemory`, which names
+where it happened. When nothing fails the cost is that one small all-reduce per pass that has a
+collective (ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch); in a world of one rank
+it costs nothing. The flags are host facts (an exception was caught or not), so on a GPU they travel
+over a CPU (gloo) process group of their own: the agreement never synchronises the GPU.
+
+Where it is armed: only where an out-of-memory error can be raised and survived, i.e. on an
+accelerator (CUDA, ...). DeepSpeed's CPU accelerator allocates from host memory, where exhaustion ends
+the process (the kernel's OOM killer) instead of raising, so on the CPU nothing is agreed and a steady
+step stays free of collectives, unless :func:`ds_adabatch.testing.simulated_memory_limit` is installed.
+
+:func:`discard_partial_step` then clears what the step accumulated, with each stage's own state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "OomAgreement",
+    "PeerOutOfMemory",
+    "UnrecoverableOutOfMemory",
+    "discard_partial_step",
+    "is_out_of_memory",
+]
+
+
+class PeerOutOfMemory(RuntimeError):
+    """Raised on a healthy rank, from DeepSpeed's first collective of a pass, when a rank ran out of memory."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"out of memory on rank(s) {ranks}; the step is re-planned")
+        self.ranks = ranks
+
+
+class UnrecoverableOutOfMemory(RuntimeError):
+    """An out-of-memory error that cannot be turned into a smaller micro-batch (the message says why)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` (CUDA, and the accelerators that raise it) and the
+    ``RuntimeError("... out of memory ...")`` some accelerator back-ends raise instead."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class OomAgreement:
+    """The per-pass agreement on out-of-memory errors, installed on one DeepSpeed engine.
+
+    ``begin_pass()`` before every micro-batch; ``report_oom()`` from the rank that caught an OOM
+    (returns the ranks that failed); DeepSpeed's wrapped collectives call ``_before_collective()``.
+    ``armed`` False makes the wrappers pass straight through (no collective, no cost but a branch).
+    """
+
+    def __init__(self, ds_engine: Any, *, rank: int, world_size: int, device: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.enabled = True
+        self._can_raise = torch.device(device).type != "cpu"
+        self._group = _host_group(world_size)
+        self._agreed = False
+        self.agreements = 0  # number of agreement collectives issued (tests and benchmarks read it)
+        self._install(ds_engine)
+
+    @property
+    def armed(self) -> bool:
+        """Whether passes agree: enabled, and an out-of-memory error can be raised here (see above)."""
+        if not self.enabled:
+            return False
+        if self._can_raise:
+            return True
+        from ds_adabatch.testing import simulated_limit_installed
+
+        return simulated_limit_installed()
+
+    # -- the agreement ----------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._agreed = False
+
+    @property
+    def passed_agreement(self) -> bool:
+        """True once this pass's agreement ran (an OOM after it is not recoverable)."""
+        return self._agreed
+
+    def _exchange(self, failed: bool) -> list[int]:
+        self._agreed = True
+        self.agreements += 1
+        if self.world_size == 1:
+            # Nobody to tell and nobody to wait for: no collective and no host read.
+            return [self.rank] if failed else []
+        flags = torch.zeros(self.world_size, dtype=torch.float32)  # host memory: no GPU involved
+        if failed:
+            flags[self.rank] = 1.0
+        dist = torch.distributed
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flags, group=self._group)
+        return [r for r, v in enumerate(flags.tolist()) if v > 0]
+
+    def _before_collective(self) -> None:
+        if not self.armed or self._agreed:
+            return
+        failed = self._exchange(False)
+        if failed:
+            raise PeerOutOfMemory(failed)
+
+    def report_oom(self, where: str) -> list[int]:
+        """This rank caught an OOM; tell the others and return every rank that failed.
+
+        Raises:
+            UnrecoverableOutOfMemory: this pass already passed its agreement point.
+        """
+        if self._agreed:
+            raise UnrecoverableOutOfMemory(
+                f"out of memory on rank {self.rank} {where}, after the pass's agreement point (its "
+                "first DeepSpeed collective): the other ranks may be inside a later collective, so the "
+                "step cannot be re-planned. This happens inside the optimizer step, after a gradient "
+                "bucket filled during backward, or under ZeRO-3 after a forward gathered parameters. "
+                "Lower max_micro_batch_per_gpu (or adabatch.memory.initial_micro_batch_per_gpu), raise "
+                "reduce_bucket_size, or raise stage3_param_persistence_threshold; this process exits "
+                "and the launcher stops the others"
+            )
+        return self._exchange(True)
+
+    # -- wiring into DeepSpeed ----------------------------------------------------------------------
+    def _wrap(self, owner: Any, name: str, when: Any = None) -> None:
+        original = getattr(owner, name)
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if when is None or when():
+                self._before_collective()
+            return original(*args, **kwargs)
+
+        # An instance attribute shadows the bound method, so DeepSpeed's own self.<name>(...) calls
+        # (including name-mangled private ones) go through the gate.
+        setattr(owner, name, gated)
+
+    def _install(self, ds: Any) -> None:
+        stage = int(ds.zero_optimization_stage())
+        opt = ds.optimizer
+        if stage == 0:
+            # DeepSpeedEngine.allreduce_gradients (0.19.8): the only gradient collective without ZeRO.
+            # It runs after every backward but communicates only at the accumulation boundary.
+            self._wrap(ds, "allreduce_gradients", when=ds.is_gradient_accumulation_boundary)
+        elif stage in (1, 2):
+            # DeepSpeedZeroOptimizer.reduce_ipg_grads (0.19.8, stage_1_and_2.py): every gradient
+            # reduce of ZeRO-1/2 (bucket full during backward, and the end-of-backward epilogue).
+            self._wrap(opt, "reduce_ipg_grads")
+        elif stage == 3:
+            # DeepSpeedZeroOptimizer_Stage3.__reduce_and_partition_ipg_grads (stage3.py, 0.19.8).
+            self._wrap(opt, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+            # PartitionedParameterCoordinator.__all_gather_params: every parameter gather (forward,
+            # backward and prefetch); never called when all parameters are persistent.
+            coordinator = opt.parameter_offload.get_param_coordinator()
+            self._wrap(coordinator, "_PartitionedParameterCoordinator__all_gather_params")
+        else:  # pragma: no cover - DeepSpeed has no other stage
+            raise ValueError(f"unsupported ZeRO stage {stage}")
+
+
+def discard_partial_step(ds: Any) -> None:
+    """Drop every gradient the current (unfinished) optimizer step accumulated, on this rank.
+
+    Nothing is stepped: the optimizer, LR scheduler and counters are left alone. After it, the next
+    micro-batch starts a fresh accumulation exactly as the first micro-batch of a step does.
+    """
+    stage = int(ds.zero_optimization_stage())
+    opt = ds.optimizer
+    if stage == 0:
+        # Plain data parallel (0.19.8): gradients accumulate in param.grad (DeepSpeedEngine.zero_grad
+        # sets them to None); the bf16 optimizer keeps fp32 accumulators (clear_hp_grads).
+        ds.zero_grad()
+        if hasattr(opt, "clear_hp_grads"):
+            opt.clear_hp_grads()
+        if hasattr(opt, "clear_lp_grads"):
+            opt.clear_lp_grads(set_to_none=True)
+    elif stage in (1, 2):
+        _discard_zero12(opt)
+    else:
+        _discard_zero3(ds, opt)
+    if hasattr(opt, "_backward_active_depth"):
+        # An interrupted engine.backward leaves ZeRO's backward depth raised (base_optimizer.py).
+        opt._backward_active_depth = 0
+        opt._epilogue_ran_this_backward = False
+        opt.clear_backward_seen_flag()
+
+
+def _discard_zero12(opt: Any) -> None:
+    # DeepSpeedZeroOptimizer (stage_1_and_2.py, 0.19.8) accumulates into its partition buffers with
+    # "copy" semantics when micro_step_id is 0 and "add" after; step() resets it to -1 and
+    # setup_buckets() increments it when the next backward starts. Resetting it, clearing the buckets
+    # and the per-parameter flags makes the next pass overwrite whatever was accumulated.
+    if hasattr(opt, "_wait_for_offload_copies"):
+        opt._wait_for_offload_copies()
+    for bucket in opt.ipg_buckets.values():
+        bucket.clear()
+    getattr(opt, "extra_large_param_to_reduce", {}).clear()
+    for i in range(len(opt.params_already_reduced)):
+        opt.params_already_reduced[i] = False
+    for reduced in getattr(opt, "previous_reduced_grads", {}).values():
+        reduced.clear()
+    opt._release_ipg_buffers()
+    for key in list(opt.averaged_gradients):
+        opt.averaged_gradients[key] = None
+    for key in list(opt.all_grad_tensors):
+        opt.all_grad_tensors[key] = None
+    opt.reset_partition_gradient_structures()
+    opt.zero_grad(set_to_none=True)
+    if getattr(opt, "cpu_offload", False):
+        opt._offload_accumulated_param_ids = set()
+        opt.reset_cpu_buffers()
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    opt.micro_step_id = INITIAL_MICRO_STEP_ID
+
+
+def _discard_zero3(ds: Any, opt: Any) -> None:
+    # DeepSpeedZeroOptimizer_Stage3.zero_grad (0.19.8) resets micro_step_id to 0 (copy semantics on
+    # the next reduce) and drops param.grad; the buckets and reduced flags are cleared here, and
+    # parameters an interrupted forward left gathered are released.
+    for bucket in opt.ipg_buckets.values():
+        # clear_params, not clear(): clear() also drops the flat buffer allocated at construction.
+        bucket.clear_params()
+    for param_id in opt.params_already_reduced:
+        opt.params_already_reduced[param_id] = False
+    # The interrupted pass left full-size param.grad tensors; zero_grad would record_stream them
+    # (which a CPU tensor refuses), so they are dropped first.
+    for group in opt.fp16_groups:
+        for p in group:
+            p.grad = None
+    opt.zero_grad(set_to_none=True)
+    if hasattr(opt, "_offload_boundary_param_ids"):
+        opt._offload_boundary_param_ids = set()
+    opt.reset_cpu_buffers()
+    if any(not getattr(p, "ds_persist", False) for p in ds.module.parameters()):
+        # Partitioned parameters an interrupted pass left gathered are released. When every parameter
+        # is persistent (below stage3_param_persistence_threshold) nothing is released: releasing them
+        # would make the retry's forward gather again, and an OOM after that gather is unrecoverable.
+        opt.parameter_offload.get_param_coordinator().release_and_reset_all(ds.module)
+
+
+def _host_group(world_size: int) -> Any:
+    """A gloo process group for host-side flags when the default group is not gloo (NCCL); ``None``
+    (the default group) otherwise. Created on every rank, as ``new_group`` requires."""
+    dist = torch.distributed
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -1,0 +1,211 @@
+"""Out-of-memory recovery inside one optimizer step: agree, discard, re-plan, re-run the same samples.
+
+The engine wraps one step's forward/backward passes in :meth:`OomRecovery.run`::
+
+    snapshot RNG state and DeepSpeed's micro-step counter
+    loop:
+        attempt()                                  # the step's micro-batches; begin_pass() before each
+        ok -> return
+        OOM on some rank, agreed by every rank     # see ds_adabatch.runtime.oom
+        discard_partial_step(ds); free cached memory; restore the snapshot
+        replan(failed ranks)                        # smaller limit -> new plan -> same samples re-cut
+
+Nothing else moves during a retry: the optimizer, the LR scheduler, the step and sample counters
+and the data cursor advance once, when the step finally completes. With recovery off (``memory.
+recover_from_oom: false`` and an integer ``max_micro_batch_per_gpu``) :meth:`run` calls the attempt
+once and an OOM propagates untouched.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ..plan import BatchPlan, plan_batch
+from .memory import MicroBatchMemory
+from .oom import (
+    OomAgreement,
+    PeerOutOfMemory,
+    UnrecoverableOutOfMemory,
+    discard_partial_step,
+    is_out_of_memory,
+)
+
+__all__ = ["OomRecovery", "memory_for", "replan_after_oom", "resplit_micro_batches"]
+
+logger = logging.getLogger("ds_adabatch")
+T = TypeVar("T")
+
+
+class OomRecovery:
+    """The learned micro-batch limit plus, when armed, the per-pass agreement and the retry loop."""
+
+    def __init__(
+        self,
+        ds_engine: Any,
+        config: Any,
+        *,
+        rank: int,
+        world_size: int,
+        memory: MicroBatchMemory | None = None,
+    ) -> None:
+        self.deepspeed = ds_engine
+        self.memory = memory if memory is not None else memory_for(config)
+        self.agreement: OomAgreement | None = None
+        if config.memory.recover_from_oom:
+            self.agreement = OomAgreement(
+                ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
+            )
+        self.where = ""
+        self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
+
+    @property
+    def armed(self) -> bool:
+        return self.agreement is not None and self.agreement.armed
+
+    def begin_pass(self, where: str) -> None:
+        """Called before each micro-batch: a new pass, with its own agreement point."""
+        if self.agreement is not None:
+            self.where = where
+            self.agreement.begin_pass()
+
+    def run(self, attempt: Callable[[], T], replan: Callable[[list[int]], None]) -> T:
+        """``attempt()`` until it completes; after an agreed OOM, clean up and call ``replan(ranks)``."""
+        if not self.armed:
+            return attempt()
+        snapshot = self._snapshot()
+        while True:
+            ok, value, ranks = self._try(attempt)
+            if ok:
+                return value  # type: ignore[return-value]
+            self.ooms += 1
+            # Outside the except block: the exception's traceback (and the activations its frames
+            # hold) is gone, so the cache can really be freed.
+            discard_partial_step(self.deepspeed)
+            gc.collect()
+            _empty_cache()
+            self._restore(snapshot)
+            replan(ranks)
+
+    def _try(self, attempt: Callable[[], T]) -> tuple[bool, T | None, list[int]]:
+        assert self.agreement is not None
+        try:
+            return True, attempt(), []
+        except PeerOutOfMemory as exc:
+            return False, None, exc.ranks
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # Raises UnrecoverableOutOfMemory (chained to exc) when this pass already agreed.
+            try:
+                ranks = self.agreement.report_oom(self.where)
+            except Exception as unrecoverable:
+                raise unrecoverable from exc
+            return False, None, ranks
+
+    def _snapshot(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"micro_steps": self.deepspeed.micro_steps, "cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        # The retry draws the same random numbers (dropout) as a first attempt would have, and
+        # DeepSpeed's micro-step counter counts each micro-batch of the completed step once.
+        self.deepspeed.micro_steps = state["micro_steps"]
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def replan_after_oom(
+    memory: MicroBatchMemory, plan: BatchPlan, ranks: list[int], step: int, allow_uneven: bool
+) -> tuple[BatchPlan, str, str]:
+    """The same global batch with smaller micro-batches after ``ranks`` ran out of memory at ``plan``.
+
+    Returns ``(new plan, reason for engine.history, the log line)``.
+
+    Raises:
+        UnrecoverableOutOfMemory: ``plan``'s micro-batch was 1 sample.
+    """
+    micro = plan.micro_batch_per_gpu
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    try:
+        memory.on_oom(micro)
+    except MemoryError:
+        raise UnrecoverableOutOfMemory(
+            f"out of memory on {who} at a micro-batch of 1 sample in step {step}: nothing smaller to "
+            "try. One sample needs less memory: ZeRO-3, CPU offload, activation checkpointing or "
+            "shorter sequences"
+        ) from None
+    # An epoch tail is planned unevenly whatever allow_uneven says (as the sampler plans it).
+    new = plan_batch(
+        plan.global_batch_size, plan.world_size, memory.limit, allow_uneven=allow_uneven or not plan.is_even
+    )
+    line = (
+        f"step {step}: OOM on {who} at micro {micro} -> micro {new.micro_batch_per_gpu} x gas "
+        f"{new.gradient_accumulation_steps}, same samples"
+    )
+    return new, f"out of memory on {who} at micro {micro}; same samples", line
+
+
+def resplit_micro_batches(micro: list[tuple[Any, int]], gas: int) -> list[tuple[Any, int]]:
+    """This rank's ``(batch, samples)`` micro-batches (pads have 0) re-cut into ``gas`` ones, in order:
+    a retry of a ``train_batch(data_iter)`` step runs the same samples with the new plan's GAS."""
+    real = [b for b, n in micro if n]
+    if not real:
+        return [(micro[0][0], 0)] * gas
+    whole = _concat(real)
+    total = sum(n for _, n in micro)
+    out = []
+    for k in range(gas):
+        lo, hi = total * k // gas, total * (k + 1) // gas
+        out.append((_slice(whole, lo, hi), hi - lo) if hi > lo else (_slice(whole, 0, 1), 0))
+    return out
+
+
+def _concat(batches: list[Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return {k: _concat([b[k] for b in batches]) for k in first}
+    if isinstance(first, (list, tuple)):
+        parts = [_concat([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
+    raise TypeError(
+        f"an out-of-memory retry cannot re-split a micro-batch of type {type(first).__name__}; "
+        "pass training_data to ds_adabatch.initialize instead of train_batch(data_iter)"
+    )
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi]
+    if isinstance(batch, dict):
+        return {k: _slice(v, lo, hi) for k, v in batch.items()}
+    parts = [_slice(v, lo, hi) for v in batch]
+    return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
+
+
+def memory_for(config: Any) -> MicroBatchMemory:
+    """The learned micro-batch limit an ``"adabatch"`` section (:class:`AdaBatchConfig`) asks for."""
+    return MicroBatchMemory(
+        config.initial_micro_batch_limit,
+        config.micro_batch_limit,
+        grow_after_steps=config.memory.grow_after_steps,
+        backoff_factor=config.memory.backoff_factor,
+    )
+
+
+def _empty_cache() -> None:
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().empty_cache()
+    except Exception:  # pragma: no cover - a CPU accelerator without a cache
+        pass

@@ -1,0 +1,189 @@
+"""Test helpers for users of ds_adabatch: simulate running out of GPU memory on a CPU.
+
+``simulated_memory_limit`` makes every forward pass (or its backward) that holds more samples than a
+budget raise ``torch.OutOfMemoryError``, on the ranks you choose, so the out-of-memory recovery of
+``"adabatch".memory`` can be exercised on any machine::
+
+    from ds_adabatch.testing import simulated_memory_limit
+
+    with simulated_memory_limit(6, ranks=[1]) as budget:   # rank 1 fits 6 samples per forward
+        engine.train_batch()                               # micro 8 -> OOM on rank 1 -> micro 4
+        budget.max_samples_per_forward = 12                # the budget rises mid-run
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory_limit"]
+
+_installed = 0  # simulated limits installed in this process
+
+
+def simulated_limit_installed() -> bool:
+    """Whether a :func:`simulated_memory_limit` is installed in this process (it arms the
+    out-of-memory agreement on the CPU, where no real out-of-memory error can be recovered)."""
+    return _installed > 0
+
+
+def _leading_dim(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            n = _leading_dim(item)
+            if n is not None:
+                return n
+    return None
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor that requires grad in a model output (a tensor, a mapping such as Hugging
+    Face's ``ModelOutput`` with ``loss`` first, or a sequence)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    items = (
+        value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    )
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+class SimulatedMemoryLimit:
+    """An installed budget (see :func:`simulated_memory_limit`); a context manager.
+
+    Attributes:
+        max_samples_per_forward: the budget, in samples per forward pass; change it at any time.
+        raised: how many simulated out-of-memory errors this process raised so far.
+        calls: outermost forward calls seen on this rank since install (failed ones included).
+    """
+
+    def __init__(
+        self,
+        max_samples_per_forward: int,
+        ranks: Iterable[int] | None,
+        phase: Literal["forward", "backward"],
+        fail_calls: Iterable[int] = (),
+    ) -> None:
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+        self.max_samples_per_forward = int(max_samples_per_forward)
+        self.ranks = None if ranks is None else {int(r) for r in ranks}
+        self.phase = phase
+        self.fail_calls = {int(c) for c in fail_calls}
+        self.raised = 0
+        self.calls = 0
+        self._depth = 0
+        self._samples: int | None = None
+        self._handles: list[Any] = []
+
+    def _active_here(self) -> bool:
+        if self.ranks is None:
+            return True
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return rank in self.ranks
+
+    def _oom(self, samples: int, where: str) -> torch.OutOfMemoryError:
+        self.raised += 1
+        return torch.OutOfMemoryError(
+            f"simulated out of memory in {where}: {samples} samples per forward exceed the budget of "
+            f"{self.max_samples_per_forward}"
+        )
+
+    def _over(self, samples: int | None) -> bool:
+        return samples is not None and (
+            samples > self.max_samples_per_forward or self.calls in self.fail_calls
+        )
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        self._depth += 1
+        if not self._active_here():
+            return
+        if self._depth == 1:
+            self.calls += 1
+            self._samples = None
+        if self._samples is not None:
+            return
+        # The batch size is the first positional tensor of the outermost call, or (when that call
+        # takes keyword arguments only, like model(**batch)) of the first module call below it.
+        self._samples = _leading_dim(args)
+        if self.phase == "forward" and self._over(self._samples):
+            raise self._oom(self._samples or 0, "forward")
+
+    def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._depth -= 1
+        if self._depth != 0 or self.phase != "backward" or not self._active_here():
+            return
+        samples = self._samples
+        out = _first_grad_tensor(output)
+        if out is None or not self._over(samples):
+            return
+
+        def fail(grad: torch.Tensor) -> None:
+            raise self._oom(samples or 0, "backward")
+
+        out.register_hook(fail)
+
+    def install(self) -> SimulatedMemoryLimit:
+        """Start raising (the context manager calls it)."""
+        global _installed
+        hooks = torch.nn.modules.module
+        if not self._handles:
+            _installed += 1
+        self._handles = [
+            hooks.register_module_forward_pre_hook(self._pre),
+            # always_call: the depth count stays right when a forward (or this pre-hook) raises.
+            hooks.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def remove(self) -> None:
+        """Stop raising."""
+        global _installed
+        if self._handles:
+            _installed -= 1
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._depth = 0
+
+    def __enter__(self) -> SimulatedMemoryLimit:
+        return self.install()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+def simulated_memory_limit(
+    max_samples_per_forward: int,
+    ranks: Iterable[int] | None = None,
+    *,
+    phase: Literal["forward", "backward"] = "forward",
+    fail_calls: Iterable[int] = (),
+) -> SimulatedMemoryLimit:
+    """Make forward passes over more than ``max_samples_per_forward`` samples run out of memory.
+
+    The check applies to the outermost module call (your model, or the DeepSpeed engine wrapping it):
+    the leading dimension of its first positional tensor (or, for ``model(**batch)``, of the first
+    module call below it that takes one, such as the embedding) is the number of samples. ``phase="forward"`` raises
+    ``torch.OutOfMemoryError`` before the forward runs; ``phase="backward"`` lets the forward run and
+    raises when backward reaches the model's output (its first tensor that requires grad, e.g. a
+    Hugging Face output's ``loss``): the start of backward, before any gradient is reduced. Only the ranks in ``ranks`` (``torch.distributed`` ranks; None: every rank) raise.
+    ``fail_calls`` also fails the n-th outermost forward on such a rank (1-based, counted from install),
+    whatever its size: an OOM in the middle of an accumulation, after other micro-batches were summed.
+
+    Use it as a context manager, or call ``install()`` / ``remove()``; it hooks every ``nn.Module``
+    of the process while installed. Install it on **every** rank (``ranks`` chooses which raise): on
+    the CPU the runtime's out-of-memory agreement runs only while a simulated limit is installed, and
+    every rank must take part in it.
+    """
+    return SimulatedMemoryLimit(max_samples_per_forward, ranks, phase, fail_calls)

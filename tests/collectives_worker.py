@@ -1,0 +1,191 @@
+"""Counts the collectives and host reads of one optimizer step, ours against a hand-written DeepSpeed loop.
+
+Usage: torchrun --nproc-per-node 2 tests/collectives_worker.py OUT_DIR  (run by tests/test_step_collectives.py)
+
+Collectives are counted at the dispatcher (every ``c10d::*`` op the profiler records: all-reduce,
+broadcast, reduce-scatter, barrier, ... whoever issues them, DeepSpeed included). Host reads are calls of
+``Tensor.item`` / ``__float__`` / ``__int__`` / ``__bool__`` (on a GPU each is a synchronisation). Each case
+writes, per measured step, its counts minus the plain loop's into OUT_DIR/counts.json (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+from engine_worker import Regression, make_model, mse_loss  # noqa: E402
+
+import ds_adabatch  # noqa: E402
+from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
+
+STAGE = 2
+MICRO, GAS = 4, 2
+STEPS = 8  # measured steps per case, after 2 warm-up steps
+EVERY = 4  # log.every_steps in the cases
+
+
+class HostReads:
+    """Counts tensor -> host reads while active (patched on torch.Tensor, restored on exit)."""
+
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> HostReads:
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(t, *a, _orig=original, **k):
+                self.count += 1
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def measure(step) -> tuple[int, int]:
+    """(collectives, host reads) issued by one call of ``step``."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof, HostReads() as reads:
+        step()
+    collectives = sum(1 for e in prof.events() if e.name.startswith("c10d::"))
+    return collectives, reads.count
+
+
+def base_config(adabatch: dict | None = None) -> dict:
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": STAGE},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "adabatch": adabatch or {},
+    }
+
+
+def plain_loop(world: int) -> list[tuple[int, int]]:
+    """The loop users write: forward / backward / step per micro-batch, DeepSpeed's own GAS."""
+    cfg = base_config()
+    cfg.pop("adabatch")
+    cfg.update(
+        train_batch_size=MICRO * GAS * world,
+        train_micro_batch_size_per_gpu=MICRO,
+        gradient_accumulation_steps=GAS,
+    )
+    data = Regression(n=4096)
+    model = make_model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    rank = dist.get_rank()
+    # Batches are prepared beforehand: the data loader's own reads are not the step's.
+    batches = iter(
+        [
+            (data.x[i : i + MICRO], data.y[i : i + MICRO])
+            for i in range(rank * MICRO, len(data), MICRO * world)
+        ]
+    )
+
+    def step():
+        for _ in range(GAS):
+            engine.backward(mse_loss(engine, next(batches)))
+            engine.step()
+
+    return run(step)
+
+
+def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> list[tuple[int, int]]:
+    # Default settings: out-of-memory recovery is on, but on the CPU nothing can raise an
+    # out-of-memory error, so it agrees on nothing unless a simulated limit is installed ("armed").
+    section = {"max_micro_batch_per_gpu": MICRO, "log": {"every_steps": EVERY}, **adabatch}
+    if token:
+        section["loss_normalization"] = "token"
+    engine, *_ = ds_adabatch.initialize(
+        make_model(),
+        base_config(section),
+        Regression(n=4096),
+        loss_fn=mse_loss,
+        token_count_fn=(lambda b: int(b[0].shape[0]) * 3) if token else None,
+    )
+    if armed:  # a budget nothing exceeds: the agreement runs, nothing fails
+        with simulated_memory_limit(10**9):
+            counts = run(engine.train_batch)
+    else:
+        counts = run(engine.train_batch)
+    engine.close()
+    return counts
+
+
+def run(step) -> list[tuple[int, int]]:
+    for _ in range(2):
+        step()
+    return [measure(step) for _ in range(STEPS)]
+
+
+def grow_every_step(step: int, batch_size: int) -> int:
+    return batch_size  # asked every step; the answer must still be agreed
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    deepspeed.init_distributed()
+    world = dist.get_world_size()
+    batch = MICRO * GAS * world
+    plain = plain_loop(world)
+    cases = {
+        "constant schedule, sample normalisation": adaptive(
+            {"schedule": {"type": "constant", "value": batch}}
+        ),
+        'loss_normalization "token"': adaptive(
+            {"schedule": {"type": "constant", "value": batch}}, token=True
+        ),
+        "gradient_noise measuring every step": adaptive(
+            {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}
+        ),
+        'gradient_noise measuring every step with "token"': adaptive(
+            {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}, token=True
+        ),
+        "armed out-of-memory recovery (a GPU's default)": adaptive(
+            {"schedule": {"type": "constant", "value": batch}}, armed=True
+        ),
+        "a user's callable schedule": adaptive(
+            {
+                "schedule": {
+                    "type": "callable",
+                    "function": "collectives_worker:grow_every_step",
+                    "start": batch,
+                }
+            }
+        ),
+    }
+    if dist.get_rank() == 0:
+        result = {
+            "plain": plain,
+            "every_steps": EVERY,
+            "first_step": 2,
+            "gas": GAS,
+            "cases": {
+                name: [[c - p[0], r - p[1]] for (c, r), p in zip(counts, plain)]
+                for name, counts in cases.items()
+            },
+        }
+        with open(os.path.join(out_dir, "counts.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

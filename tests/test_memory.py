@@ -1,0 +1,161 @@
+"""The learned micro-batch limit (pure policy), the ``memory`` config section and the fault injector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_adabatch.config import ConfigError, load_ds_config
+from ds_adabatch.runtime.memory import MicroBatchMemory
+from ds_adabatch.testing import simulated_memory_limit
+
+
+def _run(memory: MicroBatchMemory, budget: int, steps: int, per_rank: int = 16) -> list[int]:
+    """Plan ``per_rank`` samples per step with uneven splits; OOM above ``budget``; return micro per step."""
+    used = []
+    for _ in range(steps):
+        while True:
+            gas = -(-per_rank // memory.limit)
+            micro = -(-per_rank // gas)
+            if micro <= budget:
+                break
+            memory.on_oom(micro)
+        used.append(micro)
+        memory.on_clean_step(micro)
+    return used
+
+
+def test_halves_on_oom_then_converges_to_the_largest_fitting_size():
+    memory = MicroBatchMemory(16, 16, grow_after_steps=2)
+    used = _run(memory, budget=6, steps=12)
+    assert used[0] == 4, f"16 and 8 fail, 4 fits: {used}"
+    assert 6 in used[:5], f"the largest fitting micro-batch (6) must be found within a few steps: {used}"
+    assert max(used) == 6, f"never runs above the budget once learned: {used}"
+    assert used[-4:] == [6, 6, 6, 6], used
+
+
+def test_grows_back_when_the_budget_rises_and_backs_off_on_repeated_failure():
+    memory = MicroBatchMemory(16, 16, grow_after_steps=2, backoff_factor=2.0)
+    _run(memory, budget=6, steps=12)
+    failures_before = dict(memory._state().failures)
+    assert failures_before.get(8, 0) >= 1, failures_before
+    used = _run(memory, budget=16, steps=12)
+    assert used[-1] == 16, f"after the budget rises the limit must grow back to the ceiling: {used}"
+    assert memory.limit == 16 and not memory._state().failures
+
+
+def test_backoff_waits_longer_before_retrying_a_size_that_failed_twice():
+    memory = MicroBatchMemory(8, 8, grow_after_steps=1, backoff_factor=3.0)
+    memory.on_oom(8)  # -> 4, then bisects 4 -> 6 -> 7 and retries 8
+    assert memory.limit == 4
+    waits = []
+    for _ in range(3):
+        steps_at_7 = 0
+        while memory.limit < 8:
+            steps_at_7 += memory.limit == 7
+            decision = memory.on_clean_step(memory.limit)
+            assert steps_at_7 < 100, "never retried"
+        assert decision is not None and "retry" in decision.reason, decision
+        waits.append(steps_at_7)
+        memory.on_oom(8)  # fails again at 8: back to the last clean size
+        assert memory.limit == 7, "after a failed retry the limit returns to the largest clean one"
+    assert waits == [1, 3, 9], f"each failure at 8 multiplies the wait by backoff_factor 3: {waits}"
+
+
+def test_oom_at_one_sample_is_an_error_and_keys_keep_their_own_limits():
+    memory = MicroBatchMemory(4, 4, grow_after_steps=None)
+    memory.on_oom(4)
+    assert memory.limit == 2
+    memory.set_key(2048)
+    assert memory.limit == 4, "a new shape key starts at the initial limit"
+    memory.on_oom(2)
+    assert memory.limit == 1
+    with pytest.raises(MemoryError, match="1 sample"):
+        memory.on_oom(1)
+    memory.set_key(None)
+    assert memory.limit == 2
+    assert memory.on_clean_step(2) is None, "grow_after_steps None never grows"
+    state = memory.state_dict()
+    restored = MicroBatchMemory(4, 4, grow_after_steps=None)
+    restored.load_state_dict(state)
+    assert restored.limits() == {None: 2, 2048: 1}
+    restored.set_key(2048)
+    assert restored.limit == 1
+    with pytest.raises(ValueError, match="version"):
+        restored.load_state_dict({**state, "version": 99})
+
+
+def _section(**adabatch) -> dict:
+    return {"adabatch": {"schedule": {"type": "constant", "value": 32}, **adabatch}}
+
+
+def test_config_auto_and_memory_section():
+    loaded = load_ds_config(
+        _section(max_micro_batch_per_gpu="auto", memory={"micro_batch_ceiling": 8}), world_size=2
+    )
+    cfg = loaded.adabatch
+    assert cfg.auto_micro_batch and cfg.micro_batch_limit == 8 and cfg.memory.recover_from_oom
+    assert loaded.plan.micro_batch_per_gpu == 8 and loaded.plan.gradient_accumulation_steps == 2
+    unbounded = load_ds_config(_section(max_micro_batch_per_gpu="auto"), world_size=2)
+    assert unbounded.plan.gradient_accumulation_steps == 1, "auto without a ceiling starts at one pass"
+    first = load_ds_config(
+        _section(max_micro_batch_per_gpu="auto", memory={"initial_micro_batch_per_gpu": 4}), world_size=2
+    )
+    assert first.plan.micro_batch_per_gpu == 4
+    assert load_ds_config(_section(max_micro_batch_per_gpu=4)).adabatch.memory.grow_after_steps == 100
+
+
+@pytest.mark.parametrize(
+    ("section", "path"),
+    [
+        ({"max_micro_batch_per_gpu": "big"}, "adabatch.max_micro_batch_per_gpu"),
+        ({"max_micro_batch_per_gpu": 0}, "adabatch.max_micro_batch_per_gpu"),
+        (
+            {"max_micro_batch_per_gpu": "auto", "memory": {"recover_from_oom": False}},
+            "adabatch.memory.recover_from_oom",
+        ),
+        (
+            {"max_micro_batch_per_gpu": 4, "memory": {"micro_batch_ceiling": 8}},
+            "adabatch.memory.micro_batch_ceiling",
+        ),
+        (
+            {
+                "max_micro_batch_per_gpu": "auto",
+                "memory": {"initial_micro_batch_per_gpu": 16, "micro_batch_ceiling": 8},
+            },
+            "adabatch.memory.initial_micro_batch_per_gpu",
+        ),
+        ({"max_micro_batch_per_gpu": 4, "memory": {"backoff_factor": 0.5}}, "adabatch.memory.backoff_factor"),
+        ({"max_micro_batch_per_gpu": 4, "memory": {"grow_after": 5}}, "adabatch.memory.grow_after"),
+    ],
+)
+def test_config_errors_name_the_memory_key(section, path):
+    with pytest.raises(ConfigError) as err:
+        load_ds_config(_section(**section))
+    paths = [p.path for p in err.value.problems]
+    assert path in paths, f"expected a problem at {path}, got {paths}"
+
+
+def test_simulated_memory_limit_forward_backward_and_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 3)
+    with simulated_memory_limit(4) as budget:
+        model(x[:4])
+        with pytest.raises(torch.OutOfMemoryError, match="8 samples"):
+            model(x)
+        budget.max_samples_per_forward = 8
+        model(x)
+    model(x)  # removed: no limit
+    assert budget.raised == 1
+    with simulated_memory_limit(4, phase="backward") as budget:
+        out = model(x)  # the forward runs
+        with pytest.raises(torch.OutOfMemoryError, match="backward"):
+            out.sum().backward()
+    with simulated_memory_limit(100, fail_calls=[2]) as budget:
+        model(x)
+        with pytest.raises(torch.OutOfMemoryError):
+            model(x)
+        model(x)
+        assert budget.calls == 3 and budget.raised == 1
+    with simulated_memory_limit(1, ranks=[1]):  # this process is rank 0
+        model(x)

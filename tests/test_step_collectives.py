@@ -1,0 +1,97 @@
+"""What one ``train_batch`` costs in collectives and host reads, against a hand-written DeepSpeed loop.
+
+One 2-rank gloo launch (``tests/collectives_worker.py``) counts, per optimizer step, every ``c10d::`` op
+(DeepSpeed's included) and every tensor -> host read, for the plain loop and for each case, and writes
+each case's difference to the plain loop. A change that adds a collective or a host read to the steady
+path fails here with the case's name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _util import torchrun
+
+pytestmark = pytest.mark.multirank
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("collectives")
+    proc = torchrun(HERE / "collectives_worker.py", str(out), nproc=2, cwd=HERE, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"collectives worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    return json.loads((out / "counts.json").read_text())
+
+
+def _steps(counts: dict, case: str) -> list[tuple[int, int, bool]]:
+    """(extra collectives, extra host reads, whether the step resolves pending losses) per measured step."""
+    every, first = counts["every_steps"], counts["first_step"]
+    return [(c, r, (first + i + 1) % every == 0) for i, (c, r) in enumerate(counts["cases"][case])]
+
+
+def test_the_plain_loop_is_measured(counts):
+    collectives = {c for c, _ in counts["plain"]}
+    assert len(collectives) == 1 and collectives.pop() > 0, (
+        f"the hand-written loop's steps should all issue the same positive number of collectives: {counts['plain']}"
+    )
+
+
+def test_a_steady_step_adds_nothing(counts):
+    case = "constant schedule, sample normalisation"
+    for c, r, flush in _steps(counts, case):
+        if flush:
+            assert c == 1, f"{case}: a step that resolves the pending losses adds one all-reduce, got {c}"
+        else:
+            assert (c, r) == (0, 0), (
+                f"{case}: a steady step must issue exactly what the hand-written loop does; it added {c} "
+                f"collective(s) and {r} host read(s)"
+            )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        'loss_normalization "token"',
+        "gradient_noise measuring every step",
+        'gradient_noise measuring every step with "token"',
+        "a user's callable schedule",
+    ],
+)
+def test_what_must_be_agreed_is_agreed_once(counts, case):
+    for c, _, flush in _steps(counts, case):
+        if flush:
+            # The step whose loss is due (log.every_steps) may need its own small all-reduce for it.
+            assert c in (1, 2), f"{case}: a step that resolves the pending losses added {c} collectives"
+        else:
+            assert c == 1, (
+                f"{case}: a step must add exactly one collective (everything it needs fused into it), "
+                f"got {c} more than the hand-written loop"
+            )
+
+
+def test_a_measured_step_carries_the_losses(counts):
+    case = "gradient_noise measuring every step"
+    extra = [c for c, _, _ in _steps(counts, case)]
+    assert extra == [1] * len(extra), (
+        f"{case}: the noise sums' all-reduce also carries the step's loss, so no step adds two: {extra}"
+    )
+
+
+def test_armed_oom_recovery_adds_one_agreement_per_reducing_pass(counts):
+    # ZeRO-2 reduces gradients in every micro-batch's backward: armed recovery joins one small
+    # all-reduce of host flags (a gloo group of its own on a GPU: no device sync) before each, and
+    # reads them once, GAS per step; nothing else changes.
+    armed = counts["cases"]["armed out-of-memory recovery (a GPU's default)"]
+    steady = counts["cases"]["constant schedule, sample normalisation"]
+    gas = counts["gas"]
+    extra = [(a[0] - s[0], a[1] - s[1]) for a, s in zip(armed, steady)]
+    assert extra == [(gas, gas)] * len(extra), (
+        f"armed recovery must add exactly GAS ({gas}) all-reduces and host reads per step: {extra}"
+    )
