@@ -45,8 +45,7 @@ def phase_save(out_dir: str) -> None:
         for k in range(STEPS):
             if k == AT:
                 engine.save_checkpoint(folder)
-            engine.train_batch()
-            steps.append(ckpt_record(engine))
+            steps.append(ckpt_record(engine, engine.train_batch()))
         if engine.global_rank == 0:
             write(out_dir, f"w{world}_z{stage}_full", {"steps": steps, "world_size": world})
         engine.close()
@@ -84,8 +83,7 @@ def phase_resume(out_dir: str) -> None:
         start = engine.global_steps
         steps = []
         for _ in range(start, STEPS):
-            engine.train_batch()
-            steps.append(ckpt_record(engine))
+            steps.append(ckpt_record(engine, engine.train_batch()))
         if engine.global_rank == 0:
             write(
                 out_dir,
