@@ -194,31 +194,15 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
     ledger = out / "ledger.jsonl"
     procs = []
     for k in range(2):
-        launcher = [
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            "3",
-            "--monitor-interval",
-            "1",
-        ]
-        launcher += [
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{cluster.addr(0)}:{PORT}",
-            "--rdzv-id",
-            "job",
-        ]
+        launcher = ["-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1"]
+        launcher += ["--max-restarts", "3", "--monitor-interval", "1", "--rdzv-backend", "c10d"]
+        launcher += ["--rdzv-endpoint", f"{cluster.addr(0)}:{PORT}", "--rdzv-id", "job"]
         # The netns nodes share the host's hostname, so the store host and each node's address are
         # given explicitly (on a real cluster torchrun infers both from the hostname).
         launcher += ["--local-addr", cluster.addr(k)]
-        launcher += [
-            "--rdzv-conf",
-            f"join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={'true' if k == 0 else 'false'}",
-        ]
+        # Dead-node detection after 3 missed 1 s heartbeats; a 2 s last call for late joiners.
+        conf = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+        launcher += ["--rdzv-conf", f"{conf},is_host={'true' if k == 0 else 'false'}"]
         procs.append(cluster.launch(k, launcher, args, tmp_path / f"node{k}.log"))
     try:
         deadline = time.monotonic() + 240
