@@ -22,6 +22,7 @@ from .plan import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
+    from .data import SampleLengths, TokenBudgetSampler
     from .runtime import AdaptiveBatchEngine, UnrecoverableOutOfMemory, initialize
 
 _LAZY = {
@@ -31,6 +32,8 @@ _LAZY = {
     "AdaptiveBatchEngine": "ds_adabatch.runtime",
     "initialize": "ds_adabatch.runtime",
     "UnrecoverableOutOfMemory": "ds_adabatch.runtime",
+    "SampleLengths": "ds_adabatch.data",
+    "TokenBudgetSampler": "ds_adabatch.data",
 }
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "ConfigError",
     "LoadedConfig",
     "PlanError",
+    "SampleLengths",
+    "TokenBudgetSampler",
     "UnrecoverableOutOfMemory",
     "__version__",
     "compatible_batch_sizes",

@@ -180,6 +180,14 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
         f"  global batch {lo}..{hi}, multiple of {cfg.granularity}; max micro-batch "
         f"{_micro_text(cfg)} per GPU; {mode}",
     ]
+    if cfg.token_budget:
+        # Token-budget steps are formed at run time from the samples' lengths: no fixed plan to show.
+        unit = cfg.schedule.batch_unit
+        lines[1] = (
+            f"  global batch in {unit} per step, {lo}..{hi}; micro-batches of at most "
+            f"{cfg.micro_batch_tokens} tokens ({cfg.padding}), formed from the lengths at run time"
+        )
+        return lines
     if not planned_by_world:
         lines.append("  (give --world-size N to see the plans)")
     for world, planned in planned_by_world.items():

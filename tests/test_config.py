@@ -331,7 +331,8 @@ def test_every_field_is_described() -> None:
             assert info.description, f"{model.__name__}.{name} has no description"
         assert model.model_config.get("extra") == "forbid"
     schema = AdaBatchConfig.model_json_schema()
-    assert schema["required"] == ["schedule", "max_micro_batch_per_gpu"]
+    # max_micro_batch_per_gpu may be replaced by micro_batch_tokens; the cross-check requires one.
+    assert schema["required"] == ["schedule"]
 
 
 def test_package_exports() -> None:

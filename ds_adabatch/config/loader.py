@@ -271,9 +271,10 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
     for name, value in endpoints:
         path = f"{SECTION}.schedule" + (f".{name}" if name else "")
         try:
-            candidate = plan_batch(
-                value, world_size, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven
-            )
+            # A token target is not split over ranks by plan_batch (the token-budget step former
+            # cuts it); its nominal plan only has to exist.
+            uneven = cfg.allow_uneven or cfg.schedule.batch_unit == "tokens"
+            candidate = plan_batch(value, world_size, cfg.initial_micro_batch_limit, allow_uneven=uneven)
         except PlanError as err:
             message = f"cannot be planned on {world_size} ranks: {err}"
             if (

@@ -17,7 +17,14 @@ from .errors import ConfigError, ConfigProblem
 from .memory import AUTO, UNBOUNDED_MICRO_BATCH, MemoryConfig, memory_problems
 from .schedules import ScheduleConfig
 
-__all__ = ["AdaBatchConfig", "DataConfig", "LogConfig", "LrScalingConfig", "endpoint_problems"]
+__all__ = [
+    "AdaBatchConfig",
+    "DataConfig",
+    "LogConfig",
+    "LrScalingConfig",
+    "endpoint_problems",
+    "token_budget_problems",
+]
 
 
 class _Section(BaseModel):
@@ -104,11 +111,50 @@ class AdaBatchConfig(_Section):
             'e.g. {"type": "linear", "start": 16, "end": 64, "ramp_samples": 100000}.'
         )
     )
-    max_micro_batch_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    max_micro_batch_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        None,
         description=(
             "Largest micro-batch one GPU runs in a forward/backward pass, in samples; larger global "
             "batches use more gradient-accumulation steps. 'auto': learned at run time as the largest "
-            "micro-batch that fits in memory (see memory)."
+            "micro-batch that fits in memory (see memory). May be omitted when micro_batch_tokens is "
+            "set; with both, a micro-batch respects both."
+        ),
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Token budget of one forward/backward pass on one GPU, in tokens counted the way the "
+            "collate pads (see padding): micro-batches hold as many samples as fit, so short samples "
+            "share a pass and long ones get their own. Needs lengths (or length_fn) passed to "
+            "ds_adabatch.initialize. null: micro-batches are cut by max_micro_batch_per_gpu samples."
+        ),
+    )
+    padding: Literal["pad_to_longest", "packed"] = Field(
+        "pad_to_longest",
+        description=(
+            "How the collate lays out a micro-batch, i.e. what micro_batch_tokens counts: "
+            "'pad_to_longest' costs n x the longest length (tokens, padding included), 'packed' the "
+            "sum of the lengths (samples concatenated into one row)."
+        ),
+    )
+    bucket_window: int = Field(
+        0,
+        ge=0,
+        description=(
+            "With micro_batch_tokens: sort each step's samples by length, within consecutive windows "
+            "of this many samples of the global order, before packing them (less padding; each "
+            "sample still trains exactly once, in the step the global order puts it in). 0: the "
+            "step's samples are packed from the whole step, longest first, without windows (the "
+            "default packing already groups similar lengths within a step). Counted in samples."
+        ),
+    )
+    truncate_long_samples: bool = Field(
+        False,
+        description=(
+            "With micro_batch_tokens: a sample longer than the budget is counted as micro_batch_tokens "
+            "long and trained alone in its micro-batch, the collate being responsible for cutting it "
+            "to that length; false: such a sample is an error naming its index and length."
         ),
     )
     min_global_batch: int | None = Field(
@@ -170,9 +216,17 @@ class AdaBatchConfig(_Section):
     )
 
     @property
+    def token_budget(self) -> bool:
+        """True when micro-batches are cut by ``micro_batch_tokens`` (token-budget steps)."""
+        return self.micro_batch_tokens is not None
+
+    @property
     def micro_batch_limit(self) -> int:
         """The largest micro-batch ever planned, in samples: the integer ``max_micro_batch_per_gpu``, or
-        with ``"auto"`` ``memory.micro_batch_ceiling`` (a very large number without one)."""
+        with ``"auto"`` ``memory.micro_batch_ceiling`` (a very large number without one, or when only
+        ``micro_batch_tokens`` bounds the micro-batch)."""
+        if self.max_micro_batch_per_gpu is None:
+            return UNBOUNDED_MICRO_BATCH
         if self.max_micro_batch_per_gpu != AUTO:
             return int(self.max_micro_batch_per_gpu)
         return self.memory.micro_batch_ceiling or UNBOUNDED_MICRO_BATCH
@@ -201,7 +255,9 @@ class AdaBatchConfig(_Section):
 
     def cross_field_problems(self) -> list[ConfigProblem]:
         """Problems between fields that do not depend on the world size (paths relative to the section)."""
-        problems: list[ConfigProblem] = memory_problems(self.max_micro_batch_per_gpu, self.memory)
+        problems: list[ConfigProblem] = token_budget_problems(self)
+        if self.max_micro_batch_per_gpu is not None:
+            problems += memory_problems(self.max_micro_batch_per_gpu, self.memory)
         lo, hi, g = self.min_global_batch, self.max_global_batch, self.granularity
         bounds_ordered = lo is None or hi is None or lo <= hi
         if not bounds_ordered:
@@ -239,6 +295,63 @@ class AdaBatchConfig(_Section):
                 )
             )
         return problems
+
+
+def token_budget_problems(cfg: AdaBatchConfig) -> list[ConfigProblem]:
+    """Problems of the token-budget keys (paths relative to the ``"adabatch"`` section)."""
+    problems: list[ConfigProblem] = []
+    tokens = cfg.micro_batch_tokens
+    if tokens is None and cfg.max_micro_batch_per_gpu is None:
+        problems.append(
+            ConfigProblem(
+                "max_micro_batch_per_gpu",
+                "is required: set it (samples per forward pass, or 'auto'), or set micro_batch_tokens "
+                "(tokens per forward pass)",
+                None,
+            )
+        )
+    if tokens is not None and cfg.max_micro_batch_per_gpu == AUTO:
+        problems.append(
+            ConfigProblem(
+                "max_micro_batch_per_gpu",
+                "'auto' does not combine with micro_batch_tokens: the token budget bounds the "
+                "micro-batch; remove max_micro_batch_per_gpu or give it an integer",
+                AUTO,
+            )
+        )
+    if cfg.schedule.batch_unit == "tokens" and cfg.lr_schedule_unit == "samples":
+        problems.append(
+            ConfigProblem(
+                "lr_schedule_unit",
+                "'samples' advances the LR scheduler per reference_batch samples, but this schedule's "
+                "batch is in tokens: use 'steps'",
+                "samples",
+            )
+        )
+    if tokens is None:
+        for key, default in (
+            ("padding", "pad_to_longest"),
+            ("bucket_window", 0),
+            ("truncate_long_samples", False),
+        ):
+            if getattr(cfg, key) != default:
+                problems.append(
+                    ConfigProblem(
+                        key,
+                        "only applies with micro_batch_tokens: set micro_batch_tokens or remove it",
+                        getattr(cfg, key),
+                    )
+                )
+        if cfg.schedule.batch_unit == "tokens":
+            problems.append(
+                ConfigProblem(
+                    "schedule.unit",
+                    "'tokens' needs micro_batch_tokens (a token budget per forward pass): set "
+                    "adabatch.micro_batch_tokens, or use unit 'samples'",
+                    "tokens",
+                )
+            )
+    return problems
 
 
 def endpoint_problems(

@@ -33,6 +33,13 @@ __all__ = [
 ]
 
 
+_UNIT_DESCRIPTION = (
+    "Unit of the global batch values: 'samples' per optimizer step, or 'tokens': the step takes samples "
+    "of the global order until their lengths reach the value (needs adabatch.micro_batch_tokens and "
+    "lengths given to ds_adabatch.initialize). The ramp is still measured in samples consumed."
+)
+
+
 class ScheduleConfigBase(BaseModel):
     """Common base: unknown keys are errors."""
 
@@ -46,12 +53,26 @@ class ScheduleConfigBase(BaseModel):
         """``(field, global batch)`` pairs that must lie inside the configured bounds."""
         raise NotImplementedError
 
+    @property
+    def batch_unit(self) -> str:
+        """Unit of the schedule's global batch: ``"samples"``, or ``"tokens"`` where the model has
+        ``unit: "tokens"`` (a token target per optimizer step)."""
+        return (
+            "tokens"
+            if getattr(self, "unit", "samples") == "tokens" and self.type != "piecewise"
+            else "samples"
+        )
+
 
 class ConstantScheduleConfig(ScheduleConfigBase):
     """A fixed global batch."""
 
     type: Literal["constant"] = Field(description="Schedule type.")
-    value: int = Field(ge=1, description="Global batch size, in samples per optimizer step.")
+    value: int = Field(ge=1, description="Global batch size, in `unit` per optimizer step.")
+    unit: Literal["samples", "tokens"] = Field(
+        default="samples",
+        description=_UNIT_DESCRIPTION,
+    )
 
     def initial_batch(self, world_size: int | None = None) -> int:
         return self.value
@@ -64,8 +85,14 @@ class LinearScheduleConfig(ScheduleConfigBase):
     """Global batch moving linearly from ``start`` to ``end`` over the first ``ramp_samples`` samples."""
 
     type: Literal["linear"] = Field(description="Schedule type.")
-    start: int = Field(ge=1, description="Global batch at sample 0, in samples per optimizer step.")
-    end: int = Field(ge=1, description="Global batch once ramp_samples samples have been consumed.")
+    start: int = Field(ge=1, description="Global batch at sample 0, in `unit` per optimizer step.")
+    end: int = Field(
+        ge=1, description="Global batch once ramp_samples samples have been consumed, in `unit`."
+    )
+    unit: Literal["samples", "tokens"] = Field(
+        default="samples",
+        description=_UNIT_DESCRIPTION,
+    )
     ramp_samples: int = Field(
         ge=0, description="Length of the ramp, in training samples consumed (all ranks together)."
     )
@@ -108,12 +135,16 @@ class StepScheduleConfig(ScheduleConfigBase):
     """
 
     type: Literal["step"] = Field(description="Schedule type.")
-    start: int = Field(ge=1, description="Global batch at sample 0, in samples per optimizer step.")
+    start: int = Field(ge=1, description="Global batch at sample 0, in `unit` per optimizer step.")
     end: int = Field(
-        ge=1, description="Global batch once ramp_samples samples have been consumed, in samples per step."
+        ge=1, description="Global batch once ramp_samples samples have been consumed, in `unit` per step."
     )
     increment: int = Field(
-        ge=1, description="Size of each step of the staircase, in samples per optimizer step."
+        ge=1, description="Size of each step of the staircase, in `unit` per optimizer step."
+    )
+    unit: Literal["samples", "tokens"] = Field(
+        default="samples",
+        description=_UNIT_DESCRIPTION,
     )
     ramp_samples: int = Field(
         ge=0, description="Length of the staircase, in training samples consumed (all ranks together)."

@@ -112,6 +112,12 @@ def build_batch_state(
     else:
         schedule = {"type": "constant", "value": per_device * world}
     config = AdaBatchConfig.model_validate({**fields, "schedule": schedule})
+    if config.token_budget:
+        # Not silently ignored: without its own loader the Trainer would cut steps by samples.
+        raise ValueError(
+            "AdaptiveBatchSizeTrainer does not support adabatch.micro_batch_tokens yet: remove it from "
+            "the DeepSpeed config (set max_micro_batch_per_gpu), or train with ds_adabatch.initialize"
+        )
     if section is not None and "data" in section.model_fields_set and rank == 0:
         logger.warning(
             "AdaptiveBatchSizeTrainer reads the sample order from TrainingArguments (seed/data_seed, "

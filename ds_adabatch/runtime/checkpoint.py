@@ -75,7 +75,8 @@ class CheckpointMixin:
         self.last_grad_norm = state["last_grad_norm"]
         if state.get("memory") is not None:  # checkpoints written before the memory section have none
             self.memory_recovery.memory.load_state_dict(state["memory"])
-        saved = state["global_batch"]
+        # Token-budget steps resume at the scheduled token target (the sample count varies per step).
+        saved = state["scheduled_batch"] if self.token_budget else state["global_batch"]
         batch = self.controller.resume_batch(saved, state["world_size"])
         if batch != saved and self.rank == 0:
             logger.warning(

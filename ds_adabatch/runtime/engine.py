@@ -78,8 +78,11 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.dataloader = dataloader
         self.loss_fn = loss_fn
         self.token_count_fn = token_count_fn
-        # Tokens are counted when the loss is normalised by them or a schedule is keyed on them.
-        self.counts_tokens = cfg.loss_normalization == "token" or "tokens" in controller.schedule.requires
+        # Tokens are counted when the loss is normalised by them or a schedule is keyed on them. With
+        # token-budget steps (micro_batch_tokens) every rank knows the step's tokens from the lengths.
+        self.token_budget = cfg.token_budget
+        keyed_on_tokens = "tokens" in controller.schedule.requires and not self.token_budget
+        self.counts_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
         self.world_size = ds_engine.dp_world_size
         self.rank = ds_engine.global_rank
         self.plan: BatchPlan = loaded_config.plan
@@ -171,7 +174,10 @@ class AdaptiveBatchEngine(CheckpointMixin):
         if n is None:
             self._override = None
             return
-        plan_batch(n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven)
+        if not self.token_budget:  # a token target is formed into a step, not split by plan_batch
+            plan_batch(
+                n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven
+            )
         self._override = (int(n), reason)
         self._override_agreed = False
 
@@ -210,6 +216,12 @@ class AdaptiveBatchEngine(CheckpointMixin):
             # An iterable dataset has no global view: the step's collective counts its samples.
             total_samples = step_batch.global_batch.size if step_batch.global_batch is not None else None
         else:
+            if self.token_budget:
+                raise ValueError(
+                    "token-budget steps (adabatch.micro_batch_tokens) form micro-batches from the "
+                    "training data: pass training_data and lengths to ds_adabatch.initialize and call "
+                    "train_batch() without data_iter"
+                )
             micro = [next(data_iter) for _ in range(self.plan.gradient_accumulation_steps)]
             micro = [(b, _leading_dim(b)) for b in micro]
             total_samples = None
@@ -232,6 +244,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
         loss_sum, tokens, total_samples, total, probe_sums = self.memory_recovery.run(
             lambda: self._forward_backward(current["micro"], total_samples, measure), replan
         )
+        if self.token_budget:  # the step's tokens (lengths), known on every rank
+            tokens = self.last_step_batch.global_batch.tokens
         self.global_steps += 1
         self.global_samples += total_samples
         self.global_tokens += tokens
@@ -344,7 +358,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return ScheduleContext(
             step=self.global_steps,
             samples=self.global_samples,
-            tokens=self.global_tokens if self.counts_tokens else None,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
             epoch=self.epoch,
             # The scheduled batch, not a one-off epoch-tail remainder, is what the schedule steers.
             global_batch=self._scheduled_batch,
@@ -389,12 +403,14 @@ class AdaptiveBatchEngine(CheckpointMixin):
             batch, reason = decision.global_batch, decision.reason
             if evaluates and getattr(controller.schedule, "needs_agreement", False):
                 batch = self._agree_schedule(batch)
+        # A token-budget step's shape changes with its samples: only a new target is a plan change.
+        record = not self.token_budget or batch != self._scheduled_batch
         self._scheduled_batch = batch
         plan = self._plan_for(batch)
         if plan != self.plan:
             if self._memory_reason is not None and batch == self.plan.global_batch_size:
                 reason = self._memory_reason
-            self._apply_plan(plan, reason=reason, record=True)
+            self._apply_plan(plan, reason=reason, record=record)
         self._memory_reason = None
 
     def _agree(self, values: list[int]) -> list[int]:
@@ -411,6 +427,12 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return agreed[0]
 
     def _plan_for(self, batch: int) -> BatchPlan:
+        if self.token_budget:  # batch is a token target; the loader forms the step (data/tokens.py)
+            if self.dataloader is None:
+                raise ValueError(
+                    "token-budget steps need training_data and lengths in ds_adabatch.initialize"
+                )
+            return self.dataloader.plan_for_tokens(batch)
         return plan_batch(
             batch, self.world_size, self.micro_batch_limit, allow_uneven=self.config.allow_uneven
         )
@@ -429,7 +451,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
         old = self.plan
         apply_plan_to_engine(self.deepspeed, plan)
         old_mult = self.lr_coupling.multiplier
-        new_mult = self.lr_coupling.set_global_batch(plan.global_batch_size)
+        # With token-budget steps the LR follows the token target, not the step's varying sample count.
+        lr_batch = self._scheduled_batch if self.token_budget else plan.global_batch_size
+        new_mult = self.lr_coupling.set_global_batch(lr_batch)
         self.plan = plan
         if not record:
             return
@@ -491,7 +515,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         record = StepMetrics(
             step=self.global_steps,
             samples=self.global_samples,
-            tokens=self.global_tokens if self.counts_tokens else None,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
             global_batch=plan.global_batch_size,
             micro_batch_per_gpu=plan.micro_batch_per_gpu,
             gradient_accumulation_steps=plan.gradient_accumulation_steps,

@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ConfigProblem, load_ds_config
+from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .lr import BatchCoupledLR
+from .token_setup import token_budget_sampler
 from .weights import make_token_counter
 
 __all__ = ["initialize"]
@@ -32,6 +34,8 @@ def initialize(
     collate_fn: Callable | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     token_count_fn: Callable[[Any], int] | None = None,
+    lengths: Any = None,
+    length_fn: Callable[[Any], int] | None = None,
     **deepspeed_kwargs: Any,
 ) -> tuple[AdaptiveBatchEngine, Any, Any, Any]:
     """Build a DeepSpeed engine whose global batch follows the config's ``"adabatch"`` section.
@@ -53,6 +57,11 @@ def initialize(
         token_count_fn: ``token_count_fn(batch) -> int`` target tokens of a micro-batch for
             ``loss_normalization: "token"``; default counts ``labels != -100`` (shifted by one for
             ``*ForCausalLM`` models, whose loss is over shifted labels).
+        lengths: with ``adabatch.micro_batch_tokens``, every sample's length in tokens (a sequence or
+            array of ``len(training_data)`` integers), in the unit the budget and a ``unit: "tokens"``
+            schedule count; checked against the budget before any process group starts.
+        length_fn: instead of ``lengths``, ``length_fn(sample) -> int``, evaluated the first time a
+            step reaches the sample and cached (nothing is measured at start-up).
         **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``mpu``, ``dist_init_required``, ...).
 
     Raises:
@@ -61,6 +70,8 @@ def initialize(
     """
     loaded = load_ds_config(config)
     _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
+    # Lengths are validated (and an over-long sample named) before any process group starts.
+    token_sampler = token_budget_sampler(loaded.adabatch, training_data, lengths, length_fn)
 
     import deepspeed
     import deepspeed.comm as dist
@@ -78,7 +89,11 @@ def initialize(
 
     controller = BatchSizeController(cfg, world_size=world)
     dataloader = None
-    if training_data is not None:
+    if token_sampler is not None:
+        dataloader = TokenBudgetLoader(
+            training_data, token_sampler, rank=rank, world_size=world, collate_fn=collate_fn
+        )
+    elif training_data is not None:
         from ..data import ElasticDataLoader, ElasticSampler
 
         is_iterable = isinstance(training_data, torch.utils.data.IterableDataset)
@@ -120,7 +135,9 @@ def initialize(
     # state_dict; the coupled wrapper takes that slot so both go through it.
     ds_engine.lr_scheduler = coupled
 
-    needs_tokens = cfg.loss_normalization == "token" or "tokens" in controller.schedule.requires
+    # Token-budget steps count the clock's tokens from the lengths; only a token loss needs a counter.
+    keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
+    needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
     if needs_tokens and token_count_fn is None:
         token_count_fn = make_token_counter(model)
     engine = AdaptiveBatchEngine(

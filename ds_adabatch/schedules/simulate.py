@@ -141,6 +141,11 @@ def simulate(
     if isinstance(tokens_per_sample, bool) or not isinstance(tokens_per_sample, int) or tokens_per_sample < 0:
         raise ValueError(f"tokens_per_sample must be an integer >= 0, got {tokens_per_sample!r}")
     cfg = loaded_config.adabatch
+    if cfg.token_budget:
+        raise ValueError(
+            "adabatch.micro_batch_tokens forms each step from the samples' lengths at run time, which "
+            "simulate does not have; see benchmarks/token_budget.py for the steps a corpus gives"
+        )
     controller = BatchSizeController(cfg, world_size)
     schedule = controller.schedule
     data = _Replay(replay) if replay is not None else None
