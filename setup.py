@@ -35,6 +35,7 @@ setup(
             "matplotlib>=3.7",
             "transformers>=4.46",
             "accelerate>=1.0",
+            "pyyaml>=6",
         ],
     },
     entry_points={"console_scripts": ["ds-adabatch=ds_adabatch.cli:main"]},

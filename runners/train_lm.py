@@ -41,7 +41,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
     p.add_argument("--save-every", type=int, default=0, help="also save every N optimizer steps")
-    p.add_argument("--resume", default=None, help="resume from the latest checkpoint in this folder (if any)")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        help="keep only the newest N complete checkpoints (default: all)",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="resume from the newest complete checkpoint in this folder (if any), on any number of ranks",
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        help="append one JSON line per step: the sample indices it trained, loss, time",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -86,24 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and not args.resume and os.path.exists(jsonl):
         open(jsonl, "w").close()  # a fresh run starts a fresh metrics file
     if args.resume:
-        # A missing checkpoint is a fresh start, so one command line serves first start and restarts.
-        path, _ = (
-            engine.load_checkpoint(args.resume)
-            if os.path.exists(os.path.join(args.resume, "latest"))
-            else (None, {})
-        )
+        # A missing checkpoint is a fresh start, so one command line serves first start and restarts
+        # (an elastic agent relaunching the job on fewer or more ranks included).
+        path, _ = engine.load_checkpoint(args.resume)
         if rank0:
             print(
-                f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples"
+                f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples, "
+                f"on {engine.world_size} ranks"
                 if path
-                else f"no checkpoint in {args.resume}: starting fresh"
+                else f"no checkpoint in {args.resume}: starting fresh",
+                flush=True,
             )
+    ledger = args.ledger if rank0 else None
 
     bar = None
     if rank0 and not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.samples, initial=engine.global_samples, unit="sample", dynamic_ncols=True)
+    saved_step = None
     started = time.perf_counter()
     first_samples = engine.global_samples
     while engine.global_samples < args.samples:
@@ -111,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         before = engine.global_samples
         loss = float(engine.train_batch())
+        if ledger:
+            with open(ledger, "a", encoding="utf-8") as f:
+                f.write(json.dumps(ledger_line(engine, loss)) + "\n")
         if bar is not None:
             rate = (engine.global_samples - first_samples) / max(time.perf_counter() - started, 1e-9)
             bar.update(engine.global_samples - before)
@@ -121,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                 sps=f"{rate:.0f}",
             )
         if args.save_dir and args.save_every and engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir)
+            engine.save_checkpoint(args.save_dir, keep_last=args.keep_last)
+            saved_step = engine.global_steps
     if bar is not None:
         bar.close()
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir)
+    if args.save_dir and engine.global_steps and saved_step != engine.global_steps:
+        engine.save_checkpoint(args.save_dir, keep_last=args.keep_last)
     engine.close()
 
     if rank0:
@@ -136,6 +156,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     shutdown_distributed()
     return 0
+
+
+def ledger_line(engine, loss: float) -> dict:
+    """One step of the per-sample ledger: which sample indices it trained, on how many ranks, when."""
+    return {
+        "step": engine.global_steps,
+        "samples": engine.global_samples,
+        "world_size": engine.world_size,
+        "indices": engine.last_step_batch.global_batch.all_indices(),
+        "loss": loss,
+        "time": time.time(),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
 
 
 def shutdown_distributed() -> None:

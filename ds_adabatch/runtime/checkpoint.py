@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 
 from ..plan import PlanError
 from . import comm
+from . import elastic as elastic_ckpt
 from .metrics import PlanChange
 
 __all__ = ["CheckpointMixin"]
@@ -95,33 +97,92 @@ class CheckpointMixin:
         self.lr_coupling.set_samples(self.global_samples)
 
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, **kwargs
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        *,
+        keep_last: int | None = None,
+        **kwargs,
     ):
         """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
 
-        Call on every rank, as with DeepSpeed.
+        Call on every rank, as with DeepSpeed. The checkpoint becomes visible to ``load_checkpoint``
+        (and DeepSpeed's ``latest`` file points at it) only after every rank finished writing: a rank
+        that dies mid-save leaves the previous checkpoint as the one a resume loads. ``keep_last=K``
+        then deletes all but the newest K complete checkpoints (and their converted copies).
         """
         ds = self.deepspeed
         self.resolve_losses()  # the saved signals (last loss, its EMA) must include every step
         tag = str(tag) if tag is not None else f"global_step{ds.global_steps}"
         state = dict(client_state or {})
         state[_STATE_KEY] = self.adabatch_state_dict()
-        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        save_latest = kwargs.pop("save_latest", True)
+        # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
+        # known to have finished; that file is written below, after the barrier, instead.
+        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
         rng_dir = os.path.join(save_dir, tag)
         os.makedirs(rng_dir, exist_ok=True)
         torch.save(_rng_state(), os.path.join(rng_dir, f"adabatch_rng_rank{self.rank}.pt"))
+        comm.barrier()  # every rank has written all of its files
+        if self.rank == 0:
+            info = elastic_ckpt.CheckpointInfo(
+                tag=tag,
+                world_size=self.world_size,
+                zero_stage=int(ds.zero_optimization_stage()),
+                global_steps=self.global_steps,
+                global_samples=self.global_samples,
+                saved_at=time.time(),
+            )
+            elastic_ckpt.mark_complete(save_dir, info, update_latest=save_latest)
+            if keep_last is not None:
+                elastic_ckpt.prune_checkpoints(save_dir, keep_last)
         comm.barrier()
         return result
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str | None, dict]:
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, *, elastic: bool = True, **kwargs
+    ) -> tuple[str | None, dict]:
         """DeepSpeed's ``load_checkpoint``, then the adabatch state; returns ``(path, client_state)``.
 
-        The client state returned excludes the adabatch entry. A different world size continues the
-        same sample stream (see the README for which ZeRO stages DeepSpeed can reload that way).
+        Without ``tag`` the newest *complete* checkpoint in ``load_dir`` is loaded (``(None, {})``
+        when there is none). On another data-parallel size the sample stream continues where it
+        stopped and the global batch is re-planned; for ZeRO 1-3 the checkpoint is first converted to
+        DeepSpeed's universal format (once, on rank 0; cached as ``<tag>_universal`` and reused) unless
+        ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
         """
         self.resolve_losses()  # nothing pending may be folded into the loaded state later
-        path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag, **kwargs)
+        ds = self.deepspeed
+        if tag is None:
+            tag = elastic_ckpt.latest_complete_tag(load_dir)
+            if tag is None:
+                return None, {}
+        universal = tag.endswith(elastic_ckpt.UNIVERSAL_SUFFIX) and not ds.load_universal_checkpoint()
+        layout = elastic_ckpt.saved_layout(load_dir, tag)
+        if (
+            not universal
+            and layout is not None
+            and layout[0] != self.world_size
+            and ds.zero_optimization_stage() > 0
+            and not ds.load_universal_checkpoint()
+        ):
+            if not elastic:
+                raise ValueError(
+                    f"checkpoint {os.path.join(load_dir, tag)} was written by {layout[0]} data-parallel "
+                    f"ranks and this run has {self.world_size}: pass elastic=True to convert it"
+                )
+            tag = elastic_ckpt.ensure_universal(load_dir, tag, self.rank)
+            universal = True
+        if universal:
+            # DeepSpeed 0.19.8 reads ``_config.load_universal_checkpoint`` inside load_checkpoint to
+            # take its universal path; it is set for this one load and restored after.
+            ds._config.load_universal_checkpoint = True
+        try:
+            path, client_state = ds.load_checkpoint(load_dir, tag=tag, **kwargs)
+        finally:
+            if universal:
+                ds._config.load_universal_checkpoint = False
         if path is None:
             return None, {}
         client_state = dict(client_state or {})

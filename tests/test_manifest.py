@@ -1,0 +1,72 @@
+"""docker/pytorchjob.yaml against the Kubeflow training operator's PyTorchJob (kubeflow.org/v1) fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml (a dev dependency) reads the manifest")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The v1 API's field names (training operator, pkg/apis/kubeflow.org/v1): what this manifest may use.
+SPEC_KEYS = {"runPolicy", "elasticPolicy", "pytorchReplicaSpecs", "nprocPerNode"}
+ELASTIC_KEYS = {
+    "minReplicas",
+    "maxReplicas",
+    "rdzvBackend",
+    "rdzvPort",
+    "rdzvHost",
+    "rdzvId",
+    "rdzvConf",
+    "standalone",
+    "nProcPerNode",
+    "maxRestarts",
+    "metrics",
+}
+REPLICA_KEYS = {"replicas", "restartPolicy", "template"}
+RESTART_POLICIES = {"Always", "OnFailure", "Never", "ExitCode"}
+RDZV_BACKENDS = {"c10d", "etcd", "etcd-v2"}
+
+
+def test_pytorchjob_manifest_fields():
+    job = yaml.safe_load((ROOT / "docker" / "pytorchjob.yaml").read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"]["name"]
+    spec = job["spec"]
+    assert set(spec) <= SPEC_KEYS, f"unknown spec fields: {set(spec) - SPEC_KEYS}"
+    elastic = spec["elasticPolicy"]
+    assert set(elastic) <= ELASTIC_KEYS, f"unknown elasticPolicy fields: {set(elastic) - ELASTIC_KEYS}"
+    assert elastic["rdzvBackend"] == "c10d" and elastic["rdzvBackend"] in RDZV_BACKENDS
+    assert isinstance(spec["nprocPerNode"], str), "nprocPerNode is a string in the v1 API"
+    replicas = spec["pytorchReplicaSpecs"]
+    # Elastic jobs are Worker-only: every pod is alike and the rendezvous, not a Master, forms the world.
+    assert set(replicas) == {"Worker"}
+    worker = replicas["Worker"]
+    assert set(worker) <= REPLICA_KEYS
+    assert worker["restartPolicy"] in RESTART_POLICIES
+    assert 1 <= elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    assert elastic["maxRestarts"] >= 1
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch", (
+        "the operator injects its settings into the container named pytorch"
+    )
+
+
+def test_pytorchjob_runs_the_main_job_with_elastic_resume():
+    from runners.train_lm import parse_args
+
+    job = yaml.safe_load((ROOT / "docker" / "pytorchjob.yaml").read_text())
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["command"] == ["torchrun"]
+    script, *job_args = container["args"]
+    assert (ROOT / script).is_file()
+    args = parse_args(job_args)
+    assert (ROOT / args.config).is_file()
+    assert args.save_dir and args.save_dir == args.resume, "a restarted pod must resume what the job saves"
+    assert args.save_every > 0 and args.keep_last >= 1
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert any(args.save_dir.startswith(m + "/") for m in mounts), (
+        "checkpoints must live on the shared volume"
+    )
