@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ..testing import simulated_limit_installed
+
 __all__ = [
     "OomAgreement",
     "PeerOutOfMemory",
@@ -88,11 +90,7 @@ class OomAgreement:
         """Whether passes agree: enabled, and an out-of-memory error can be raised here (see above)."""
         if not self.enabled:
             return False
-        if self._can_raise:
-            return True
-        from ds_adabatch.testing import simulated_limit_installed
-
-        return simulated_limit_installed()
+        return self._can_raise or simulated_limit_installed()
 
     # -- the agreement ----------------------------------------------------------------------------
     def begin_pass(self) -> None:
