@@ -24,7 +24,10 @@ def torchrun(
     The free port can be taken by another process before torchrun binds it: that launch is retried once
     on a new port. Returns the finished process (stdout and stderr captured as text).
     """
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack first.
+    env = dict(
+        os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"
+    )
 
     def launch() -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
