@@ -114,3 +114,4 @@ def _bcast(value):
 
 if __name__ == "__main__":
     main()
+    ds_adabatch.finish()

@@ -769,4 +769,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_adabatch import finish  # ends the process: see its docstring
+
+    finish(main())

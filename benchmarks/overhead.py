@@ -135,3 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    ds_adabatch.finish()

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
     from .data import SampleLengths, TokenBudgetSampler
     from .runtime import AdaptiveBatchEngine, UnrecoverableOutOfMemory, initialize
+    from .runtime.comm import finish
 
 _LAZY = {
     "AdaBatchConfig": "ds_adabatch.config",
@@ -34,6 +35,7 @@ _LAZY = {
     "UnrecoverableOutOfMemory": "ds_adabatch.runtime",
     "SampleLengths": "ds_adabatch.data",
     "TokenBudgetSampler": "ds_adabatch.data",
+    "finish": "ds_adabatch.runtime.comm",
 }
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "UnrecoverableOutOfMemory",
     "__version__",
     "compatible_batch_sizes",
+    "finish",
     "initialize",
     "load_ds_config",
     "plan_batch",

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments  # noqa: E402
 
+import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
 from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model, stdlib_sources  # noqa: E402
 
@@ -108,3 +109,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    ds_adabatch.finish()

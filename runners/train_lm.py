@@ -207,4 +207,6 @@ def plot_metrics(jsonl: str, png: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_adabatch import finish  # ends the process: see its docstring
+
+    finish(main())

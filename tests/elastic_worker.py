@@ -120,3 +120,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    ds_adabatch.finish()

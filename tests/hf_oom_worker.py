@@ -21,6 +21,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import hf_worker  # noqa: E402
 from hf_worker import IndexRegression, Regressor, StepRecorder, _args, flat  # noqa: E402
 
+import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
@@ -83,3 +84,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    ds_adabatch.finish()

@@ -48,6 +48,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
+import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
 
 SEED_SAMPLES = 10
@@ -598,3 +599,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    ds_adabatch.finish()

@@ -314,3 +314,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    ds_adabatch.finish()

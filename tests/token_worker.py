@@ -209,3 +209,4 @@ def resume(out_dir: str) -> None:
 if __name__ == "__main__":
     phase, out = sys.argv[1], sys.argv[2]
     {"train": train, "resume": resume}[phase](out)
+    ds_adabatch.finish()

@@ -8,11 +8,15 @@ small collectives; a steady step issues none (see :mod:`ds_adabatch.runtime.step
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["all_reduce_sum", "barrier", "broadcast_int"]
+__all__ = ["all_reduce_sum", "barrier", "broadcast_int", "finish"]
 
 
 def _active() -> bool:
@@ -48,3 +52,29 @@ def broadcast_int(value: int, device: torch.device | str, src: int = 0) -> int:
 def barrier() -> None:
     if _active():
         torch.distributed.barrier()
+
+
+def finish(exit_code: int = 0) -> None:
+    """End a finished training process cleanly: the last call of a rank's script. It does not return.
+
+    Waits for every rank (a barrier), destroys every process group, flushes ``logging`` and the standard
+    streams, then ends the process with ``exit_code`` *without* the interpreter's teardown. A gloo
+    process group (DeepSpeed's CPU accelerator, and the flag group of out-of-memory recovery on GPUs)
+    can abort a rank that already finished its work while the interpreter shuts down ("terminate called
+    without an active exception", SIGABRT), even after ``destroy_process_group()``; a launcher reports
+    that as a failed job, and an elastic one (``torchrun --max-restarts``) starts it again.
+
+    Because the teardown is skipped, ``atexit`` handlers and object finalisers do not run: close files,
+    metrics writers (``engine.close()``) and experiment trackers before calling it. Call it on every rank.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # A closed or broken stream: nothing more can be written to it anyway.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(exit_code)
