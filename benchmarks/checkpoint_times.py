@@ -100,8 +100,6 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _bcast(value):

@@ -336,7 +336,6 @@ def main() -> None:
         part_profile(args)
     if "fp16" in args.parts:
         part_fp16()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -65,8 +65,6 @@ def main() -> None:
         print(f"| cost at the default cadence (every {default_every}) | {at_default * 100:+.1f}% |")
         print(f"| noise-scale estimate at the end | {engine.noise.noise_scale:.1f} |")
     engine.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -226,7 +226,6 @@ def main() -> None:
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

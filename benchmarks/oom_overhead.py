@@ -114,8 +114,6 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for stage, off, on, per_step in rows:
             print(f"| {stage} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {on / off:.3f} | {per_step:g} |")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

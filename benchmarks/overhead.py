@@ -129,8 +129,6 @@ def main() -> None:
                 f"| {name} | {r['params'] / 1e6:.2f} M | {r['plain'] * 1e3:.1f} ms | {r['ada'] * 1e3:.1f} ms "
                 f"| {r['ada'] / r['plain']:.3f} | {r['change'] * 1e3:.2f} ms |"
             )
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -103,8 +103,6 @@ def main() -> None:
     )
     trainer.add_callback(LocalBatchPrinter(trainer))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

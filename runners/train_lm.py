@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             f"done: {engine.global_steps} steps, {engine.global_samples} samples, final loss "
             f"{engine.last_loss:.4f}, {len(engine.history)} batch changes; metrics in {args.out}"
         )
-    shutdown_distributed()
     return 0
 
 
@@ -169,15 +168,6 @@ def ledger_line(engine, loss: float) -> dict:
         "time": time.time(),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
-
-
-def shutdown_distributed() -> None:
-    """Tear the process group down before exit; gloo can abort at interpreter exit otherwise."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def plot_metrics(jsonl: str, png: str) -> None:

@@ -183,8 +183,6 @@ def main() -> None:
         }
         with open(os.path.join(out_dir, "counts.json"), "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

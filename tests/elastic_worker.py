@@ -15,7 +15,6 @@ import os
 import sys
 
 import deepspeed
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,8 +113,6 @@ def main() -> None:
         phase_crash(out_dir)
     else:
         phase_resume(out_dir)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

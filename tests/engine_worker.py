@@ -648,9 +648,6 @@ def main() -> None:
     phase, out_dir = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed()
     PHASES[phase](out_dir)
-    dist.barrier()
-    # gloo can abort at interpreter exit unless the group is torn down first.
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -78,8 +78,6 @@ def main(argv: list[str]) -> None:
         faulty = train(out / f"faulty{stage}", stage, faults=True)
         if int(os.environ.get("RANK", "0")) == 0:
             (out / f"hf_oom_z{stage}.json").write_text(json.dumps({"clean": clean, "faulty": faulty}))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

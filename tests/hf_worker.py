@@ -593,8 +593,6 @@ def main(argv: list[str]) -> None:
         result = SCENARIOS[name](out_dir / f"{name}_{backend}", backend != "ddp")
         rank = int(os.environ.get("RANK", "0"))
         (out_dir / f"{name}_{backend}_rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -308,8 +308,6 @@ def main() -> None:
         run_iterable(out_dir)
     if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
         run_partitioned_z3(out_dir)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
