@@ -326,37 +326,29 @@ def train_run(run: str, seed: int, s: Settings, train: Any, validation: Any, *, 
     return result
 
 
+BUDGET_FIELDS = {
+    "final_val": "final_trailing",
+    "steps": "final_steps",
+    "samples": "final_samples",
+    "wall_s": "train_wall_s",
+    "cpu_s": "train_cpu_s",
+}
+"""The decaying-LR setting's row quantities and the :class:`RunResult` fields they read."""
+
+
 def summarize_budget(results: list[RunResult]) -> list[dict[str, Any]]:
     """Decaying-LR setting: one row per (run, seed) at the end of the budget, with ratios to fixed-8."""
     base = {r.seed: r for r in results if r.run == BASELINE}
     rows = []
     for r in results:
         b = base.get(r.seed)
-        row: dict[str, Any] = {
-            "run": r.run,
-            "seed": r.seed,
-            "final_val": r.final_trailing,
-            "steps": r.final_steps,
-            "samples": r.final_samples,
-            "wall_s": r.train_wall_s,
-            "cpu_s": r.train_cpu_s,
-        }
-        for key in ("final_val", "steps", "samples", "wall_s", "cpu_s"):
-            ok = b is not None and row[key] is not None and summary_value(b, key)
-            row[f"{key}_ratio"] = row[key] / summary_value(b, key) if ok else None
+        row: dict[str, Any] = {"run": r.run, "seed": r.seed}
+        row.update((key, getattr(r, attr)) for key, attr in BUDGET_FIELDS.items())
+        for key, attr in BUDGET_FIELDS.items():
+            ref = getattr(b, attr) if b is not None else None
+            row[f"{key}_ratio"] = row[key] / ref if row[key] is not None and ref else None
         rows.append(row)
     return rows
-
-
-def summary_value(r: RunResult, key: str) -> float | None:
-    """A budget-row quantity of ``r`` (see ``summarize_budget``)."""
-    return {
-        "final_val": r.final_trailing,
-        "steps": r.final_steps,
-        "samples": r.final_samples,
-        "wall_s": r.train_wall_s,
-        "cpu_s": r.train_cpu_s,
-    }[key]
 
 
 SEESAW_GOAL = (("final_val", 1.01), ("steps", 0.65), ("wall_s", 0.75))
@@ -761,10 +753,6 @@ def main(argv: list[str] | None = None) -> int:
         table = write_outputs(out, s, results, meta)
         print(table, end="")
         print(f"outputs in {out} ({meta['total_wall_s']:.0f} s)")
-    if torch.distributed.is_initialized():
-        # Once, after every engine: gloo can abort at interpreter exit with a live process group.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
