@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -38,3 +39,10 @@ def torchrun(
     if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
         proc = launch()
     return proc
+
+
+def read_result(results: Path, name: str) -> dict:
+    """The JSON record ``name`` a launched worker wrote into ``results`` (fails clearly if it wrote none)."""
+    path = results / f"{name}.json"
+    assert path.exists(), f"the worker wrote no {path.name}; see the logs in {results}"
+    return json.loads(path.read_text())

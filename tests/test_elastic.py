@@ -7,12 +7,11 @@ at the end, so that launch fails on purpose); 1 rank resumes the 2-rank checkpoi
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-from _util import torchrun
+from _util import read_result, torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -43,17 +42,11 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-def _read(results: Path, name: str) -> dict:
-    path = results / f"{name}.json"
-    assert path.exists(), f"the worker wrote no {path.name}; see the logs in {results}"
-    return json.loads(path.read_text())
-
-
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size(results, stage, saved, resumed):
-    full = _read(results, f"w{saved}_z{stage}_full")
-    got = _read(results, f"w{saved}_z{stage}_resumed_w{resumed}")
+    full = read_result(results, f"w{saved}_z{stage}_full")
+    got = read_result(results, f"w{saved}_z{stage}_resumed_w{resumed}")
     assert got["start"] == AT, f"resumed at step {got['start']}, saved at {AT}"
     want = full["steps"][AT:]
     assert len(got["steps"]) == len(want)
@@ -80,11 +73,11 @@ def test_rank_dying_mid_save_leaves_the_previous_checkpoint(results):
     assert not (folder / "global_step4" / "adabatch_complete.json").exists()
     assert (folder / "global_step2" / "adabatch_complete.json").exists()
     assert (folder / "latest").read_text() == "global_step2", "latest must name the last complete save"
-    got = _read(results, "crash_resumed")
+    got = read_result(results, "crash_resumed")
     assert got["start"] == 2 and got["path"].endswith("global_step2_universal/mp_rank_00_model_states.pt")
 
 
 def test_universal_copy_is_reused(results):
-    got = _read(results, "universal_reused")
+    got = read_result(results, "universal_reused")
     assert got["steps"] == AT
     assert got["before"] == got["after"], "the cached universal copy was converted again"

@@ -7,13 +7,12 @@ and records an LR ramp. Each test reads what its case wrote and asserts on it.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from _util import torchrun
+from _util import read_result, torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -41,12 +40,6 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-def _read(results: Path, name: str) -> dict:
-    path = results / f"{name}.json"
-    assert path.exists(), f"the worker wrote no {path.name}; see the logs in {results}"
-    return json.loads(path.read_text())
-
-
 # The requested sequence of global batches and the plans it must produce on 2 ranks, max micro 4:
 # growing, GAS 1 -> 4 -> 3, shrinking, uneven (13 = 4+3 | 3+3), padded (1 sample), odd (3), and a
 # request for 16 when only 9 samples of the epoch remain (the smaller tail batch, planned unevenly).
@@ -56,7 +49,7 @@ EXPECTED_PLANS_2 = [[8, 4, 1], [32, 4, 4], [24, 4, 3], [6, 3, 1], [13, 4, 2], [1
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_plan_changes_match_big_batch_reference(results, stage, dtype):
-    r = _read(results, f"exact_z{stage}_{dtype}")
+    r = read_result(results, f"exact_z{stage}_{dtype}")
     tol = 1e-5 if dtype == "fp32" else 2e-2
     assert r["max_rel_err"] <= tol, (
         f"ZeRO-{stage} {dtype}: final parameters differ from the plain-PyTorch big-batch reference by "
@@ -73,13 +66,15 @@ def test_plan_changes_match_big_batch_reference(results, stage, dtype):
 
 
 def test_loader_workers_inside_the_engine(results):
-    r = _read(results, "exact_z1_workers")
+    r = read_result(results, "exact_z1_workers")
     assert r["max_rel_err"] <= 1e-5, f"with 2 loader workers per rank: off by {r['max_rel_err']:.2e}"
-    assert r["batches"] == _read(results, "exact_z1_fp32")["batches"], "workers must not change the stream"
+    assert r["batches"] == read_result(results, "exact_z1_fp32")["batches"], (
+        "workers must not change the stream"
+    )
 
 
 def test_user_data_iter_is_weighted_by_real_sizes(results):
-    r = _read(results, "data_iter_z2")
+    r = read_result(results, "data_iter_z2")
     assert r["global_samples"] == r["want_samples"] == 25
     assert r["max_rel_err"] <= 1e-5, (
         f"train_batch(data_iter) with uneven micro-batches off by {r['max_rel_err']:.2e}"
@@ -87,7 +82,7 @@ def test_user_data_iter_is_weighted_by_real_sizes(results):
 
 
 def test_iterable_dataset_draws_the_planned_counts(results):
-    r = _read(results, "iterable_z0")
+    r = read_result(results, "iterable_z0")
     rank0, rank1 = r["seen"]
     assert r["global_samples"] == 8 + 6 + 12
     assert len(rank0) == len(rank1) == 13, "each rank draws half of every global batch"
@@ -95,7 +90,7 @@ def test_iterable_dataset_draws_the_planned_counts(results):
 
 
 def test_cpu_offload_matches_reference(results):
-    r = _read(results, "exact_z2_offload")
+    r = read_result(results, "exact_z2_offload")
     assert r["max_rel_err"] <= 1e-5, f"ZeRO-2 CPU offload off by {r['max_rel_err']:.2e}"
 
 
@@ -105,20 +100,20 @@ def test_one_rank_and_two_ranks_agree(results, stage):
     two = torch.load(results / f"exact_z{stage}_fp32_params.pt")
     err = float((one - two).abs().max() / two.abs().max())
     assert err <= 1e-5, f"ZeRO-{stage}: 1 rank and 2 ranks diverge by {err:.2e}"
-    single = _read(results, f"single_z{stage}_fp32")
-    double = _read(results, f"exact_z{stage}_fp32")
+    single = read_result(results, f"single_z{stage}_fp32")
+    double = read_result(results, f"exact_z{stage}_fp32")
     assert single["batches"] == double["batches"], "the global batches must not depend on the world size"
 
 
 def test_token_normalisation_is_mean_over_global_tokens(results):
-    r = _read(results, "tokens_z2")
+    r = read_result(results, "tokens_z2")
     assert r["tokens"] == r["want_tokens"], "global token count"
     assert r["max_rel_err"] <= 1e-5, f"token-weighted update off by {r['max_rel_err']:.2e}"
 
 
 @pytest.mark.parametrize("stage", (0, 2, 3))
 def test_noise_scale_estimate_near_closed_form(results, stage):
-    r = _read(results, f"noise_z{stage}")
+    r = read_result(results, f"noise_z{stage}")
     assert r["estimate"] is not None, "no noise-scale estimate was produced"
     rel = abs(r["estimate"] - r["truth"]) / r["truth"]
     assert rel <= 0.2, f"ZeRO-{stage}: B_noise estimate {r['estimate']:.2f}, truth {r['truth']:.2f}"
@@ -138,8 +133,8 @@ CKPT = [
 
 @pytest.mark.parametrize("case", CKPT)
 def test_resume_is_bit_identical(results, case):
-    full = _read(results, f"ckpt_{case}_full")
-    resumed = _read(results, f"ckpt_{case}_resumed_w2")
+    full = read_result(results, f"ckpt_{case}_full")
+    resumed = read_result(results, f"ckpt_{case}_resumed_w2")
     start = resumed["start"]
     assert start == 3, f"resumed at step {start}, saved at 3"
     want = full["steps"][start:]
@@ -153,15 +148,15 @@ def test_resume_is_bit_identical(results, case):
 def test_stateful_schedules_changed_the_batch(results):
     # Otherwise the round trips above would prove nothing about the schedules' state.
     for case in ("callable_z0", "plateau_z0", "noise_z0", "seesaw_z0"):
-        plans = [s["plan"][0] for s in _read(results, f"ckpt_{case}_full")["steps"]]
+        plans = [s["plan"][0] for s in read_result(results, f"ckpt_{case}_full")["steps"]]
         assert len(set(plans[3:])) > 1 or plans[3] != plans[0], f"{case}: batch never changed: {plans}"
 
 
 @pytest.mark.parametrize("name", ["ckpt_linear_z0_resumed_w1", "ckpt_linear_z2_universal_w1"])
 def test_resume_on_another_world_size_continues_the_stream(results, name):
     # ZeRO 0 reloads natively; ZeRO 2 through DeepSpeed's universal checkpoint conversion.
-    full = _read(results, name.split("_resumed")[0].split("_universal")[0] + "_full")
-    resumed = _read(results, name)
+    full = read_result(results, name.split("_resumed")[0].split("_universal")[0] + "_full")
+    resumed = read_result(results, name)
     assert full["world_size"] == 2 and resumed["start"] == 3
     want = [s["indices"] for s in full["steps"][resumed["start"] :]]
     assert [s["indices"] for s in resumed["steps"]] == want, "2 -> 1 ranks must continue the same samples"
@@ -171,7 +166,7 @@ def test_resume_on_another_world_size_continues_the_stream(results, name):
 def test_lr_multiplier_and_samples_based_schedule(results):
     # WarmupLR (0 -> 0.1 over 10 scheduler steps, DeepSpeed counts from iteration -1) advanced once per
     # 4 samples (the reference batch), times sqrt(B / 4) for the step's batch B.
-    rows = _read(results, "lr_ramp")["rows"]
+    rows = read_result(results, "lr_ramp")["rows"]
     assert [r["batch"] for r in rows][:4] == [4, 4, 6, 8] or rows[-1]["batch"] == 16
     for r in rows:
         iteration = r["samples_before"] // 4 - 1
@@ -201,7 +196,7 @@ def test_seesaw_applied_lr_equals_the_rule(results):
     from ds_adabatch.config import load_ds_config
     from ds_adabatch.schedules import base_lr_from_ds_config, simulate
 
-    record = _read(results, "seesaw_lr")
+    record = read_result(results, "seesaw_lr")
     rows, cfg = record["rows"], record["config"]
     total = rows[-1]["samples_before"] + rows[-1]["batch"]
     plan = simulate(load_ds_config(cfg), world_size=2, samples=total, out_png=None)

@@ -6,11 +6,10 @@ a lazily measured length_fn) and save a checkpoint; 1 rank resumes it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _util import torchrun
+from _util import read_result, torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -37,15 +36,9 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-def _read(results: Path, name: str) -> dict:
-    path = results / f"{name}.json"
-    assert path.exists(), f"the worker wrote no {path.name}; see the logs in {results}"
-    return json.loads(path.read_text())
-
-
 @pytest.mark.parametrize("case", ["z0_token", "z2_token", "z3_token", "z0_sample"])
 def test_token_budget_steps_are_exact_and_exactly_once(results, case):
-    r = _read(results, f"train_{case}")
+    r = read_result(results, f"train_{case}")
     assert r["max_rel_err"] <= 1e-5, f"{case}: off the big-batch reference by {r['max_rel_err']:.2e}"
     assert r["max_cost"] <= BUDGET, f"a pass held {r['max_cost']} padded tokens, budget {BUDGET}"
     by_epoch: dict[int, list[int]] = {}
@@ -67,16 +60,16 @@ def test_token_budget_steps_are_exact_and_exactly_once(results, case):
 
 
 def test_same_stream_on_every_stage_and_with_length_fn(results):
-    base = _read(results, "train_z0_token")
+    base = read_result(results, "train_z0_token")
     for case in ("z2_token", "z3_token", "z0_sample"):
-        assert _read(results, f"train_{case}")["steps"] == base["steps"]
-    lazy = _read(results, "train_length_fn")
+        assert read_result(results, f"train_{case}")["steps"] == base["steps"]
+    lazy = read_result(results, "train_length_fn")
     assert lazy["steps"] == base["steps"][: len(lazy["steps"])]
 
 
 def test_resume_on_another_world_size(results):
-    two = _read(results, "train_z0_token")
-    one = _read(results, "resume_z0_token")
+    two = read_result(results, "train_z0_token")
+    one = read_result(results, "resume_z0_token")
     assert one["steps"] == two["rest_steps"], "the resumed run must continue the same sample stream"
     assert (one["global_samples"], one["global_tokens"]) == (two["global_samples"], two["global_tokens"])
     worst = max(abs(a - b) for a, b in zip(one["params"], two["params"]))
