@@ -1,9 +1,13 @@
-"""Token-budget steps in one process: config, lengths, packing, exactly-once, resume."""
+"""Token-budget steps in one process: config, lengths, packing, exactly-once, resume, loader workers."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
+import torch
+import torch.multiprocessing as torch_mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +267,187 @@ def test_trainer_refuses_a_token_budget_instead_of_ignoring_it() -> None:
             gradient_accumulation_steps=1,
             max_micro_batch_per_gpu=None,
         )
+
+
+# -- TokenBudgetLoader with worker processes -----------------------------------------------------------
+# The datasets live at module level so that worker processes can unpickle them under any start method.
+
+_N, _BUDGET = 40, 48
+_LENGTHS = np.random.default_rng(3).integers(1, 25, _N)
+
+
+class _TokenRows(torch.utils.data.Dataset):
+    """Sample ``i`` is ``100 * i + arange(length_i)``; it raises (or counts loads) when armed."""
+
+    def __init__(self, *, armed=None, bad_index: int = -1, counts=None) -> None:
+        self.armed, self.bad_index, self.counts = armed, bad_index, counts
+
+    def __len__(self) -> int:
+        return _N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.counts is not None:
+            self.counts[i] += 1
+        if self.armed is not None and self.armed.value and i == self.bad_index:
+            raise KeyError(f"sample {i} is unreadable")
+        return 100 * i + torch.arange(int(_LENGTHS[i]))
+
+
+def _pad_rows(samples: list[torch.Tensor]) -> dict:
+    ids = torch.full((len(samples), max(len(s) for s in samples)), -1, dtype=torch.long)
+    for r, s in enumerate(samples):
+        ids[r, : len(s)] = s
+    return {"ids": ids, "mask": ids >= 0}
+
+
+def _token_loader(rank: int, world: int, num_workers: int, dataset=None, **sampler_kw):
+    from ds_adabatch.data import TokenBudgetLoader
+
+    kw = {"seed": 7, "micro_batch_tokens": _BUDGET} | sampler_kw
+    sampler = TokenBudgetSampler(SampleLengths(_N, lengths=_LENGTHS), **kw)
+    return TokenBudgetLoader(
+        dataset if dataset is not None else _TokenRows(), sampler, rank=rank, world_size=world,
+        collate_fn=_pad_rows, num_workers=num_workers,
+    )  # fmt: skip
+
+
+def _take(loader, target: int):
+    return loader.next_step(loader.plan_for_tokens(target))
+
+
+def _assert_same_step(got, want, where: str) -> None:
+    """Same plan, epoch, samples per pass, weights and bit-identical collated tensors."""
+    assert (got.plan, got.epoch, got.rank) == (want.plan, want.epoch, want.rank), where
+    assert got.global_batch.indices.tolist() == want.global_batch.indices.tolist(), where
+    assert [(m.indices, m.num_samples) for m in got] == [(m.indices, m.num_samples) for m in want], (
+        f"{where}: passes {[m.indices for m in got]} instead of {[m.indices for m in want]}"
+    )
+    pad = got.global_batch.pad_index
+    for k, (a, b) in enumerate(zip(got, want)):
+        # Row r of a pass starts at 100 * (its sample): the pass holds its indices, a pad the pad sample.
+        first = a.batch["ids"][:, 0].tolist()
+        assert first == [100 * i for i in (a.indices or (pad,))], f"{where}, pass {k}: wrong samples"
+        assert a.batch.keys() == b.batch.keys(), where
+        for key in a.batch:
+            assert torch.equal(a.batch[key], b.batch[key]), f"{where}, pass {k}: collated {key!r} differs"
+
+
+# Targets that grow, shrink, repeat (so a prefetched step is used) and change while a step is prefetched;
+# small ones leave rank 1 with zero-weight pads. 40 samples of ~12 tokens: about three epochs.
+_TARGETS = [60, 60, 60, 200, 200, 12, 12, 12, 1, 1, 300, 90, 90, 90, 30, 30, 150, 150, 150, 8, 8, 8, 500]
+
+
+@pytest.mark.parametrize(
+    "sampler_kw",
+    [{}, {"drop_last": True, "bucket_window": 8}, {"padding": "packed", "max_micro_batch": 3}],
+    ids=["plain", "drop_last-bucketed", "packed-capped"],
+)
+def test_token_loader_workers_serve_the_inline_stream(sampler_kw: dict) -> None:
+    world = 2
+    inline = [_token_loader(r, world, 0, **sampler_kw) for r in range(world)]
+    pooled = [_token_loader(r, world, 2, **sampler_kw) for r in range(world)]
+    per_epoch: dict[int, list[int]] = {}
+    pads = 0
+    with pooled[0], pooled[1]:
+        for k, target in enumerate(_TARGETS):
+            for r in range(world):
+                got, want = _take(pooled[r], target), _take(inline[r], target)
+                _assert_same_step(got, want, f"step {k} (target {target}), rank {r}")
+                pads += sum(m.is_pad for m in got)
+                per_epoch.setdefault(got.epoch, []).extend(i for m in got for i in m.indices)
+            assert all(len(p.worker_processes()) == 2 for p in pooled), "the workers did not run"
+        for p, q in zip(pooled, inline):
+            assert p.sampler.state_dict() == q.sampler.state_dict(), "a prefetched step was counted"
+    assert pads > 0, "the targets must give some rank a zero-weight pad"
+    assert len(per_epoch) >= 3, "the targets must run past two epoch ends"
+    for epoch in sorted(per_epoch)[:-1]:  # every finished epoch: each sample once (a dropped tail aside)
+        got = per_epoch[epoch]
+        assert len(got) == len(set(got)), f"epoch {epoch} served a sample twice"
+        if not sampler_kw.get("drop_last"):
+            assert sorted(got) == list(range(_N)), f"epoch {epoch} missed samples"
+    assert all(p.worker_processes() == [] for p in pooled), "close() left workers running"
+
+
+def test_token_loader_uses_the_prefetched_step_and_drops_it_on_a_new_target() -> None:
+    counts = torch_mp.get_context("fork").RawArray("q", _N)
+    reference = _token_loader(0, 1, 0, shuffle=False)
+    with _token_loader(0, 1, 2, _TokenRows(counts=counts), shuffle=False) as loader:
+        served: list[int] = []
+        for _ in range(4):
+            step = _take(loader, 60)
+            _assert_same_step(step, _take(reference, 60), "same target")
+            served += [i for m in step for i in m.indices]
+        # Each sample was loaded once: the served steps were the prefetched ones, not loaded again.
+        assert max(counts) == 1 and sum(counts) >= len(served), list(counts)
+        loader.plan_for_tokens(200)  # the engine asks for another target while a step of 60 is queued
+        assert loader._steps.queued_key is None, "the step of the old target was not dropped"
+        step = loader.next_step(loader.plan_for_tokens(200))
+        _assert_same_step(step, _take(reference, 200), "after the target change")
+
+
+def test_token_loader_resumes_from_a_state_taken_with_a_step_prefetched() -> None:
+    world = 2
+
+    def inline_from(state: dict, rank: int):
+        loader = _token_loader(rank, world, 0)
+        loader.load_state_dict(state)
+        return loader
+
+    reference = _token_loader(0, world, 0)
+    with _token_loader(0, world, 2) as first:
+        for target in _TARGETS[:6]:
+            _take(first, target)
+            _take(reference, target)
+        assert first._steps.queued_key is not None, "no step was prefetched"
+        state = first.state_dict()
+        assert state == reference.state_dict(), "the prefetched, uncommitted step was counted"
+        # Going on, then rewinding the same loader to the saved state while a step is prefetched.
+        for target in _TARGETS[6:9]:
+            _take(first, target)
+        assert first._steps.queued_key is not None
+        first.load_state_dict(state)
+        check = inline_from(state, 0)
+        for k, target in enumerate(_TARGETS[6:12]):
+            _assert_same_step(_take(first, target), _take(check, target), f"rewound step {k}")
+    for r in range(world):  # a fresh loader per rank, resumed from rank 0's state
+        with _token_loader(r, world, 2) as resumed:
+            resumed.load_state_dict(state)
+            check = inline_from(state, r)
+            for k, target in enumerate(_TARGETS[6:16]):
+                _assert_same_step(_take(resumed, target), _take(check, target), f"resumed step {k}, rank {r}")
+
+
+def test_token_loader_worker_error_names_the_samples_and_consumes_nothing() -> None:
+    armed = torch_mp.get_context("fork").RawValue("b", 1)
+    reference = _token_loader(0, 1, 0, shuffle=False)
+    first = _take(reference, 60)
+    bad = reference.peek_step(60).micro_batches(0)[0][-1]  # a sample of the second step
+    with _token_loader(0, 1, 2, _TokenRows(armed=armed, bad_index=bad), shuffle=False) as loader:
+        _assert_same_step(_take(loader, 60), first, "before the failure")
+        plan = loader.plan_for_tokens(60)
+        with pytest.raises(RuntimeError, match=rf"samples \[[0-9, ]*\b{bad}\b[0-9, ]*\]") as err:
+            loader.next_step(plan)
+        assert f"sample {bad} is unreadable" in str(err.value), "the worker's traceback is missing"
+        assert loader.sampler.state_dict() == reference.sampler.state_dict(), "a failed step was consumed"
+        armed.value = 0
+        _assert_same_step(loader.next_step(plan), _take(reference, 60), "the retry")
+
+
+def test_token_loader_close_and_with_block_stop_the_workers() -> None:
+    seen: list = []
+    with pytest.raises(ZeroDivisionError), _token_loader(0, 1, 2) as loader:
+        _take(loader, 60)
+        seen += loader.worker_processes()
+        raise ZeroDivisionError
+    assert len(seen) == 2 and not any(p.is_alive() for p in seen), "workers outlived the with block"
+    with pytest.raises(RuntimeError, match="closed"):
+        _take(loader, 60)
+    loader.close()  # twice is fine
+    unclosed = _token_loader(0, 1, 2)
+    _take(unclosed, 60)
+    procs = unclosed.worker_processes()
+    del unclosed
+    gc.collect()
+    assert procs and not any(p.is_alive() for p in procs), "an unreferenced loader left its workers running"
+    with pytest.raises(ValueError, match="num_workers"):
+        _token_loader(0, 1, -1)

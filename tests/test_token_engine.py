@@ -1,7 +1,7 @@
 """Token-budget steps through the DeepSpeed engine on real gloo ranks (tests/token_worker.py).
 
 Two launches: 2 ranks train every case (ZeRO 0, 2, 3 with a token-mean loss; ZeRO 0 with a sample mean;
-a lazily measured length_fn) and save a checkpoint; 1 rank resumes it.
+a lazily measured length_fn with 2 loader workers per rank) and save a checkpoint; 1 rank resumes it.
 """
 
 from __future__ import annotations
@@ -63,8 +63,19 @@ def test_same_stream_on_every_stage_and_with_length_fn(results):
     base = read_result(results, "train_z0_token")
     for case in ("z2_token", "z3_token", "z0_sample"):
         assert read_result(results, f"train_{case}")["steps"] == base["steps"]
-    lazy = read_result(results, "train_length_fn")
-    assert lazy["steps"] == base["steps"][: len(lazy["steps"])]
+
+
+def test_loader_workers_and_length_fn_train_the_same_steps(results):
+    base = read_result(results, "train_z0_token")
+    pooled = read_result(results, "train_length_fn_workers")
+    assert pooled["workers"] == 2, f"{pooled['workers']} loader workers ran on rank 0, not 2"
+    assert pooled["steps"] == base["steps"], "workers or a length_fn changed the sample stream"
+    assert pooled["losses"] == base["losses"], (
+        f"losses with workers {pooled['losses']} differ from in-process loading {base['losses']}"
+    )
+    assert pooled["params"] == base["params"], "the trained parameters differ with loader workers"
+    # Read with a step prefetched: only the committed steps count.
+    assert pooled["data_state"] == base["data_state"], "the loader state counted a prefetched step"
 
 
 def test_resume_on_another_world_size(results):

@@ -1,7 +1,8 @@
 """Token-budget steps on real ranks, run under torchrun by tests/test_token_engine.py.
 
 Usage: torchrun --nproc-per-node N tests/token_worker.py PHASE OUT_DIR
-PHASE "train" (2 ranks): every case in one process group (ZeRO 0, 2, 3; token and sample means);
+PHASE "train" (2 ranks): every case in one process group (ZeRO 0, 2, 3; token and sample means; a lazily
+measured length_fn with 2 loader workers per rank);
 PHASE "resume" (1 rank): continues the 2-rank checkpoint. Rank 0 writes OUT_DIR/<phase>_<case>.json.
 """
 
@@ -126,10 +127,10 @@ def params(engine) -> torch.Tensor:
 
 
 def run(engine, targets: list[int]) -> dict:
-    steps, epochs, passes, max_cost, counts = [], [], [], 0, []
+    steps, epochs, passes, max_cost, counts, losses = [], [], [], 0, [], []
     for target in targets:
         engine.set_global_batch_size(target)
-        engine.train_batch()
+        losses.append(engine.train_batch())
         step = engine.last_step_batch.global_batch
         steps.append(step.indices.tolist())
         epochs.append(step.epoch)
@@ -141,6 +142,8 @@ def run(engine, targets: list[int]) -> dict:
         for m in mine:
             assert m.batch["input_ids"].numel() <= BUDGET, m.batch["input_ids"].shape
     return {
+        # Read after the loop (one collective on every rank), so the steps run as they do in training.
+        "losses": [float(loss) for loss in losses],
         "steps": steps,
         "epochs": epochs,
         "passes": passes,
@@ -167,10 +170,11 @@ def train(out_dir: str) -> None:
             token_count_fn=count_tokens, lengths=data.lengths,
         )  # fmt: skip
         record = run(engine, TARGETS[:RESUME_AT])
+        record["data_state"] = engine.dataloader.state_dict()
         if stage == 0 and normalization == "token":
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="mid")
         rest = run(engine, TARGETS[RESUME_AT:])
-        for key in ("steps", "epochs", "passes", "counts"):
+        for key in ("losses", "steps", "epochs", "passes", "counts"):
             record[key] += rest[key]
         record.update({k: rest[k] for k in ("global_samples", "global_tokens", "ds_global_samples")})
         record["max_cost"] = max(record["max_cost"], rest["max_cost"])
@@ -184,12 +188,22 @@ def train(out_dir: str) -> None:
         write(out_dir, f"train_z{stage}_{normalization}", record)
         engine.close()
         dist.barrier()
-    # A length_fn measured lazily gives the same stream as the array.
+    # A length_fn measured lazily, and 2 loader workers per rank, give the z0_token case's stream and
+    # losses. The loader state is read with the next step prefetched by the workers.
+    cfg = config(0, "token")
+    cfg["adabatch"]["data"]["num_workers"] = 2
     engine, *_ = ds_adabatch.initialize(
-        make_model(), config(0, "token"), data, collate_fn=collate, loss_fn=token_mean_loss,
+        make_model(), cfg, data, collate_fn=collate, loss_fn=token_mean_loss,
         token_count_fn=count_tokens, length_fn=len,
     )  # fmt: skip
-    write(out_dir, "train_length_fn", run(engine, TARGETS[:RESUME_AT]))
+    record = run(engine, TARGETS[:RESUME_AT])
+    record["data_state"] = engine.dataloader.state_dict()
+    record["workers"] = len(engine.dataloader.worker_processes())
+    rest = run(engine, TARGETS[RESUME_AT:])
+    for key in ("losses", "steps"):
+        record[key] += rest[key]
+    record["params"] = params(engine).tolist()
+    write(out_dir, "train_length_fn_workers", record)
     engine.close()
 
 

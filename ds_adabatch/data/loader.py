@@ -30,18 +30,16 @@ process (``num_workers=0``).
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch.multiprocessing as torch_mp
 from torch.utils.data import IterableDataset, default_collate
 
 from ds_adabatch.plan import BatchPlan
 
-from ._workers import WorkerPool, fetch_samples
+from ._workers import StepLoader, WorkerOptions
 from .sampler import ElasticSampler, GlobalBatch
 
 __all__ = ["LOADER_STATE_VERSION", "ElasticDataLoader", "MicroBatch", "StepBatch"]
@@ -113,14 +111,6 @@ class StepBatch:
         return self.micro_batches[step]
 
 
-@dataclass
-class _Pending:
-    """Submitted worker tasks of one step: one task id per accumulation step (pads share one)."""
-
-    batch: GlobalBatch
-    task_ids: list[int]
-
-
 def _check_int(name: str, value: object, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -169,13 +159,12 @@ class ElasticDataLoader:
             raise ValueError(
                 f"rank must be in 0..{self._world_size - 1} for world_size {world_size}, got {rank}"
             )
-        self._num_workers = _check_int("num_workers", num_workers, 0)
+        options = WorkerOptions.checked(
+            num_workers, multiprocessing_context, worker_init_fn, timeout, prefetch
+        )
+        self._num_workers = options.num_workers
         if collate_fn is not None and not callable(collate_fn):
             raise ValueError(f"collate_fn must be callable, got {collate_fn!r}")
-        if worker_init_fn is not None and not callable(worker_init_fn):
-            raise ValueError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self._iterable = isinstance(dataset, IterableDataset)
         if self._iterable:
             if sampler is not None:
@@ -196,20 +185,11 @@ class ElasticDataLoader:
                     f"the sampler covers {sampler.num_samples} samples but the dataset has {length}; "
                     f"build the sampler with num_samples=len(dataset)"
                 )
-        if isinstance(multiprocessing_context, str):
-            try:
-                multiprocessing_context = torch_mp.get_context(multiprocessing_context)
-            except ValueError as err:
-                raise ValueError(f"multiprocessing_context: {err}") from None
         self._dataset = dataset
         self._sampler = sampler
         self._collate = collate_fn if collate_fn is not None else default_collate
-        self._context = multiprocessing_context or torch_mp.get_context()
-        self._worker_init_fn = worker_init_fn
-        self._timeout = float(timeout)
-        self._prefetch = bool(prefetch)
-        self._pool: WorkerPool | None = None
-        self._pending: _Pending | None = None
+        seed = 0 if sampler is None else sampler.seed
+        self._steps = StepLoader(dataset, self._collate, options, seed=seed, rank=self._rank)
         self._closed = False
         # IterableDataset stream state.
         self._iterator: Iterator[Any] | None = None
@@ -250,7 +230,7 @@ class ElasticDataLoader:
 
     def worker_processes(self) -> list[Any]:
         """The live worker processes (empty before the first step and after :meth:`close`)."""
-        return [] if self._pool is None or self._pool.closed else self._pool.processes()
+        return self._steps.processes()
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -272,10 +252,11 @@ class ElasticDataLoader:
         if self._sampler is None:
             return self._next_from_stream(plan)
         batch = self._sampler.peek_batch(plan)
-        if self._num_workers == 0:
-            micro = self._load_inline(batch)
-        else:
-            micro = self._load_pooled(batch, plan)
+        sampler = self._sampler
+        collated = self._steps.load(
+            *self._work(batch), ahead=lambda: self._work(sampler.peek_batch(plan, after=batch))
+        )
+        micro = self._micro_batches(batch, collated)
         self._sampler.commit(batch)
         return StepBatch(tuple(micro), batch.plan, self._rank, batch.epoch, batch)
 
@@ -288,7 +269,8 @@ class ElasticDataLoader:
         self._check_plan(plan)
         if step.global_batch is not None:
             batch = step.global_batch.with_plan(plan)
-            return StepBatch(tuple(self._load_inline(batch)), plan, self._rank, step.epoch, batch)
+            micro = self._micro_batches(batch, self._steps.load_inline(*self._work(batch)[1:]))
+            return StepBatch(tuple(micro), plan, self._rank, step.epoch, batch)
         samples = [s for m in step.micro_batches if m.num_samples for s in self._step_samples.get(id(m), [])]
         ordinals = [o for m in step.micro_batches for o in m.indices]
         gas = plan.gradient_accumulation_steps
@@ -314,78 +296,17 @@ class ElasticDataLoader:
                 f"{self._world_size}; plan with world_size={self._world_size}"
             )
 
+    def _work(self, batch: GlobalBatch) -> tuple[GlobalBatch, list[list[int]], int]:
+        """``batch`` as the step loader takes it: key, this rank's slots, and the pad sample (the first of
+        the global batch). A prefetched batch is used only when it equals ``batch`` (same samples, same
+        plan), so a micro-batch of a stale size is never served."""
+        return batch, batch.indices(self._rank), int(batch.as_array()[0])
+
     def _micro_batches(self, batch: GlobalBatch, collated: list[Any]) -> list[MicroBatch]:
-        micro = []
-        for indices, value in zip(batch.indices(self._rank), collated):
-            micro.append(MicroBatch(value, tuple(indices), len(indices)))
-        return micro
-
-    def _load_inline(self, batch: GlobalBatch) -> list[MicroBatch]:
-        pad_value: Any = None
-        collated = []
-        for indices in batch.indices(self._rank):
-            if indices:
-                collated.append(self._collate(fetch_samples(self._dataset, indices)))
-                continue
-            if pad_value is None:
-                pad_value = self._collate(fetch_samples(self._dataset, [int(batch.as_array()[0])]))
-            collated.append(pad_value)
-        return self._micro_batches(batch, collated)
-
-    def _submit(self, batch: GlobalBatch) -> _Pending:
-        assert self._pool is not None
-        pad_id: int | None = None
-        task_ids = []
-        for indices in batch.indices(self._rank):
-            if indices:
-                task_ids.append(self._pool.submit(indices))
-                continue
-            if pad_id is None:  # all pad slots of the step share one loaded sample
-                pad_id = self._pool.submit([int(batch.as_array()[0])])
-            task_ids.append(pad_id)
-        return _Pending(batch, task_ids)
-
-    def _load_pooled(self, batch: GlobalBatch, plan: BatchPlan) -> list[MicroBatch]:
-        if self._pool is None or self._pool.closed:  # first step, or the pool broke on a dead worker
-            self._pending = None
-            self._start_pool()
-        assert self._pool is not None
-        current, self._pending = self._pending, None
-        if current is None or current.batch != batch:
-            if current is not None:  # speculation missed: the plan changed or the tail was replanned
-                self._pool.drop(current.task_ids)
-            current = self._submit(batch)
-        if self._prefetch:
-            self._pending = self._submit(self._sampler.peek_batch(plan, after=batch))
-        try:
-            results: dict[int, Any] = {}
-            for task_id in current.task_ids:
-                if task_id not in results:
-                    results[task_id] = self._pool.result(task_id)
-        except BaseException:
-            # Nothing was committed; forget every outstanding task so a retry starts clean.
-            self._pending = None
-            if not self._pool.closed:
-                self._pool.drop_all()
-            raise
-        return self._micro_batches(batch, [results[t] for t in current.task_ids])
-
-    def _start_pool(self) -> None:
-        assert self._sampler is not None
-        # Worker seeds depend on the run seed and the rank only, so a rerun repeats any randomness
-        # inside __getitem__ (augmentation) while ranks differ.
-        base_seed = (self._sampler.seed * 0x9E3779B97F4A7C15 + 1_000_003 * self._rank) % 2**63
-        self._pool = WorkerPool(
-            self._dataset,
-            self._collate,
-            num_workers=self._num_workers,
-            context=self._context,
-            base_seed=base_seed,
-            worker_init_fn=self._worker_init_fn,
-            timeout=self._timeout,
-        )
-        # Stop the workers when the loader is garbage-collected or the interpreter exits without close().
-        weakref.finalize(self, self._pool.close)
+        return [
+            MicroBatch(value, tuple(indices), len(indices))
+            for indices, value in zip(batch.indices(self._rank), collated)
+        ]
 
     # -- IterableDataset -----------------------------------------------------------------------------
 
@@ -472,9 +393,7 @@ class ElasticDataLoader:
                 f"the state is of a {state.get('kind')!r} loader but this one reads a {kind} dataset"
             )
         if self._sampler is not None:
-            if self._pool is not None and self._pending is not None:
-                self._pool.drop(self._pending.task_ids)
-            self._pending = None
+            self._steps.drop_queued()
             self._sampler.load_state_dict(state["sampler"])
             return
         self._stream_epoch = _check_int("state['epoch']", state.get("epoch"), 0)
@@ -495,9 +414,7 @@ class ElasticDataLoader:
     def close(self) -> None:
         """Stop the worker processes (idempotent). The loader cannot load afterwards."""
         self._closed = True
-        self._pending = None
-        if self._pool is not None:
-            self._pool.close()
+        self._steps.close()
 
     def __enter__(self) -> ElasticDataLoader:
         return self

@@ -100,6 +100,7 @@ def pack_step(
     budget: int,
     padding: str = "pad_to_longest",
     max_samples: int | None = None,
+    oversize_alone: bool = False,
 ) -> list[RankLayout]:
     """Lay out one step's samples as micro-batches of at most ``budget`` tokens on ``world_size`` ranks.
 
@@ -111,6 +112,9 @@ def pack_step(
         budget: Largest cost of one micro-batch, in tokens (see :func:`micro_batch_cost`).
         padding: ``"pad_to_longest"`` or ``"packed"``.
         max_samples: Optional cap on samples per micro-batch as well.
+        oversize_alone: A sample longer than ``budget`` runs alone in its own micro-batch instead of
+            being an error (the budget learned after an out-of-memory error can be below the longest
+            sample, which still fits on its own).
 
     Returns:
         One :class:`RankLayout` per rank, all with the same number of passes.
@@ -121,7 +125,7 @@ def pack_step(
     if len(indices) != len(lengths) or len(indices) == 0:
         raise ValueError("a step needs at least one sample and one length per sample")
     too_long = np.flatnonzero(lengths > budget)
-    if too_long.size:
+    if too_long.size and not oversize_alone:
         i = int(too_long[0])
         raise ValueError(
             f"sample {int(indices[i])} has length {int(lengths[i])}, above the token budget {budget}"

@@ -7,7 +7,14 @@ collates this rank's micro-batches and commits the step. Ranks hold different nu
 (a pass holds as many as fit the token budget) but run the same number of passes; a rank with fewer
 micro-batches runs zero-weight pads (the step's shortest sample, ``num_samples=0``).
 
-Samples are loaded in the training process (``adabatch.data.num_workers`` does not apply).
+Worker processes (``num_workers >= 1``, ``adabatch.data.num_workers`` in a ds_config) are those of
+:class:`~ds_adabatch.data.ElasticDataLoader`: each of this rank's micro-batches of a step is one task
+(the pads of a step share one), and the step is committed only once all of them are loaded, so a failure
+consumes nothing. Once a step's tasks are queued, the step after it under the same token target is formed
+(:meth:`TokenBudgetSampler.peek_step` with ``after=``; the sampler does not move) and queued too. The next
+step is always formed afresh at :meth:`TokenBudgetLoader.plan_for_tokens`; the queued tasks serve it when
+this rank's micro-batches are the same samples (same target, nothing else changed) and are dropped
+otherwise, or as soon as another target is asked for. The stream is the same with or without workers.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch.utils.data import default_collate
 
 from ds_adabatch.plan import BatchPlan
 
-from ._workers import fetch_samples
+from ._workers import StepLoader, WorkerOptions
 from .loader import MicroBatch, StepBatch
 from .tokens import TokenBudgetSampler, TokenStep
 
@@ -38,6 +45,15 @@ class TokenBudgetLoader:
         rank, world_size: This process's data-parallel rank and the number of ranks.
         collate_fn: Turns a list of samples into a micro-batch, padding as ``sampler.padding`` counts
             (default ``torch.utils.data.default_collate``).
+        num_workers: Worker processes loading micro-batches in parallel (0: load in this process).
+        multiprocessing_context: Start method name (``"fork"``, ``"spawn"``, ``"forkserver"``) or a
+            context object for the workers; default is torch's default for the platform.
+        worker_init_fn: Called in each worker with its id (0-based) after seeding, before any load.
+        timeout: Seconds to wait for one micro-batch from the workers before failing (0: no limit).
+        prefetch: With workers, load the next step (under the same token target) while this one trains.
+
+    The worker pool starts at the first :meth:`next_step` and lives until :meth:`close` (or the end of a
+    ``with`` block, or garbage collection).
     """
 
     def __init__(
@@ -48,6 +64,11 @@ class TokenBudgetLoader:
         rank: int,
         world_size: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        multiprocessing_context: str | Any | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        timeout: float = 0.0,
+        prefetch: bool = True,
     ) -> None:
         if not isinstance(sampler, TokenBudgetSampler):
             raise TypeError(f"sampler must be a TokenBudgetSampler, got {type(sampler).__name__}")
@@ -58,11 +79,19 @@ class TokenBudgetLoader:
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise ValueError(f"collate_fn must be callable, got {collate_fn!r}")
+        options = WorkerOptions.checked(
+            num_workers, multiprocessing_context, worker_init_fn, timeout, prefetch
+        )
         self._dataset = dataset
         self._sampler = sampler
         self._rank, self._world_size = rank, world_size
         self._collate = collate_fn if collate_fn is not None else default_collate
         self._peeked: TokenStep | None = None
+        self._steps = StepLoader(dataset, self._collate, options, seed=sampler.seed, rank=rank)
+        self._ahead: TokenStep | None = None  # the step whose micro-batches the workers load ahead
+        self._closed = False
 
     @property
     def sampler(self) -> TokenBudgetSampler:
@@ -80,11 +109,27 @@ class TokenBudgetLoader:
     def epoch(self) -> int:
         return self._sampler.epoch
 
+    @property
+    def num_workers(self) -> int:
+        return self._steps.num_workers
+
+    def worker_processes(self) -> list[Any]:
+        """The live worker processes (empty before the first step and after :meth:`close`)."""
+        return self._steps.processes()
+
     def peek_step(self, target_tokens: int) -> TokenStep:
         """The step of ``target_tokens`` at the current position (formed once, then reused)."""
         cursor = (self._sampler.epoch, self._sampler.position)
+        ahead = self._ahead
+        if ahead is not None and (ahead.target_tokens != target_tokens or ahead._origin != cursor):
+            self._drop_ahead()  # another target: the step loading ahead will not be asked for
         step = self._peeked
-        if step is None or step.target_tokens != target_tokens or step._origin != cursor:
+        if (
+            step is None
+            or step.target_tokens != target_tokens
+            or step._origin != cursor
+            or step.budget != self._sampler.pass_budget  # the learned budget changed (OOM, growth)
+        ):
             step = self._peeked = self._sampler.peek_step(target_tokens, self._world_size)
         return step
 
@@ -100,8 +145,11 @@ class TokenBudgetLoader:
         """Collate this rank's micro-batches of the step :meth:`plan_for_tokens` formed, and commit it.
 
         Raises:
-            RuntimeError: no step was formed for ``plan`` at the current position.
+            RuntimeError: the loader is closed, no step was formed for ``plan`` at the current position,
+                or a worker failed (the message names the samples; nothing is consumed then).
         """
+        if self._closed:
+            raise RuntimeError("this TokenBudgetLoader is closed; build a new one to keep loading")
         step = self._peeked
         cursor = (self._sampler.epoch, self._sampler.position)
         if step is None or step._origin != cursor or step.plan(self._sampler.max_micro_batch) != plan:
@@ -109,26 +157,65 @@ class TokenBudgetLoader:
                 "no token-budget step was formed for this plan at the current position: call "
                 "plan_for_tokens(target) first (the engine's next_plan() does)"
             )
-        pad: Any = None
-        micro = []
-        for indices in step.micro_batches(self._rank):
-            if indices:
-                batch = self._collate(fetch_samples(self._dataset, list(indices)))
-                micro.append(MicroBatch(batch, indices, len(indices)))
-                continue
-            if pad is None:  # every pad pass of the step shares one collated sample
-                pad = self._collate(fetch_samples(self._dataset, [step.pad_index]))
-            micro.append(MicroBatch(pad, (), 0))
+        self._ahead = None
+        try:
+            collated = self._steps.load(*self._work(step), ahead=lambda: self._form_ahead(step))
+        except BaseException:
+            self._ahead = None  # the step loader forgot its queued tasks
+            raise
+        micro = [
+            MicroBatch(value, indices, len(indices))
+            for indices, value in zip(step.micro_batches(self._rank), collated)
+        ]
         self._sampler.commit(step)
         self._peeked = None
         return StepBatch(tuple(micro), plan, self._rank, step.epoch, step)  # type: ignore[arg-type]
 
+    def _work(self, step: TokenStep) -> tuple[Any, tuple[tuple[int, ...], ...], int]:
+        """``step`` as the step loader takes it: key, this rank's passes, the pad sample.
+
+        The key is what the collated passes depend on (this rank's samples per pass and the pad sample),
+        so a step loaded ahead serves the step asked for exactly when their passes are the same samples.
+        """
+        slots = step.micro_batches(self._rank)
+        pad = step.pad_index
+        return (slots, pad if any(not s for s in slots) else None), slots, pad
+
+    def _form_ahead(self, step: TokenStep) -> tuple[Any, tuple[tuple[int, ...], ...], int] | None:
+        """The step after ``step`` under the same target, for the workers to load ahead (``None``: none)."""
+        try:
+            ahead = self._sampler.peek_step(step.target_tokens, self._world_size, after=step)
+        except Exception:
+            # Forming it failed (say, an over-long sample): nothing is loaded ahead, and the error is
+            # raised where that step is really formed, if it ever is.
+            return None
+        self._ahead = ahead
+        return self._work(ahead)
+
+    def _drop_ahead(self) -> None:
+        self._steps.drop_queued()
+        self._ahead = None
+
     def reload(self, step: StepBatch, plan: BatchPlan) -> StepBatch:
-        """Not available: a token-budget step cannot be re-cut after an out-of-memory error."""
-        raise RuntimeError(
-            "a token-budget step cannot be re-run with smaller micro-batches after an out-of-memory "
-            "error; lower adabatch.micro_batch_tokens"
-        )
+        """The same samples as ``step`` (already handed out by :meth:`next_step`), re-cut with the sampler's
+        current :attr:`~ds_adabatch.data.tokens.TokenBudgetSampler.pass_budget` and collated again: an
+        out-of-memory retry lowers that budget and runs the step's samples in smaller passes. Nothing is
+        committed again.
+
+        Raises:
+            RuntimeError: the re-cut step's plan is not ``plan``.
+        """
+        token_step = self._sampler.repack(step.global_batch)  # type: ignore[arg-type]
+        if token_step.plan(self._sampler.max_micro_batch) != plan:
+            raise RuntimeError(
+                f"the step re-cut with a token budget of {token_step.budget} has plan "
+                f"{token_step.plan(self._sampler.max_micro_batch)}, not {plan}"
+            )
+        # Loaded here, not by the workers: the step loading ahead stays queued for the next step.
+        _, slots, pad = self._work(token_step)
+        collated = self._steps.load_inline(slots, pad)
+        micro = tuple(MicroBatch(value, indices, len(indices)) for indices, value in zip(slots, collated))
+        return StepBatch(micro, plan, self._rank, token_step.epoch, token_step)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's global counts (resumable on any world size)."""
@@ -149,11 +236,24 @@ class TokenBudgetLoader:
                 f"the checkpoint holds a {state.get('kind')!r} loader's state but this run cuts steps by "
                 "tokens (adabatch.micro_batch_tokens); resume with the config the checkpoint was written with"
             )
+        self._drop_ahead()  # loaded for the old position: never counted, and not wanted now
         self._sampler.load_state_dict(state["sampler"])
         self._peeked = None
 
     def close(self) -> None:
-        """Nothing to stop (samples are loaded in the training process)."""
+        """Stop the worker processes (idempotent). The loader cannot load afterwards."""
+        self._closed = True
+        self._ahead = None
+        self._steps.close()
+
+    def __enter__(self) -> TokenBudgetLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
-        return f"TokenBudgetLoader(rank {self._rank} of {self._world_size}, {self._sampler!r})"
+        return (
+            f"TokenBudgetLoader(rank {self._rank} of {self._world_size}, num_workers={self.num_workers}, "
+            f"{self._sampler!r})"
+        )

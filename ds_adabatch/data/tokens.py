@@ -50,12 +50,14 @@ class TokenStep:
         layouts: One :class:`~ds_adabatch.data.packing.RankLayout` per rank.
         skipped: Samples of the previous epoch's tail dropped (``drop_last``) just before this step.
         target_tokens: The token target the step was formed for.
+        budget: The token budget its micro-batches were cut with: ``micro_batch_tokens``, or the lower
+            one learned after an out-of-memory error (:attr:`TokenBudgetSampler.pass_budget`).
     """
 
     def __init__(self, *, epoch: int, start: int, indices: np.ndarray, lengths: np.ndarray,
                  layouts: list[RankLayout], skipped: int, target_tokens: int, origin: tuple[int, int],
-                 key: tuple) -> None:  # fmt: skip
-        self.epoch, self.start = epoch, start
+                 key: tuple, budget: int) -> None:  # fmt: skip
+        self.epoch, self.start, self.budget = epoch, start, budget
         self.indices, self.lengths = indices, lengths
         self.layouts, self.skipped, self.target_tokens = layouts, skipped, target_tokens
         self._origin, self._key = origin, key
@@ -93,6 +95,16 @@ class TokenStep:
         return self.layouts[rank].micro_batches
 
     @property
+    def largest_pass(self) -> int:
+        """Padded tokens of the step's most expensive pass on any rank."""
+        return max(max(layout.costs) for layout in self.layouts)
+
+    def pass_cost(self, rank: int, index: int) -> tuple[int, int]:
+        """``(padded tokens, real samples)`` of ``rank``'s pass ``index`` (a pad holds 0 samples)."""
+        layout = self.layouts[rank]
+        return layout.costs[index], len(layout.micro_batches[index])
+
+    @property
     def pad_index(self) -> int:
         """The sample a pad pass runs (the step's shortest), weighted 0."""
         return int(self.indices[int(np.argmin(self.lengths))])
@@ -108,7 +120,7 @@ class TokenStep:
     def __repr__(self) -> str:
         return (
             f"TokenStep(epoch={self.epoch}, positions {self.start}..{self.stop - 1}, {self.size} samples, "
-            f"{self.tokens} tokens, {self.passes} passes x {self.world_size} ranks)"
+            f"{self.tokens} tokens, {self.passes} passes x {self.world_size} ranks, budget {self.budget})"
         )
 
 
@@ -167,12 +179,48 @@ class TokenBudgetSampler:
         self.bucket_window = _count("bucket_window", bucket_window, 0)
         self.truncate = bool(truncate)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), _count("seed", seed, 0), bool(drop_last)
+        self._pass_budget = self.budget
         self._epoch = self._position = 0
         self._consumed = self._tokens = self._skipped = 0
         self._order: EpochOrder | None = None
         self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, block start, indices)
         if not self.truncate and lengths.complete:
             self._check_lengths()
+
+    # -- budget --------------------------------------------------------------------------------------
+    @property
+    def pass_budget(self) -> int:
+        """The token budget steps are cut with now: ``micro_batch_tokens``, or lower after an
+        out-of-memory error (the runtime sets it from its learned limit). Samples above it but within
+        ``micro_batch_tokens`` run alone in their pass; ``micro_batch_tokens`` still decides which samples
+        are too long (error or truncation)."""
+        return self._pass_budget
+
+    @pass_budget.setter
+    def pass_budget(self, tokens: int) -> None:
+        self._pass_budget = _count("pass_budget", tokens, 1, self.budget)
+
+    def repack(self, step: TokenStep, budget: int | None = None) -> TokenStep:
+        """The same samples as ``step``, cut into micro-batches with ``budget`` (default: :attr:`pass_budget`).
+
+        An out-of-memory retry runs it: the step's samples, order, counts and weights are unchanged, only
+        the passes differ.
+        """
+        budget = self._pass_budget if budget is None else _count("budget", budget, 1, self.budget)
+        layouts = self._pack(step.indices, step.lengths, step.world_size, budget)
+        return TokenStep(
+            epoch=step.epoch, start=step.start, indices=step.indices, lengths=step.lengths,
+            layouts=layouts, skipped=step.skipped, target_tokens=step.target_tokens,
+            origin=step._origin, key=step._key, budget=budget,
+        )  # fmt: skip
+
+    def _pack(
+        self, indices: np.ndarray, lengths: np.ndarray, world_size: int, budget: int
+    ) -> list[RankLayout]:
+        return pack_step(
+            indices, lengths, world_size=world_size, budget=budget, padding=self.padding,
+            max_samples=self.max_micro_batch, oversize_alone=budget < self.budget,
+        )  # fmt: skip
 
     # -- progress ----------------------------------------------------------------------------------
     @property
@@ -271,14 +319,11 @@ class TokenBudgetSampler:
             skipped = self.num_samples - position
             epoch, position = epoch + 1, 0
             indices, lengths = self._gather(epoch, 0, target)
-        layouts = pack_step(
-            indices, lengths, world_size=world_size, budget=self.budget, padding=self.padding,
-            max_samples=self.max_micro_batch,
-        )  # fmt: skip
+        layouts = self._pack(indices, lengths, world_size, self._pass_budget)
         key = (self.num_samples, self.seed, self.shuffle, self.bucket_window, epoch, position)
         return TokenStep(
             epoch=epoch, start=position, indices=indices, lengths=lengths, layouts=layouts,
-            skipped=skipped, target_tokens=target, origin=origin, key=key,
+            skipped=skipped, target_tokens=target, origin=origin, key=key, budget=self._pass_budget,
         )  # fmt: skip
 
     def _gather(self, epoch: int, position: int, target: int) -> tuple[np.ndarray, np.ndarray]:

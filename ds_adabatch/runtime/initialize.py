@@ -91,7 +91,12 @@ def initialize(
     dataloader = None
     if token_sampler is not None:
         dataloader = TokenBudgetLoader(
-            training_data, token_sampler, rank=rank, world_size=world, collate_fn=collate_fn
+            training_data,
+            token_sampler,
+            rank=rank,
+            world_size=world,
+            collate_fn=collate_fn,
+            num_workers=cfg.data.num_workers,
         )
     elif training_data is not None:
         from ..data import ElasticDataLoader, ElasticSampler
