@@ -1,14 +1,18 @@
 """Test helpers for users of ds_adabatch: simulate running out of GPU memory on a CPU.
 
-``simulated_memory_limit`` makes every forward pass (or its backward) that holds more samples than a
-budget raise ``torch.OutOfMemoryError``, on the ranks you choose, so the out-of-memory recovery of
-``"adabatch".memory`` can be exercised on any machine::
+``simulated_memory_limit`` makes every forward pass (or its backward) that holds more samples (or more
+tokens) than a budget raise ``torch.OutOfMemoryError``, on the ranks you choose, so the out-of-memory
+recovery of ``"adabatch".memory`` can be exercised on any machine::
 
     from ds_adabatch.testing import simulated_memory_limit
 
     with simulated_memory_limit(6, ranks=[1]) as budget:   # rank 1 fits 6 samples per forward
         engine.train_batch()                               # micro 8 -> OOM on rank 1 -> micro 4
         budget.max_samples_per_forward = 12                # the budget rises mid-run
+
+    # token-budget steps: a forward over more than 1024 tokens (padding included) fails
+    with simulated_memory_limit(max_tokens_per_forward=1024):
+        engine.train_batch()
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ def _leading_dim(value: Any) -> int | None:
     return None
 
 
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor that requires grad in a model output (a tensor, a mapping such as Hugging
     Face's ``ModelOutput`` with ``loss`` first, or a sequence)."""
@@ -61,21 +78,30 @@ class SimulatedMemoryLimit:
     """An installed budget (see :func:`simulated_memory_limit`); a context manager.
 
     Attributes:
-        max_samples_per_forward: the budget, in samples per forward pass; change it at any time.
+        max_samples_per_forward: the budget, in samples per forward pass (None: no bound); change it
+            at any time.
+        max_tokens_per_forward: the budget in tokens per forward pass: the number of elements of the
+            forward's first tensor (samples x padded length for token ids; None: no bound).
         raised: how many simulated out-of-memory errors this process raised so far.
         calls: outermost forward calls seen on this rank since install (failed ones included).
     """
 
     def __init__(
         self,
-        max_samples_per_forward: int,
+        max_samples_per_forward: int | None,
         ranks: Iterable[int] | None,
         phase: Literal["forward", "backward"],
         fail_calls: Iterable[int] = (),
+        max_tokens_per_forward: int | None = None,
     ) -> None:
         if phase not in ("forward", "backward"):
             raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
-        self.max_samples_per_forward = int(max_samples_per_forward)
+        if max_samples_per_forward is None and max_tokens_per_forward is None:
+            raise ValueError("give max_samples_per_forward, max_tokens_per_forward or both")
+        self.max_samples_per_forward = (
+            None if max_samples_per_forward is None else int(max_samples_per_forward)
+        )
+        self.max_tokens_per_forward = None if max_tokens_per_forward is None else int(max_tokens_per_forward)
         self.ranks = None if ranks is None else {int(r) for r in ranks}
         self.phase = phase
         self.fail_calls = {int(c) for c in fail_calls}
@@ -83,6 +109,8 @@ class SimulatedMemoryLimit:
         self.calls = 0
         self._depth = 0
         self._samples: int | None = None
+        self._tokens: int | None = None
+        self._checked = False  # this forward's budget was checked (at its first leaf module)
         self._handles: list[Any] = []
 
     def _active_here(self) -> bool:
@@ -92,16 +120,22 @@ class SimulatedMemoryLimit:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return rank in self.ranks
 
-    def _oom(self, samples: int, where: str) -> torch.OutOfMemoryError:
+    def _oom(self, samples: int, tokens: int | None, where: str) -> torch.OutOfMemoryError:
         self.raised += 1
         return torch.OutOfMemoryError(
-            f"simulated out of memory in {where}: {samples} samples per forward exceed the budget of "
-            f"{self.max_samples_per_forward}"
+            f"simulated out of memory in {where}: {samples} samples ({tokens} tokens) per forward "
+            f"exceed the budget of {self.max_samples_per_forward} samples / "
+            f"{self.max_tokens_per_forward} tokens"
         )
 
-    def _over(self, samples: int | None) -> bool:
-        return samples is not None and (
-            samples > self.max_samples_per_forward or self.calls in self.fail_calls
+    def _over(self, samples: int | None, tokens: int | None) -> bool:
+        if samples is None:
+            return False
+        if self.calls in self.fail_calls:
+            return True
+        limit, token_limit = self.max_samples_per_forward, self.max_tokens_per_forward
+        return (limit is not None and samples > limit) or (
+            token_limit is not None and tokens is not None and tokens > token_limit
         )
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
@@ -110,26 +144,33 @@ class SimulatedMemoryLimit:
             return
         if self._depth == 1:
             self.calls += 1
-            self._samples = None
-        if self._samples is not None:
-            return
-        # The batch size is the first positional tensor of the outermost call, or (when that call
-        # takes keyword arguments only, like model(**batch)) of the first module call below it.
-        self._samples = _leading_dim(args)
-        if self.phase == "forward" and self._over(self._samples):
-            raise self._oom(self._samples or 0, "forward")
+            self._samples = self._tokens = None
+            self._checked = False
+        if self._samples is None:
+            # The batch size is the first positional tensor of the outermost call, or (when that call
+            # takes keyword arguments only, like model(**batch)) of the first module call below it.
+            self._samples = _leading_dim(args)
+            first = _first_tensor(args)
+            self._tokens = int(first.numel()) if first is not None and first.dim() else None
+        # A forward-phase error is raised where the model starts computing, as a real one would be:
+        # at its first leaf module (e.g. the embedding), after the hooks of the modules around it
+        # (ZeRO-3's start-of-forward hook communicates in the first steps), before that leaf runs.
+        if self.phase == "forward" and not self._checked and next(module.children(), None) is None:
+            self._checked = True
+            if self._over(self._samples, self._tokens):
+                raise self._oom(self._samples or 0, self._tokens, "forward")
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._depth -= 1
         if self._depth != 0 or self.phase != "backward" or not self._active_here():
             return
-        samples = self._samples
+        samples, tokens = self._samples, self._tokens
         out = _first_grad_tensor(output)
-        if out is None or not self._over(samples):
+        if out is None or not self._over(samples, tokens):
             return
 
         def fail(grad: torch.Tensor) -> None:
-            raise self._oom(samples or 0, "backward")
+            raise self._oom(samples or 0, tokens, "backward")
 
         out.register_hook(fail)
 
@@ -164,18 +205,23 @@ class SimulatedMemoryLimit:
 
 
 def simulated_memory_limit(
-    max_samples_per_forward: int,
+    max_samples_per_forward: int | None = None,
     ranks: Iterable[int] | None = None,
     *,
     phase: Literal["forward", "backward"] = "forward",
     fail_calls: Iterable[int] = (),
+    max_tokens_per_forward: int | None = None,
 ) -> SimulatedMemoryLimit:
-    """Make forward passes over more than ``max_samples_per_forward`` samples run out of memory.
+    """Make forward passes over more than ``max_samples_per_forward`` samples (or more than
+    ``max_tokens_per_forward`` tokens) run out of memory.
 
     The check applies to the outermost module call (your model, or the DeepSpeed engine wrapping it):
     the leading dimension of its first positional tensor (or, for ``model(**batch)``, of the first
-    module call below it that takes one, such as the embedding) is the number of samples. ``phase="forward"`` raises
-    ``torch.OutOfMemoryError`` before the forward runs; ``phase="backward"`` lets the forward run and
+    module call below it that takes one, such as the embedding) is the number of samples, and that
+    tensor's number of elements the number of tokens (samples x padded length for ``input_ids``; a
+    model fed packed rows counts the row). ``phase="forward"`` raises
+    ``torch.OutOfMemoryError`` when the forward reaches its first leaf module (one without submodules,
+    e.g. the embedding), before that module runs; ``phase="backward"`` lets the forward run and
     raises when backward reaches the model's output (its first tensor that requires grad, e.g. a
     Hugging Face output's ``loss``): the start of backward, before any gradient is reduced. Only the ranks in ``ranks`` (``torch.distributed`` ranks; None: every rank) raise.
     ``fail_calls`` also fails the n-th outermost forward on such a rank (1-based, counted from install),
@@ -186,4 +232,4 @@ def simulated_memory_limit(
     the CPU the runtime's out-of-memory agreement runs only while a simulated limit is installed, and
     every rank must take part in it.
     """
-    return SimulatedMemoryLimit(max_samples_per_forward, ranks, phase, fail_calls)
+    return SimulatedMemoryLimit(max_samples_per_forward, ranks, phase, fail_calls, max_tokens_per_forward)

@@ -289,6 +289,81 @@ def run_partitioned_z3(out_dir: str) -> None:
         engine.train_batch()
 
 
+TOKEN_STAGES = {"tokens_z0": 0, "tokens_z2": 2, "tokens_z3": 3}
+
+
+def run_tokens(name: str, stage: int, out_dir: str) -> None:
+    """Token-budget steps (budget 64 tokens per pass) with the last rank fitting 40 tokens per forward
+    for the first 5 steps: each OOM re-cuts the same samples with a lower token budget; after the limit
+    is lifted the budget grows back. Then one sample longer than the last rank's limit: a clear error."""
+    import token_worker as tw
+
+    world = dist.get_world_size()
+    last = world - 1
+    data = tw.Sequences()
+    cfg = tw.config(stage, "token", memory={"grow_after_steps": 2})
+    engine, *_ = ds_adabatch.initialize(
+        tw.make_model(), cfg, data, collate_fn=tw.collate, loss_fn=tw.token_mean_loss,
+        token_count_fn=tw.count_tokens, lengths=data.lengths,
+    )  # fmt: skip
+    costs: list[int] = []  # tokens of every forward that completed on this rank while limited
+    hook = engine.module.register_forward_hook(lambda m, args, out: costs.append(int(args[0].numel())))
+    steps, seen, budgets, retries = [], [], [], []
+    limit = simulated_memory_limit(max_tokens_per_forward=40, ranks=[last]).install()
+    for k, target in enumerate(tw.TARGETS + tw.TARGETS[:4]):
+        if k == 5:
+            limit.remove()  # the memory is back: the budget grows to 64 again
+        engine.set_global_batch_size(target)
+        engine.train_batch()
+        step = engine.last_step_batch.global_batch
+        steps.append(step.indices.tolist())
+        seen += _ledger(engine)
+        budgets.append(step.budget)
+        retries.append(engine.last_metrics.extra["oom_retries"])
+        if k == 4:
+            limited_costs = list(costs)
+    hook.remove()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, limited_costs)
+    limited_costs = per_rank[last]
+    got = tw.params(engine)
+    want = tw.reference(steps, data, "token")
+    record = {
+        "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+        "steps": steps,
+        "seen": seen,
+        "budgets": budgets,
+        "oom_retries": retries,
+        "limited_costs": limited_costs,
+        "learned": engine.micro_batch_limit,
+        "history": [e.to_dict() for e in engine.history],
+        "global_samples": engine.global_samples,
+        "global_tokens": engine.global_tokens,
+        "lengths": data.lengths,
+    }
+    engine.close()
+    # A sample of more tokens than the last rank can hold cannot be cut: every rank raises the same error.
+    engine, *_ = ds_adabatch.initialize(
+        tw.make_model(), cfg, data, collate_fn=tw.collate, loss_fn=tw.token_mean_loss,
+        token_count_fn=tw.count_tokens, lengths=data.lengths,
+    )  # fmt: skip
+    with simulated_memory_limit(max_tokens_per_forward=max(data.lengths) - 1, ranks=[last]):
+        try:
+            for target in tw.TARGETS:
+                engine.set_global_batch_size(target)
+                engine.train_batch()
+            record["message"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test asserts on its type and text
+            record["message"] = f"{type(exc).__name__}: {exc}"
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, record["message"])
+    record["messages"] = gathered
+    engine.close()
+    if dist.get_rank() == 0:
+        write(out_dir, name, record)
+    dist.barrier()
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     deepspeed.init_distributed()
@@ -306,6 +381,9 @@ def main() -> None:
         run_data_iter(out_dir)
     if cases is None or "iterable_z0" in cases:
         run_iterable(out_dir)
+    for name, stage in TOKEN_STAGES.items():
+        if cases is None or name in cases:
+            run_tokens(name, stage, out_dir)
     if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
         run_partitioned_z3(out_dir)
 

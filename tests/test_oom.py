@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multirank
 HERE = Path(__file__).parent
 WORKER = HERE / "oom_worker.py"
 RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets", "z1_workers", "z0_bf16", "z2_bf16")
-ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2"
+ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2,tokens_z2"
 
 
 def _launch(out: Path, nproc: int, cases: str | None = None, worker: Path = WORKER) -> None:
@@ -162,3 +162,34 @@ def test_an_iterable_dataset_retry_draws_nothing_more(results):
 def test_learned_limits_are_kept_in_checkpoints(results):
     r = _read(results, 2, "auto_z2_resumed")
     assert r["loaded"] == r["saved"] == "{None: 16, 2048: 8}", r
+
+
+@pytest.mark.parametrize(
+    ("world", "name"), [(2, "tokens_z0"), (2, "tokens_z2"), (2, "tokens_z3"), (1, "tokens_z2")]
+)
+def test_token_steps_are_re_cut_with_a_lower_token_budget_and_stay_exact(results, world, name):
+    r = _read(results, world, name)
+    assert r["max_rel_err"] <= 1e-5, f"{name}: off the token-mean reference by {r['max_rel_err']:.2e}"
+    # The last rank fits 40 tokens per forward for steps 0-4: every forward it completed meanwhile
+    # held at most 40 tokens (padding included), and the first step needed a retry.
+    assert r["oom_retries"][0] >= 1 and max(r["limited_costs"]) <= 40, (r["oom_retries"], r["limited_costs"])
+    assert all(b < 64 for b in r["budgets"][:5]), (
+        f"the learned budget stays below 64 while limited: {r['budgets']}"
+    )
+    assert r["budgets"][-1] > 40 and r["learned"] > 40, (
+        f"the budget grows back once memory is free: {r['budgets']}"
+    )
+    assert sum(r["oom_retries"][5:]) == 0
+    # Exactly once: steps never cross an epoch's end, so the stream is epoch after epoch of 60 samples.
+    seen = r["seen"]
+    for start in range(0, len(seen), 60):
+        chunk = seen[start : start + 60]
+        assert len(set(chunk)) == len(chunk) and set(chunk) <= set(range(60)), f"epoch at {start} repeats"
+        if len(chunk) == 60:
+            assert sorted(chunk) == list(range(60))
+    assert r["global_tokens"] == sum(r["lengths"][i] for i in seen)
+    # One sample longer than the last rank can hold: the same clear error on every rank, no hang.
+    assert len(set(r["messages"])) == 1, r["messages"]
+    message = r["messages"][0]
+    assert message.startswith("UnrecoverableOutOfMemory") and "a pass of one sample" in message, message
+    assert "micro_batch_tokens" in message and "truncate_long_samples" in message, message

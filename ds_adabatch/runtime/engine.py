@@ -41,7 +41,7 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
-from .recovery import OomRecovery, replan_after_oom, resplit_micro_batches
+from .recovery import OomRecovery, replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
 from .step_loss import StepLoss
 from .step_sync import StepSync
 from .weights import loss_weight
@@ -150,7 +150,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
     def micro_batch_limit(self) -> int:
         """The largest micro-batch per GPU the next step may plan (samples): the integer
         ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
-        the learned limit."""
+        the learned limit. With ``micro_batch_tokens`` it counts tokens per pass instead (padding
+        included): the budget the next step is cut with, ``micro_batch_tokens`` or lower after an
+        out-of-memory error."""
         return self.memory_recovery.memory.limit
 
     def set_memory_key(self, key: int | str | None) -> None:
@@ -300,7 +302,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         try:
             recovery = self.memory_recovery
             for i, (batch, count) in enumerate(zip(batches, counts)):
-                recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}")
+                recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}", index=i)
                 # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
                 # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
                 # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
@@ -316,6 +318,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
                         probe.read_reduced_norm()
                 if i == last:
                     recovery.where = f"in the optimizer step of step {self.global_steps}"
+                    recovery.pass_index = None
                 ds.step()
                 if count:
                     loss_sum = loss_sum + loss.detach().to(torch.float64) * count
@@ -432,6 +435,8 @@ class AdaptiveBatchEngine(CheckpointMixin):
                 raise ValueError(
                     "token-budget steps need training_data and lengths in ds_adabatch.initialize"
                 )
+            # Cut with the learned token budget (micro_batch_tokens until an OOM lowers it).
+            self.dataloader.sampler.pass_budget = self.micro_batch_limit
             return self.dataloader.plan_for_tokens(batch)
         return plan_batch(
             batch, self.world_size, self.micro_batch_limit, allow_uneven=self.config.allow_uneven
@@ -439,9 +444,19 @@ class AdaptiveBatchEngine(CheckpointMixin):
 
     def _replan_after_oom(self, ranks: list[int]) -> BatchPlan:
         """Every rank agreed that ``ranks`` ran out of memory: the same global batch, smaller micro-batches."""
-        plan, reason, line = replan_after_oom(
-            self.memory_recovery.memory, self.plan, ranks, self.global_steps, self.config.allow_uneven
-        )
+        if self.token_budget:  # the same samples, cut with a lower token budget (data/tokens.py)
+            step, reason, line = replan_token_step_after_oom(
+                self.memory_recovery.memory,
+                self.dataloader.sampler,
+                self.last_step_batch.global_batch,
+                self.memory_recovery.failed_passes(ranks),
+                self.global_steps,
+            )
+            plan = step.plan(self.dataloader.sampler.max_micro_batch)
+        else:
+            plan, reason, line = replan_after_oom(
+                self.memory_recovery.memory, self.plan, ranks, self.global_steps, self.config.allow_uneven
+            )
         self._step_ooms += 1
         self._apply_plan(plan, reason=reason, record=True, line=line)
         return plan
@@ -500,7 +515,13 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
         ds.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
-        decision = self.memory_recovery.memory.on_clean_step(self.plan.micro_batch_per_gpu)
+        # The learned limit counts samples per pass, or tokens per pass with a token budget.
+        largest = (
+            self.last_step_batch.global_batch.largest_pass
+            if self.token_budget
+            else self.plan.micro_batch_per_gpu
+        )
+        decision = self.memory_recovery.memory.on_clean_step(largest)
         if decision is not None:
             # Logged once, with the plan change it causes at the next decision.
             self._memory_reason = (

@@ -82,6 +82,8 @@ class OomAgreement:
         self._can_raise = torch.device(device).type != "cpu"
         self._group = _host_group(world_size)
         self._agreed = False
+        # The last agreement's failed ranks and the micro-batch each failed in (None: not known).
+        self.failed_passes: dict[int, int | None] = {}
         self.agreements = 0  # number of agreement collectives issued (tests and benchmarks read it)
         self._install(ds_engine)
 
@@ -101,19 +103,23 @@ class OomAgreement:
         """True once this pass's agreement ran (an OOM after it is not recoverable)."""
         return self._agreed
 
-    def _exchange(self, failed: bool) -> list[int]:
+    def _exchange(self, failed: bool, pass_index: int | None = None) -> list[int]:
         self._agreed = True
         self.agreements += 1
+        # A failed rank's flag is 1, or 2 + the index of the micro-batch that failed when it knows it.
+        flag = 0.0 if not failed else 1.0 if pass_index is None else 2.0 + pass_index
         if self.world_size == 1:
             # Nobody to tell and nobody to wait for: no collective and no host read.
-            return [self.rank] if failed else []
-        flags = torch.zeros(self.world_size, dtype=torch.float32)  # host memory: no GPU involved
-        if failed:
-            flags[self.rank] = 1.0
-        dist = torch.distributed
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags, group=self._group)
-        return [r for r, v in enumerate(flags.tolist()) if v > 0]
+            values = [flag]
+        else:
+            flags = torch.zeros(self.world_size, dtype=torch.float32)  # host memory: no GPU involved
+            flags[self.rank] = flag
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(flags, group=self._group)
+            values = flags.tolist()
+        self.failed_passes = {r: (None if v < 2 else int(v) - 2) for r, v in enumerate(values) if v > 0}
+        return list(self.failed_passes)
 
     def _before_collective(self) -> None:
         if not self.armed or self._agreed:
@@ -122,8 +128,9 @@ class OomAgreement:
         if failed:
             raise PeerOutOfMemory(failed)
 
-    def report_oom(self, where: str) -> list[int]:
-        """This rank caught an OOM; tell the others and return every rank that failed.
+    def report_oom(self, where: str, pass_index: int | None = None) -> list[int]:
+        """This rank caught an OOM (in micro-batch ``pass_index`` of the step, when known); tell the
+        others and return every rank that failed (:attr:`failed_passes` says where each failed).
 
         Raises:
             UnrecoverableOutOfMemory: this pass already passed its agreement point.
@@ -138,7 +145,7 @@ class OomAgreement:
                 "reduce_bucket_size, or raise stage3_param_persistence_threshold; this process exits "
                 "and the launcher stops the others"
             )
-        return self._exchange(True)
+        return self._exchange(True, pass_index)
 
     # -- wiring into DeepSpeed ----------------------------------------------------------------------
     def _wrap(self, owner: Any, name: str, when: Any = None) -> None:
@@ -249,11 +256,16 @@ def _discard_zero3(ds: Any, opt: Any) -> None:
     if hasattr(opt, "_offload_boundary_param_ids"):
         opt._offload_boundary_param_ids = set()
     opt.reset_cpu_buffers()
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    if coordinator.is_record_trace():
+        # The first steps record the module order (checked across ranks at the next forward): an
+        # interrupted pass recorded part of it on this rank only, so every rank records afresh.
+        coordinator._invalidate_trace()
     if any(not getattr(p, "ds_persist", False) for p in ds.module.parameters()):
         # Partitioned parameters an interrupted pass left gathered are released. When every parameter
         # is persistent (below stage3_param_persistence_threshold) nothing is released: releasing them
         # would make the retry's forward gather again, and an OOM after that gather is unrecoverable.
-        opt.parameter_offload.get_param_coordinator().release_and_reset_all(ds.module)
+        coordinator.release_and_reset_all(ds.module)
 
 
 def _host_group(world_size: int) -> Any:

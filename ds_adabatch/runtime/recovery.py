@@ -61,17 +61,25 @@ class OomRecovery:
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
         self.where = ""
+        self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
 
     @property
     def armed(self) -> bool:
         return self.agreement is not None and self.agreement.armed
 
-    def begin_pass(self, where: str) -> None:
-        """Called before each micro-batch: a new pass, with its own agreement point."""
+    def begin_pass(self, where: str, index: int | None = None) -> None:
+        """Called before each micro-batch (``index``: its position in the step): a new pass, with its
+        own agreement point."""
         if self.agreement is not None:
             self.where = where
+            self.pass_index = index
             self.agreement.begin_pass()
+
+    def failed_passes(self, ranks: list[int]) -> dict[int, int | None]:
+        """The pass each of ``ranks`` ran out of memory in at the last agreement (None: unknown)."""
+        known = self.agreement.failed_passes if self.agreement is not None else {}
+        return {r: known.get(r) for r in ranks}
 
     def run(self, attempt: Callable[[], T], replan: Callable[[list[int]], None]) -> T:
         """``attempt()`` until it completes; after an agreed OOM, clean up and call ``replan(ranks)``."""
@@ -102,7 +110,7 @@ class OomRecovery:
                 raise
             # Raises UnrecoverableOutOfMemory (chained to exc) when this pass already agreed.
             try:
-                ranks = self.agreement.report_oom(self.where)
+                ranks = self.agreement.report_oom(self.where, self.pass_index)
             except Exception as unrecoverable:
                 raise unrecoverable from exc
             return False, None, ranks
@@ -153,6 +161,49 @@ def replan_after_oom(
     return new, f"out of memory on {who} at micro {micro}; same samples", line
 
 
+def replan_token_step_after_oom(
+    memory: MicroBatchMemory, sampler: Any, step: Any, failed: dict[int, int | None], number: int
+) -> tuple[Any, str, str]:
+    """The same token-budget step cut with a lower token budget after some ranks ran out of memory.
+
+    ``step`` is the :class:`~ds_adabatch.data.tokens.TokenStep` that failed and ``failed`` maps each
+    failed rank to the pass it failed in (None: not in a pass, e.g. the optimizer step, when every pass
+    of that rank counts; see :attr:`~ds_adabatch.runtime.oom.OomAgreement.failed_passes`). The learned
+    limit (tokens per pass) drops below the failed pass's padded tokens, ``sampler.pass_budget`` follows
+    it, and the step's samples are re-cut (a sample above the lower budget runs alone). Returns ``(the
+    re-cut step, reason for engine.history, the log line)``.
+
+    Raises:
+        UnrecoverableOutOfMemory: every failed pass held a single sample: nothing smaller to cut.
+    """
+    ranks = sorted(failed)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    costs = [
+        step.pass_cost(r, p)
+        for r in ranks
+        for p in ([failed[r]] if failed[r] is not None else range(step.passes))
+    ]
+    splittable = [cost for cost, samples in costs if samples > 1]
+    if not splittable:
+        cost = max(cost for cost, _ in costs)
+        raise UnrecoverableOutOfMemory(
+            f"out of memory on {who} in step {number}, in a pass of one sample ({cost} tokens "
+            "with padding): nothing smaller to cut. Lower adabatch.micro_batch_tokens with "
+            "truncate_long_samples, or make one sample need less memory (ZeRO-3, CPU offload, "
+            "activation checkpointing)"
+        )
+    cost = max(splittable)
+    old_budget = step.budget
+    memory.on_oom(cost)
+    sampler.pass_budget = min(memory.limit, sampler.budget)
+    new = sampler.repack(step)
+    line = (
+        f"step {number}: OOM on {who} at {cost} tokens per pass -> token budget {old_budget} -> "
+        f"{new.budget}, {step.passes} -> {new.passes} passes, same samples"
+    )
+    return new, f"out of memory on {who} at {cost} tokens per pass; same samples", line
+
+
 def resplit_micro_batches(micro: list[tuple[Any, int]], gas: int) -> list[tuple[Any, int]]:
     """This rank's ``(batch, samples)`` micro-batches (pads have 0) re-cut into ``gas`` ones, in order:
     a retry of a ``train_batch(data_iter)`` step runs the same samples with the new plan's GAS."""
@@ -193,7 +244,16 @@ def _slice(batch: Any, lo: int, hi: int) -> Any:
 
 
 def memory_for(config: Any) -> MicroBatchMemory:
-    """The learned micro-batch limit an ``"adabatch"`` section (:class:`AdaBatchConfig`) asks for."""
+    """The learned micro-batch limit an ``"adabatch"`` section (:class:`AdaBatchConfig`) asks for: in
+    samples per pass, or with ``micro_batch_tokens`` in tokens per pass (that budget is its ceiling)."""
+    if config.token_budget:
+        budget = int(config.micro_batch_tokens)
+        return MicroBatchMemory(
+            budget,
+            budget,
+            grow_after_steps=config.memory.grow_after_steps,
+            backoff_factor=config.memory.backoff_factor,
+        )
     return MicroBatchMemory(
         config.initial_micro_batch_limit,
         config.micro_batch_limit,
