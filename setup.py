@@ -36,6 +36,7 @@ setup(
             "transformers>=4.46",
             "accelerate>=1.0",
             "pyyaml>=6",
+            "datasets>=3",  # the Trainer's length column read from a datasets.Dataset
         ],
     },
     entry_points={"console_scripts": ["ds-adabatch=ds_adabatch.cli:main"]},

@@ -12,10 +12,20 @@ works (``--num_train_epochs``, ``--max_steps``, ``--dataloader_drop_last``, ``--
 With ``--use_config_schedule`` (and a ``--deepspeed`` config) the config's ``"adabatch"`` section drives
 the global batch instead of the scheduler function, e.g. the ``gradient_noise`` schedule of
 ``ds_configs/hf_zero2_noise.json`` (its estimate is logged as ``noise_scale``).
+
+With ``--micro_batch_tokens N`` (and a ``--deepspeed`` config) the samples are the source files' lines
+(1 to ``context`` bytes each), padded to the longest of each pass, and every pass holds at most N padded
+tokens (the config's ``"adabatch"`` section gets ``micro_batch_tokens``; the lengths are each sample's
+``len(input_ids)``); the logs add ``global_batch_tokens`` and ``train_tokens``:
+
+    torchrun --nproc-per-node 2 runners/hf_trainer_example.py --deepspeed ds_configs/hf_zero2.json \
+        --micro_batch_tokens 256
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -51,6 +61,49 @@ class DemoArguments:
     use_config_schedule: bool = field(
         default=False, metadata={"help": "let the --deepspeed config's adabatch section drive the batch"}
     )
+    micro_batch_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "with --deepspeed: train on source lines, at most this many padded tokens per pass"
+        },
+    )
+
+
+class SourceLines(torch.utils.data.Dataset):
+    """The non-empty lines of a byte corpus, each cut to ``context`` bytes: ``{"input_ids": [...]}``."""
+
+    def __init__(self, data, context: int, *, limit: int) -> None:
+        lines = [line[:context] for line in bytes(data).split(b"\n") if line.strip()]
+        self.lines = lines[:limit]
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": list(self.lines[i])}
+
+
+def pad_to_longest(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Pads a pass to its longest sample (what ``"padding": "pad_to_longest"`` counts); labels -100 there."""
+    rows = [torch.tensor(s["input_ids"]) for s in samples]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    labels = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-100)
+    return {"input_ids": ids, "attention_mask": (labels != -100).long(), "labels": labels}
+
+
+def with_token_budget(args: TrainingArguments, tokens: int) -> TrainingArguments:
+    """``args`` whose DeepSpeed config cuts every pass to ``tokens`` padded tokens."""
+    if not args.deepspeed:
+        raise SystemExit("--micro_batch_tokens needs --deepspeed (the budget lives in its adabatch section)")
+    config = args.deepspeed
+    if not isinstance(config, dict):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    section = dict(config.get("adabatch", {}))
+    section.pop("max_micro_batch_per_gpu", None)  # the token budget bounds a pass instead
+    section.setdefault("schedule", {"type": "constant", "value": 8})
+    section.update(micro_batch_tokens=tokens, padding="pad_to_longest")
+    return dataclasses.replace(args, deepspeed={**config, "adabatch": section})
 
 
 class LocalBatchPrinter(TrainerCallback):
@@ -91,6 +144,11 @@ def main() -> None:
     spec = ModelSpec(layers=2, width=64, heads=4, context=64)
     corpus = ByteCorpus(stdlib_sources()[: demo.source_files])
     dataset = ByteWindows(corpus.train, spec.context, limit=demo.samples)
+    collator = None
+    if demo.micro_batch_tokens:
+        training_args = with_token_budget(training_args, demo.micro_batch_tokens)
+        dataset = SourceLines(corpus.train, spec.context, limit=demo.samples)
+        collator = pad_to_longest
     scheduler = None
     if not demo.use_config_schedule:
         scheduler = partial(custom_batch_size_scheduler, interval=demo.interval, increment=demo.increment)
@@ -100,6 +158,7 @@ def main() -> None:
         model=build_model(spec, seed=training_args.seed),
         args=training_args,
         train_dataset=dataset,
+        data_collator=collator,
     )
     trainer.add_callback(LocalBatchPrinter(trainer))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

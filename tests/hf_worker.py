@@ -18,6 +18,14 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
 * ``ramp``: no scheduler; the DeepSpeed config's "adabatch" section ramps the global batch.
 * ``noise``: the ``gradient_noise`` schedule from the "adabatch" section: the estimate against a
   closed form (ZeRO 0 and the backend's stage), the batch following it, and a resume continuing it.
+* ``tokens`` (DeepSpeed only: ``micro_batch_tokens`` lives in its config): a GPT-2 built from a config on
+  sequences of 3..20 tokens, padded to the longest by ``DataCollatorForLanguageModeling``, with token
+  budgets of 40 per pass and a linear ``unit: "tokens"`` ramp for 2 epochs; every forward pass's
+  ``input_ids.numel()``, every step's samples and parameters, a checkpoint after step 4 and a resumed
+  second run; the same run again with rank 1 out of memory above 30 tokens per pass (recovered by
+  re-cutting the step); then 10-sample steps of a BERT classifier cut by a token budget. Every rank
+  also replays the steps in plain PyTorch (one padded batch per step, SGD at the LR the token target
+  implies) for the parameter comparisons.
 
 The helpers (datasets, model builders, the recording callback) are also used by the single-process
 tests in tests/test_hf_trainer.py.
@@ -29,6 +37,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,14 +51,18 @@ from engine_worker import GaussianRegression as _GaussianPairs  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithPadding,
     GPT2Config,
     GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
     TrainerCallback,
     TrainingArguments,
 )
 
 import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
+from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
 SEED_SAMPLES = 10
 SEED_EPOCHS = 4
@@ -573,12 +586,288 @@ def run_noise(out: Path, ds: bool) -> dict:
     return result
 
 
+# -- token budgets ----------------------------------------------------------------------------------
+TOKEN_VOCAB = 48
+"""Token ids 1..47 occur in the data; 0 is the tokenizer's pad."""
+TOKEN_SAMPLES = 36
+TOKEN_BUDGET = 40
+TOKEN_SAVE_AT = 4
+TOKEN_LR = 0.1
+TOKEN_OOM_AT = 30
+"""Tokens per forward pass above which rank 1 runs out of memory in the ``tokens`` scenario's OOM run."""
+TOKEN_SECTION = {
+    "micro_batch_tokens": TOKEN_BUDGET,
+    "padding": "pad_to_longest",
+    # Token targets need not divide by the world size; the stream then is the same on any number of ranks.
+    "allow_uneven": True,
+    "schedule": {"type": "linear", "unit": "tokens", "start": 60, "end": 140, "ramp_samples": 36},
+    "bucket_window": 12,
+    "lr_scaling": {"rule": "linear"},
+}
+
+
+def token_lengths_of(n: int = TOKEN_SAMPLES) -> list[int]:
+    """The lengths of :class:`VariableLengthText`'s samples (3..20 tokens)."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(3, 21, (n,), generator=g).tolist()
+
+
+class VariableLengthText(torch.utils.data.Dataset):
+    """Token sequences of 3..20 tokens as lists of ids (what a tokenizer's map gives a Trainer).
+
+    ``with_length`` adds each sample's ``"length"`` key (as a precomputed length column would).
+    """
+
+    def __init__(self, n: int = TOKEN_SAMPLES, *, with_length: bool = False) -> None:
+        g = torch.Generator().manual_seed(8)
+        self.lengths = token_lengths_of(n)
+        self.ids = [torch.randint(1, TOKEN_VOCAB, (k,), generator=g).tolist() for k in self.lengths]
+        self.with_length = with_length
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample: dict[str, Any] = {"input_ids": self.ids[i]}
+        if self.with_length:
+            sample["length"] = self.lengths[i]
+        return sample
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built in code (nothing downloaded): tokens ``t1``..``t47``, pad id 0."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, TOKEN_VOCAB)}, "[UNK]": TOKEN_VOCAB}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def lm_collator() -> DataCollatorForLanguageModeling:
+    """Pads to the longest sample of the batch (``"pad_to_longest"``), labels -100 on the padding."""
+    return DataCollatorForLanguageModeling(tiny_tokenizer(), mlm=False)
+
+
+def token_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=TOKEN_VOCAB + 1,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+class TokenStepRecorder(TrainerCallback):
+    """Per optimizer step: this rank's passes, the step's samples and target, the tokens of every
+    forward pass (``input_ids.numel()``, padding included, from a hook on ``model``) and the parameters."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer, model: torch.nn.Module) -> None:
+        self.trainer = trainer
+        self.steps: list[dict[str, Any]] = []
+        self.params: list[torch.Tensor] = []
+        self._numels: list[int] = []
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self._numels.append(int(ids.numel()))
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        bs = self.trainer.batch_state
+        step = bs.last_step
+        token_step = step.global_batch
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "indices": [list(m.indices) for m in step.micro_batches],
+                "sizes": [m.num_samples for m in step.micro_batches],
+                "global": [int(i) for i in token_step.indices],
+                "sample_epoch": token_step.epoch,
+                "target": token_step.target_tokens,
+                "tokens": token_step.tokens,
+                "numels": self._numels,
+                "plan": [
+                    step.plan.global_batch_size,
+                    step.plan.micro_batch_per_gpu,
+                    step.plan.gradient_accumulation_steps,
+                ],
+                "lr": self.trainer.optimizer.param_groups[0]["lr"],
+                "epoch": state.epoch,
+            }
+        )
+        self.params.append(flat(self.trainer.model))
+        self._numels = []
+
+
+def reference_steps(
+    start: torch.nn.Module, steps: list[dict], samples: Callable[[int], dict], collate: Any, lrs: list[float]
+) -> list[torch.Tensor]:
+    """Plain PyTorch: per step one padded batch of exactly the step's samples, the model's own mean loss
+    over it (GPT-2: over its target tokens; BERT: over its samples), an SGD step at that step's LR;
+    the parameters after each step."""
+    model = copy.deepcopy(start)
+    model.train()
+    after = []
+    for s, lr in zip(steps, lrs):
+        model.zero_grad()
+        model(**collate([samples(i) for i in s["global"]])).loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        after.append(flat(model))
+    return after
+
+
+def _errors(start: torch.nn.Module, got: list[torch.Tensor], want: list[torch.Tensor]) -> list[dict]:
+    before = flat(start)
+    return [
+        {
+            "max_abs": float((g - w).abs().max()),
+            "relative": float((g - w).norm() / (w - before).norm()),
+            "update": float((w - before).abs().max()),
+        }
+        for g, w in zip(got, want)
+    ]
+
+
+class LabelledText(VariableLengthText):
+    """:class:`VariableLengthText` with a class label per sample, for a sequence classifier."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i][0] % 2}
+
+
+def token_bert(seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=TOKEN_VOCAB + 1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config)
+
+
+SAMPLE_STEPS_SECTION = {
+    # A schedule in samples cut into passes of at most 48 padded tokens and 3 samples.
+    "micro_batch_tokens": 48,
+    "max_micro_batch_per_gpu": 3,
+    "schedule": {"type": "constant", "value": 10},
+    "loss_normalization": "sample",
+}
+
+
+def run_tokens(out: Path, ds: bool) -> dict:
+    """Token-budget steps for 2 epochs with a checkpoint after step 4 and a resumed second run; then
+    one epoch of 10-sample steps cut by a token budget (BERT, mean over samples)."""
+    if not ds:
+        raise SystemExit("the tokens scenario needs DeepSpeed: micro_batch_tokens is set in its config")
+    common = {
+        "num_train_epochs": 2,
+        "per_device_train_batch_size": 1,
+        "learning_rate": TOKEN_LR,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0,
+        "weight_decay": 0.0,
+        "seed": 5,
+        "use_cpu": True,
+        "deepspeed": ds_config(TOKEN_SECTION),
+    }
+
+    def train(name, model, data, collate, resume=None, **extra):
+        trainer = AdaptiveBatchSizeTrainer(
+            model=model,
+            args=_args(out / name, **{**common, **extra}),
+            train_dataset=data,
+            data_collator=collate,
+        )
+        recorder = TokenStepRecorder(trainer, model)
+        trainer.add_callback(recorder)
+        trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+        return trainer, recorder
+
+    start = token_gpt2()
+    data = VariableLengthText(with_length=True)
+    first, rec1 = train(
+        "first", copy.deepcopy(start), data, lm_collator(), save_strategy="steps", save_steps=TOKEN_SAVE_AT
+    )
+    # Other initial weights: the checkpoint must restore them.
+    _, rec2 = train(
+        "second", token_gpt2(seed=9), data, lm_collator(), out / "first" / f"checkpoint-{TOKEN_SAVE_AT}"
+    )
+    start_target = TOKEN_SECTION["schedule"]["start"]
+    reference = reference_steps(
+        start,
+        rec1.steps,
+        lambda i: {"input_ids": data[i]["input_ids"]},
+        lm_collator(),
+        [TOKEN_LR * s["target"] / start_target for s in rec1.steps],
+    )
+
+    # The same run where rank 1 runs out of memory in any pass over TOKEN_OOM_AT tokens: each such step
+    # is re-cut with a lower token budget and re-run, with the same samples and the same update.
+    limit = simulated_memory_limit(ranks=[1], max_tokens_per_forward=TOKEN_OOM_AT)
+    limit.install()
+    try:
+        faulty, rec4 = train("oom", copy.deepcopy(start), data, lm_collator())
+    finally:
+        limit.remove()
+
+    bert, labelled = token_bert(), LabelledText()
+    pad = DataCollatorWithPadding(tiny_tokenizer())
+    _, rec3 = train(
+        "sample_steps",
+        copy.deepcopy(bert),
+        labelled,
+        pad,
+        num_train_epochs=1,
+        learning_rate=0.5,
+        deepspeed=ds_config(SAMPLE_STEPS_SECTION),
+    )
+    sample_reference = reference_steps(bert, rec3.steps, labelled.__getitem__, pad, [0.5] * len(rec3.steps))
+    return {
+        "first": rec1.steps,
+        "second": rec2.steps,
+        "reference_errors": _errors(start, rec1.params, reference),
+        "resume_param_diff": float((rec1.params[-1] - rec2.params[-1]).abs().max()),
+        "logs": [e for e in first.state.log_history if "loss" in e],
+        "final": {
+            "epoch": first.state.epoch,
+            "global_step": first.state.global_step,
+            "max_steps": first.state.max_steps,
+            "tokens": first.batch_state.tokens,
+            "samples": first.batch_state.samples_consumed,
+        },
+        "oom": {
+            "steps": rec4.steps,
+            "reference_errors": _errors(start, rec4.params, reference),
+            "recovered": faulty._recovery.ooms if faulty._recovery is not None else 0,
+            "learned_budget": faulty.batch_state.memory.limit,
+        },
+        "sample_steps": rec3.steps,
+        "sample_reference_errors": _errors(bert, rec3.params, sample_reference),
+    }
+
+
 SCENARIOS = {
     "seed": run_seed,
     "exact": run_exact,
     "models": run_models,
     "ramp": run_ramp,
     "noise": run_noise,
+    "tokens": run_tokens,
 }
 
 

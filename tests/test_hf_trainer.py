@@ -4,8 +4,9 @@ Three torchrun launches of ``tests/hf_worker.py`` (2 CPU ranks each, default ``u
 the multi-rank tests: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3 and plain DDP. Each runs the seed's scheduler with a
 checkpoint and a resume, one optimizer step split several ways against a big-batch reference, (ZeRO-2
 and DDP) three kinds of model at GAS 1, 4 and changing against plain PyTorch and,
-with DeepSpeed, a config-driven ramp and the gradient_noise schedule. The single-process tests train in this process without
-DeepSpeed.
+with DeepSpeed, a config-driven ramp and the gradient_noise schedule; ZeRO-2 also trains token-budget
+steps (``micro_batch_tokens``) on variable-length data. The single-process tests train in this process
+without DeepSpeed, and check the token-budget lengths, errors and resume without training.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _launch(out: Path, backend: str, *scenarios: str) -> Path:
 
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "models", "ramp", "noise")
+    return _launch(
+        tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "models", "ramp", "noise", "tokens"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +358,436 @@ def test_gradient_noise_schedule_moves_the_batch_and_resumes_its_estimate(reques
         assert value == pytest.approx(first["noise"][step], rel=1e-9), (
             f"step {step}: resumed estimate {value} vs {first['noise'][step]}"
         )
+
+
+# -- token budgets (micro_batch_tokens) on 2 ranks, DeepSpeed ZeRO-2 -----------------------------------
+def _token_runs(ds_results) -> list[dict]:
+    return [_read(ds_results, "tokens", "ds", rank) for rank in (0, 1)]
+
+
+@pytest.mark.multirank
+def test_token_budget_bounds_every_forward_pass(ds_results):
+    from hf_worker import SAMPLE_STEPS_SECTION, TOKEN_BUDGET
+
+    for rank, run in enumerate(_token_runs(ds_results)):
+        for key, budget in (
+            ("first", TOKEN_BUDGET),
+            ("sample_steps", SAMPLE_STEPS_SECTION["micro_batch_tokens"]),
+        ):
+            for s in run[key]:
+                # One forward per pass, pads included; input_ids.numel() is the padded tokens of the pass.
+                assert len(s["numels"]) == len(s["sizes"]), (
+                    f"{key} rank {rank} step {s['step']}: {len(s['numels'])} forward passes for "
+                    f"{len(s['sizes'])} micro-batches"
+                )
+                assert max(s["numels"]) <= budget, (
+                    f"{key} rank {rank} step {s['step']}: a forward pass of {max(s['numels'])} tokens "
+                    f"(padding included) over micro_batch_tokens {budget}: {s['numels']}"
+                )
+        assert max(s["sizes"][k] for s in run["sample_steps"] for k in range(len(s["sizes"]))) <= 3, (
+            "max_micro_batch_per_gpu 3 must cap the samples of a pass"
+        )
+
+
+@pytest.mark.multirank
+def test_token_steps_train_every_sample_once_per_epoch_across_ranks(ds_results):
+    from hf_worker import TOKEN_SAMPLES
+
+    zero, one = _token_runs(ds_results)
+    epochs: dict[int, list[int]] = {}
+    for a, b in zip(zero["first"], one["first"]):
+        assert a["global"] == b["global"] and a["plan"] == b["plan"], f"step {a['step']}: ranks disagree"
+        assert len(a["sizes"]) == len(b["sizes"]), f"step {a['step']}: ranks ran different numbers of passes"
+        trained = [i for rank in (a, b) for m in rank["indices"] for i in m]
+        assert sorted(trained) == sorted(a["global"]), (
+            f"step {a['step']}: ranks trained {sorted(trained)}, the step holds {sorted(a['global'])}"
+        )
+        assert sum(a["sizes"]) + sum(b["sizes"]) == len(a["global"]) == a["plan"][0]
+        epochs.setdefault(a["sample_epoch"], []).extend(trained)
+    assert sorted(epochs) == [0, 1], f"epochs trained {sorted(epochs)}"
+    for e, indices in epochs.items():
+        assert sorted(indices) == list(range(TOKEN_SAMPLES)), f"epoch {e}: trained {sorted(indices)}"
+    pads = sum(size == 0 for run in (zero, one) for s in run["first"] for size in s["sizes"])
+    assert pads > 0, "the run should include zero-weight pad passes"
+
+
+@pytest.mark.multirank
+def test_token_steps_follow_the_tokens_unit_schedule_and_meet_each_target(ds_results):
+    from hf_worker import TOKEN_SECTION, token_lengths_of
+
+    from ds_adabatch.config import AdaBatchConfig
+    from ds_adabatch.data.lengths import SampleLengths
+    from ds_adabatch.data.tokens import TokenBudgetSampler
+    from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+
+    lengths = token_lengths_of()
+    # The same schedule and token sampler replayed in this process (seed 5 as in the worker's args).
+    config = AdaBatchConfig.model_validate(TOKEN_SECTION)
+    controller = BatchSizeController(config, 2)
+    sampler = TokenBudgetSampler(
+        SampleLengths(len(lengths), lengths=lengths),
+        micro_batch_tokens=config.micro_batch_tokens,
+        bucket_window=config.bucket_window,
+        seed=5,
+        step_unit="tokens",
+    )
+    expected, target, step = [], controller.initial_global_batch(), 0
+    while sampler.fractional_epoch < 2:
+        ctx = ScheduleContext(
+            step=step,
+            samples=sampler.samples_consumed,
+            global_batch=target,
+            world_size=2,
+            tokens=sampler.tokens_consumed,
+            epoch=sampler.fractional_epoch,
+        )
+        target = controller.next_global_batch(ctx).global_batch
+        expected.append((target, sampler.next_step(target, 2).indices.tolist()))
+        step += 1
+    steps = _token_runs(ds_results)[0]["first"]
+    assert [(s["target"], s["global"]) for s in steps] == expected, (
+        f"trained (target, samples) {[(s['target'], s['global']) for s in steps]}, expected {expected}"
+    )
+    targets = [s["target"] for s in steps]
+    assert targets[0] == 60 and targets[-1] == 140 and targets == sorted(targets), f"targets {targets}"
+    for k, s in enumerate(steps):
+        ends_epoch = k + 1 == len(steps) or steps[k + 1]["sample_epoch"] != s["sample_epoch"]
+        assert s["tokens"] == sum(lengths[i] for i in s["global"])
+        assert s["tokens"] >= s["target"] or ends_epoch, (
+            f"step {s['step']}: {s['tokens']} tokens for a target of {s['target']}"
+        )
+        assert s["tokens"] - lengths[s["global"][-1]] < s["target"], (
+            f"step {s['step']}: took more samples than the target of {s['target']} needs"
+        )
+
+
+@pytest.mark.multirank
+def test_token_steps_equal_a_plain_pytorch_big_batch_reference(ds_results):
+    from hf_worker import TOKEN_LR, TOKEN_SECTION
+
+    for rank, run in enumerate(_token_runs(ds_results)):
+        for key in ("reference_errors", "sample_reference_errors"):
+            errors = run[key]
+            assert len(errors) >= 4, f"{key}: only {len(errors)} steps compared"
+            for k, e in enumerate(errors):
+                assert e["update"] > 1e-3, f"{key} step {k + 1}: the reference barely moved ({e['update']})"
+                assert e["relative"] < 1e-5, (
+                    f"rank {rank} {key} step {k + 1}: parameters off the big-batch reference by "
+                    f"{e['relative']:.3g} of the update (max abs {e['max_abs']:.3g})"
+                )
+        # lr_scaling "linear" follows the token target, not the step's sample count.
+        start = TOKEN_SECTION["schedule"]["start"]
+        for s in run["first"]:
+            assert s["lr"] == pytest.approx(TOKEN_LR * s["target"] / start, rel=1e-9), (
+                f"step {s['step']}: LR {s['lr']} for target {s['target']}"
+            )
+
+
+@pytest.mark.multirank
+def test_token_steps_recover_from_out_of_memory_with_the_same_samples(ds_results):
+    from hf_worker import TOKEN_OOM_AT
+
+    for rank, run in enumerate(_token_runs(ds_results)):
+        oom = run["oom"]
+        assert oom["recovered"] >= 1, "rank 1 never ran out of memory: the run did not test recovery"
+        assert oom["learned_budget"] <= TOKEN_OOM_AT, f"learned token budget {oom['learned_budget']}"
+        assert [s["global"] for s in oom["steps"]] == [s["global"] for s in run["first"]], (
+            "an out-of-memory retry changed the samples of a step"
+        )
+        passes = [len(s["sizes"]) for s in oom["steps"]]
+        assert sum(passes) > sum(len(s["sizes"]) for s in run["first"]), f"passes {passes}: never re-cut"
+        for k, e in enumerate(oom["reference_errors"]):
+            assert e["relative"] < 1e-5, (
+                f"rank {rank} step {k + 1} after out-of-memory retries: off the reference by {e['relative']:.3g}"
+            )
+
+
+@pytest.mark.multirank
+def test_token_sample_count_steps_hold_exactly_the_scheduled_samples(ds_results):
+    from hf_worker import SAMPLE_STEPS_SECTION, TOKEN_SAMPLES
+
+    value = SAMPLE_STEPS_SECTION["schedule"]["value"]
+    steps = _token_runs(ds_results)[0]["sample_steps"]
+    sizes = [len(s["global"]) for s in steps]
+    assert sizes == [value] * (TOKEN_SAMPLES // value) + [TOKEN_SAMPLES % value], f"samples per step {sizes}"
+    assert sorted(i for s in steps for i in s["global"]) == list(range(TOKEN_SAMPLES))
+
+
+@pytest.mark.multirank
+def test_token_resume_continues_the_same_stream(ds_results):
+    from hf_worker import TOKEN_SAVE_AT
+
+    for rank, run in enumerate(_token_runs(ds_results)):
+        keys = ("step", "indices", "plan", "target", "lr")
+        expected = [[s[k] for k in keys] for s in run["first"][TOKEN_SAVE_AT:]]
+        resumed = [[s[k] for k in keys] for s in run["second"]]
+        assert resumed == expected, f"rank {rank}: resumed steps {resumed}, uninterrupted {expected}"
+        assert run["resume_param_diff"] < 1e-6, (
+            f"rank {rank}: final weights differ by {run['resume_param_diff']}"
+        )
+
+
+@pytest.mark.multirank
+def test_token_logs_count_real_samples_and_tokens(ds_results):
+    from hf_worker import TOKEN_SAMPLES, token_lengths_of
+
+    run = _token_runs(ds_results)[0]
+    logs, steps = run["logs"], run["first"]
+    assert len(logs) == len(steps), f"{len(logs)} training logs for {len(steps)} steps"
+    total = 0
+    other = _token_runs(ds_results)[1]["first"]
+    for entry, s, t in zip(logs, steps, other):
+        total += s["tokens"]
+        shape = [entry["global_batch_size"], entry["micro_batch_size"], entry["gradient_accumulation_steps"]]
+        largest = max(len(m) for rank in (s, t) for m in rank["indices"])
+        trained = [len(s["global"]), largest, len(s["sizes"])]
+        assert shape == trained, (
+            f"step {s['step']}: logged {shape}, trained (samples, largest pass, passes) {trained}"
+        )
+        assert entry["global_batch_tokens"] == s["tokens"] and entry["train_tokens"] == total, (
+            f"step {s['step']}: logged {entry['global_batch_tokens']} / {entry['train_tokens']} tokens, "
+            f"trained {s['tokens']} / {total}"
+        )
+    final = run["final"]
+    assert final["tokens"] == 2 * sum(token_lengths_of()) and final["samples"] == 2 * TOKEN_SAMPLES, final
+    assert final["epoch"] == pytest.approx(2.0) and final["max_steps"] == final["global_step"] == len(
+        steps
+    ), final
+
+
+# -- token budgets in one process: lengths, errors, cross-world resume (no training) -------------------
+def _token_args(**overrides):
+    from hf_worker import TOKEN_SECTION, ds_config
+
+    base = {
+        "world_size": 1,
+        "process_index": 0,
+        "per_device_train_batch_size": 1,
+        "deepspeed": ds_config(TOKEN_SECTION),
+        "data_seed": None,
+        "seed": 5,
+        "dataloader_drop_last": False,
+        "dataloader_num_workers": 0,
+        "dataloader_multiprocessing_context": None,
+        "max_steps": -1,
+        "num_train_epochs": 2,
+        "device": torch.device("cpu"),
+        "length_column_name": "length",
+        "train_sampling_strategy": "random",
+    }
+    return SimpleNamespace(**{**base, **overrides})
+
+
+class _Columns(torch.utils.data.Dataset):
+    """A map-style dataset with a ``datasets``-like column API; counts the samples it is asked for."""
+
+    def __init__(self, lengths: list[int], column: str = "length") -> None:
+        self.lengths, self.column, self.reads = lengths, column, 0
+        self.column_names = ["input_ids", column]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return {"input_ids": [[1] * k for k in self.lengths], self.column: list(self.lengths)}[key]
+        self.reads += 1
+        return {"input_ids": [1] * self.lengths[key], self.column: self.lengths[key]}
+
+
+class _Samples(torch.utils.data.Dataset):
+    """Samples as a list of dicts; counts reads."""
+
+    def __init__(self, samples: list) -> None:
+        self.samples, self.reads = samples, 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        return self.samples[i]
+
+
+def test_token_lengths_come_from_the_argument_the_column_or_each_sample():
+    import numpy as np
+
+    from ds_adabatch.integrations._trainer_setup import token_lengths
+
+    lengths = [5, 3, 9, 4]
+    everything = np.arange(len(lengths))
+
+    def read(found):
+        return found.get(everything).tolist()
+
+    # The length column: read once as a whole, no sample is loaded (also with another column name).
+    columns = _Columns(lengths, column="n_tokens")
+    found = token_lengths(_token_args(length_column_name="n_tokens"), columns)
+    assert found.complete and read(found) == lengths and columns.reads == 0, (
+        f"{read(found)}, {columns.reads} reads"
+    )
+    # lengths= wins over the column; length_fn is lazy (no call before a step reaches a sample).
+    assert read(token_lengths(_token_args(), _Columns(lengths), lengths=[7, 7, 7, 7])) == [7] * 4
+    calls = []
+    lazy = token_lengths(
+        _token_args(), _Samples([{"x": k} for k in lengths]), length_fn=lambda s: calls.append(1) or s["x"]
+    )
+    assert not calls and not lazy.complete
+    assert lazy.get(np.array([2])).tolist() == [9] and len(calls) == 1
+    # Default, per sample: a "length" key, else len(input_ids) (or the processing class's main input).
+    keyed = _Samples([{"input_ids": [1] * 20, "length": k} for k in lengths])
+    found = token_lengths(_token_args(), keyed)
+    assert keyed.reads == 1, f"{keyed.reads} samples read at start-up (only sample 0 is checked)"
+    assert read(found) == lengths
+    plain = _Samples([{"input_ids": list(range(k))} for k in lengths])
+    assert read(token_lengths(_token_args(), plain)) == lengths
+    audio = _Samples([{"input_values": [0.0] * k} for k in lengths])
+    assert read(token_lengths(_token_args(), audio, input_name="input_values")) == lengths
+    # Without micro_batch_tokens there is nothing to measure.
+    assert token_lengths(_token_args(deepspeed=None), plain) is None
+
+
+def test_token_lengths_read_a_datasets_column_once():
+    datasets = pytest.importorskip("datasets")
+    import numpy as np
+
+    from ds_adabatch.integrations._trainer_setup import token_lengths
+
+    lengths = [5, 3, 9, 4, 11, 2]
+    table = datasets.Dataset.from_dict({"input_ids": [[1] * k for k in lengths], "length": lengths})
+    view = table.select([4, 0, 2, 5])  # an indices mapping: the column must follow it
+    found = token_lengths(_token_args(), view)
+    assert found.complete and found.get(np.arange(4)).tolist() == [11, 5, 9, 2]
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("wrong_size", r"one length per sample \(36\), got shape \(35,\)"),
+        ("too_long", r"sample 3 has length 50 tokens, above micro_batch_tokens 40"),
+        ("not_positive", r"sample 1 has length 0"),
+        ("both", r"either lengths= or length_fn="),
+        ("without_budget", r"only apply with adabatch.micro_batch_tokens"),
+        ("unmeasurable", r"no 'length' or 'input_ids'.*sample 0: \['text'\]"),
+    ],
+)
+def test_token_budget_errors_come_before_any_process_group(tmp_path, case, match):
+    from hf_worker import TOKEN_SECTION, VariableLengthText, ds_config, token_gpt2, token_lengths_of
+    from transformers import TrainingArguments
+
+    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+
+    lengths = token_lengths_of()
+    section = {k: v for k, v in TOKEN_SECTION.items() if k != "bucket_window"}
+    kwargs: dict = {"train_dataset": VariableLengthText()}
+    if case == "wrong_size":
+        kwargs["lengths"] = lengths[:-1]
+    elif case == "too_long":
+        kwargs["lengths"] = lengths[:3] + [50] + lengths[4:]
+    elif case == "not_positive":
+        kwargs["lengths"] = [4, 0] + lengths[2:]
+    elif case == "both":
+        kwargs.update(lengths=lengths, length_fn=len)
+    elif case == "without_budget":
+        section = {"schedule": {"type": "constant", "value": 4}, "max_micro_batch_per_gpu": 2}
+        kwargs["lengths"] = lengths
+    else:
+        kwargs["train_dataset"] = _Samples([{"text": "no tokens"}] * 4)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, deepspeed=ds_config(section)
+    )
+    with pytest.raises(ValueError, match=match):
+        AdaptiveBatchSizeTrainer(model=token_gpt2(), args=args, **kwargs)
+    assert not torch.distributed.is_initialized(), "the error came after a process group started"
+
+
+def _token_state(world: int, rank: int, dataset, lengths=None, **section_overrides):
+    from hf_worker import TOKEN_SECTION, ds_config
+
+    from ds_adabatch.integrations._trainer_setup import build_batch_state, token_lengths
+
+    args = _token_args(
+        world_size=world, process_index=rank, deepspeed=ds_config({**TOKEN_SECTION, **section_overrides})
+    )
+    if lengths is None:
+        lengths = token_lengths(args, dataset)
+    return build_batch_state(
+        args,
+        dataset,
+        list,
+        batch_size_scheduler=None,
+        gradient_accumulation_steps=1,
+        max_micro_batch_per_gpu=None,
+        lengths=lengths,
+    )
+
+
+def _drive(states, first: int, count: int) -> list[list[int]]:
+    """Every rank's state through ``count`` steps as the Trainer drives it (loader, then the callback's
+    next decision); returns each step's samples in order."""
+    trained = []
+    for step in range(first, first + count):
+        batches = [s.loader.next_step(s.plan_for_step(step)) for s in states]
+        for s, b in zip(states, batches):
+            s.last_step, s.plan = b, b.plan
+            s.tokens += b.global_batch.tokens  # as the Trainer's step does
+            s.plan_for_step(step + 1)
+        assert len({len(b.micro_batches) for b in batches}) == 1, "ranks must run the same passes"
+        assert sorted(i for b in batches for m in b.micro_batches for i in m.indices) == sorted(
+            batches[0].global_batch.indices.tolist()
+        )
+        trained.append(batches[0].global_batch.indices.tolist())
+    return trained
+
+
+def test_a_token_checkpoint_resumes_the_same_stream_on_another_world_size():
+    import json
+
+    from hf_worker import VariableLengthText
+
+    data = VariableLengthText()
+    two = [_token_state(2, rank, data) for rank in (0, 1)]
+    before = _drive(two, 0, 3)
+    saved = json.loads(json.dumps(two[0].state_dict(3)))
+    uninterrupted = _drive(two, 3, 4)
+    one = _token_state(1, 0, data)
+    one.load_state_dict(saved, 3)
+    resumed = _drive([one], 3, 4)
+    assert resumed == uninterrupted, f"after the resume on 1 rank: {resumed}; on 2 ranks: {uninterrupted}"
+    assert one.tokens == two[0].tokens and one.samples_consumed == two[0].samples_consumed
+    assert len(before) == 3
+    # The LR multiplier compares token targets (linear rule): target / the initial target.
+    assert one.lr.target_reference == 60
+    assert one.lr_batch(one.plan) / one.lr.reference_batch == pytest.approx(one.scheduled_batch / 60)
+    # A sample-count checkpoint cannot continue a token stream (and the other way round).
+    samples = _token_state(
+        1,
+        0,
+        data,
+        micro_batch_tokens=None,
+        max_micro_batch_per_gpu=2,
+        schedule={"type": "constant", "value": 4},
+        bucket_window=0,
+    )
+    with pytest.raises(ValueError, match="written with adabatch.micro_batch_tokens"):
+        samples.load_state_dict(saved, 3)
+
+
+def test_a_lazily_measured_sample_over_the_budget_is_named_when_reached():
+    from hf_worker import VariableLengthText
+
+    from ds_adabatch.data.lengths import SampleLengths
+
+    data, long_one = VariableLengthText(), 7
+
+    def measure(sample):
+        return 99 if sample["input_ids"] is data.ids[long_one] else len(sample["input_ids"])
+
+    lengths = SampleLengths(len(data), length_fn=measure, dataset=data)
+    with pytest.raises(
+        ValueError, match=rf"sample {long_one} has length 99 tokens, above micro_batch_tokens 40"
+    ):
+        _drive([_token_state(1, 0, data, lengths=lengths)], 0, 10)
 
 
 # -- one process, no DeepSpeed -----------------------------------------------------------------------

@@ -249,26 +249,6 @@ def test_cli_describes_and_simulate_refuses_token_budgets(tmp_path, capsys) -> N
     assert "micro_batch_tokens" in capsys.readouterr().err
 
 
-def test_trainer_refuses_a_token_budget_instead_of_ignoring_it() -> None:
-    from types import SimpleNamespace
-
-    from ds_adabatch.integrations._trainer_setup import build_batch_state
-
-    section = {"schedule": {"type": "constant", "unit": "tokens", "value": 4096}, "micro_batch_tokens": 512}
-    args = SimpleNamespace(
-        world_size=1, process_index=0, per_device_train_batch_size=2, deepspeed={**_BASE, "adabatch": section}
-    )
-    with pytest.raises(ValueError, match="micro_batch_tokens"):
-        build_batch_state(
-            args,
-            list(range(8)),
-            list,
-            batch_size_scheduler=None,
-            gradient_accumulation_steps=1,
-            max_micro_batch_per_gpu=None,
-        )
-
-
 # -- TokenBudgetLoader with worker processes -----------------------------------------------------------
 # The datasets live at module level so that worker processes can unpickle them under any start method.
 
@@ -451,3 +431,22 @@ def test_token_loader_close_and_with_block_stop_the_workers() -> None:
     assert procs and not any(p.is_alive() for p in procs), "an unreferenced loader left its workers running"
     with pytest.raises(ValueError, match="num_workers"):
         _token_loader(0, 1, -1)
+
+
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+def test_token_budget_targets_are_not_rounded_to_the_world_size(unit) -> None:
+    from ds_adabatch.schedules import BatchSizeController
+
+    section = {
+        "schedule": {"type": "linear", "unit": unit, "start": 100, "end": 1001, "ramp_samples": 1000},
+        "micro_batch_tokens": 64,
+    }
+    from ds_adabatch.schedules.base import ScheduleContext
+
+    targets = {}
+    for world in (1, 2, 3):
+        controller = BatchSizeController(_load(section, world_size=world).adabatch, world)
+        ctx = ScheduleContext(step=1, samples=1000, global_batch=100, world_size=world)
+        targets[world] = [controller.initial_global_batch(), controller.next_global_batch(ctx).global_batch]
+    # A resume on another world size keeps the same targets, so the same steps.
+    assert targets[1] == targets[2] == targets[3] == [100, 1001], targets

@@ -66,7 +66,7 @@ class StepLoader:
 
     def __len__(self) -> int:
         """Optimizer steps one epoch takes at the current global batch (an estimate when it changes)."""
-        return math.ceil(self.state.sampler.num_samples / self.state.scheduled_batch)
+        return math.ceil(self.state.sampler.num_samples / self.state.samples_per_step)
 
     def __iter__(self) -> Iterator[StepInputs]:
         state, epoch = self.state, self._epoch

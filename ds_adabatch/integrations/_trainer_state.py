@@ -6,6 +6,12 @@
 rank's :class:`~ds_adabatch.data.ElasticDataLoader`, and the JSON state a checkpoint needs to continue
 the same sample stream. It does not import transformers; the Trainer subclass drives it.
 
+With ``adabatch.micro_batch_tokens`` (token-budget steps) the sampler is a
+:class:`~ds_adabatch.data.tokens.TokenBudgetSampler` and the loader a
+:class:`~ds_adabatch.data.token_loader.TokenBudgetLoader`: the schedule's batch is then a token target
+(``unit: "tokens"``) or a sample count cut into passes of bounded tokens, each step's plan is the one its
+samples were laid out with, and the learned out-of-memory limit counts tokens per pass.
+
 It is built by ``_trainer_setup.build_batch_state``.
 """
 
@@ -22,11 +28,14 @@ from typing import Any
 import torch
 
 from ds_adabatch.config import AdaBatchConfig
-from ds_adabatch.data import ElasticDataLoader, ElasticSampler, StepBatch
+from ds_adabatch.data import ElasticDataLoader, ElasticSampler, GlobalBatch, StepBatch
+from ds_adabatch.data.token_loader import TokenBudgetLoader
+from ds_adabatch.data.tokens import TokenBudgetSampler, TokenStep
 from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.comm import broadcast_int
 from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
+from ds_adabatch.runtime.recovery import memory_for
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
@@ -53,6 +62,9 @@ class LrSettings:
     """Samples per scheduler tick in ``"samples"`` mode, and the batch at which the LR multiplier is 1."""
     rule: str
     """LR multiplier rule as the global batch changes: ``"none"``, ``"linear"`` or ``"sqrt"``."""
+    target_reference: int | None = None
+    """With a schedule counted in tokens (``unit: "tokens"``): the token target at which the multiplier
+    is 1 (``reference_batch`` then only sizes the samples clock's tick); None otherwise."""
 
 
 class AdaptiveBatchState:
@@ -66,7 +78,7 @@ class AdaptiveBatchState:
         self,
         config: AdaBatchConfig,
         controller: BatchSizeController,
-        loader: ElasticDataLoader,
+        loader: ElasticDataLoader | TokenBudgetLoader,
         *,
         dataset: Any,
         device: torch.device,
@@ -80,7 +92,9 @@ class AdaptiveBatchState:
         self.loader = loader
         self.dataset = dataset
         """The training dataset (columns the model does not take already removed)."""
-        self.sampler: ElasticSampler = loader.sampler
+        self.sampler: ElasticSampler | TokenBudgetSampler = loader.sampler
+        self.token_budget = isinstance(loader, TokenBudgetLoader)
+        """True with ``adabatch.micro_batch_tokens``: steps are formed by the token-budget sampler."""
         self.world_size = loader.world_size
         self.rank = loader.rank
         self.device = device
@@ -89,15 +103,12 @@ class AdaptiveBatchState:
         self.lr = lr
         self.loss_normalization = loss_normalization
         """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
-        self.memory = MicroBatchMemory(
-            config.initial_micro_batch_limit,
-            config.micro_batch_limit,
-            grow_after_steps=config.memory.grow_after_steps,
-            backoff_factor=config.memory.backoff_factor,
-        )
-        """The micro-batch limit, lowered by out-of-memory errors and grown back (``"adabatch".memory``)."""
+        self.memory: MicroBatchMemory = memory_for(config)
+        """The micro-batch limit (samples per pass, or with a token budget tokens per pass), lowered by
+        out-of-memory errors and grown back (``"adabatch".memory``)."""
         self.scheduled_batch = controller.initial_global_batch()
-        """The global batch the schedule chose for the latest decided step (before any epoch-tail replan)."""
+        """The global batch the schedule chose for the latest decided step (before any epoch-tail replan):
+        samples, or a token target with a schedule counted in tokens."""
         self.initial_plan = self.plan_for(self.scheduled_batch)
         self.plan: BatchPlan = self.initial_plan
         """The plan of the latest step run (an epoch's smaller tail batch included)."""
@@ -160,15 +171,25 @@ class AdaptiveBatchState:
         passed = s.samples_consumed + s.samples_skipped
         if s.drop_last:
             left = s.num_samples - s.position
-            if 0 < left < self.plan.global_batch_size:
+            if self.token_budget:
+                # A token step skips the tail when it holds less than the target: ask the sampler.
+                if left > 0 and self.loader.peek_step(self.scheduled_batch).skipped:
+                    passed += left
+            elif 0 < left < self.plan.global_batch_size:
                 passed += left
         return passed
 
-    def _next_batch(self) -> Any:
+    def _next_batch(self) -> GlobalBatch | TokenStep | None:
         """The next step's global batch if that step's plan is already decided, else None."""
         if self._decided is None:
             return None
-        return self.sampler.peek_batch(self._decided[1])
+        return self._peek(self._decided[1])
+
+    def _peek(self, plan: BatchPlan) -> GlobalBatch | TokenStep:
+        """The global batch the next step draws under ``plan`` (a token step: the scheduled target's)."""
+        if self.token_budget:
+            return self.loader.peek_step(self.scheduled_batch)
+        return self.sampler.peek_batch(plan)
 
     @property
     def samples_consumed(self) -> int:
@@ -181,7 +202,40 @@ class AdaptiveBatchState:
 
     @property
     def needs_tokens(self) -> bool:
+        """Whether the schedule reads the tokens trained (with a token budget: the samples' lengths)."""
         return "tokens" in self.controller.schedule.requires
+
+    @property
+    def counts_label_tokens(self) -> bool:
+        """Whether a tokens-keyed schedule needs each step's target tokens counted and all-reduced; with
+        a token budget every rank knows the step's tokens from the lengths instead."""
+        return self.needs_tokens and not self.token_budget
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples of the latest step's largest pass (without a token budget: the plan's micro-batch)."""
+        step = self.last_step
+        if not self.token_budget or step is None:
+            return self.plan.micro_batch_per_gpu
+        return max(len(m) for layout in step.global_batch.layouts for m in layout.micro_batches)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of one step at the current batch (with a token budget: the latest step's, an estimate)."""
+        return self.plan.global_batch_size if self.token_budget else self.scheduled_batch
+
+    def lr_batch(self, plan: BatchPlan) -> float:
+        """What ``BatchCoupledLR.set_global_batch`` is given for a step of ``plan``.
+
+        The step's samples; with a token budget the scheduled target instead (the sample count of a
+        token step varies with its lengths), and with a schedule counted in tokens that target on the
+        scale of ``reference_batch``, so the multiplier is ``rule(target / target_reference)``.
+        """
+        if not self.token_budget:
+            return plan.global_batch_size
+        if self.lr.target_reference is None:
+            return self.scheduled_batch
+        return self.scheduled_batch * self.lr.reference_batch / self.lr.target_reference
 
     def should_measure_noise(self, step: int, plan: BatchPlan) -> bool:
         """Whether optimizer step ``step`` (completed steps before it) measures the noise scale
@@ -190,8 +244,36 @@ class AdaptiveBatchState:
 
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
+        """The plan of the next step for the schedule's ``global_batch`` (a token step: as laid out)."""
+        if self.token_budget:
+            sampler = self.loader.sampler
+            # Cut with the learned token budget (micro_batch_tokens until an out-of-memory error lowers
+            # it), as ds_adabatch.runtime.AdaptiveBatchEngine does.
+            sampler.pass_budget = min(self.memory.limit, sampler.budget)
+            return self.loader.plan_for_tokens(global_batch)
         cfg = self.config
         return plan_batch(global_batch, self.world_size, self.memory.limit, allow_uneven=cfg.allow_uneven)
+
+    def after_clean_step(self, step: StepBatch) -> None:
+        """A step completed without an out-of-memory error: the learned limit may grow back."""
+        largest = step.global_batch.largest_pass if self.token_budget else step.plan.micro_batch_per_gpu
+        self.memory.on_clean_step(largest)
+
+    def recut_after_oom(self, step: StepBatch, failed: dict[int, int | None], number: int) -> BatchPlan:
+        """Every rank agreed that the ranks in ``failed`` ran out of memory in a token step (``failed``
+        maps each to the pass it failed in): the same samples, cut with a lower token budget; returns
+        the plan to reload ``step`` with (logged once on rank 0).
+
+        Raises:
+            UnrecoverableOutOfMemory: every failed pass held a single sample.
+        """
+        from ds_adabatch.runtime.recovery import replan_token_step_after_oom
+
+        sampler = self.loader.sampler
+        new, _, line = replan_token_step_after_oom(self.memory, sampler, step.global_batch, failed, number)
+        if self.rank == 0:
+            logger.info("%s", line)
+        return new.plan(sampler.max_micro_batch)
 
     def replan_after_oom(self, plan: BatchPlan, ranks: list[int], step: int) -> BatchPlan:
         """Every rank agreed that ``ranks`` ran out of memory at ``plan``: the same samples, smaller
@@ -219,7 +301,7 @@ class AdaptiveBatchState:
             samples=self.sampler.samples_consumed,
             global_batch=self.scheduled_batch,
             world_size=self.world_size,
-            tokens=self.tokens if self.needs_tokens else None,
+            tokens=self.tokens if self.needs_tokens or self.token_budget else None,
             epoch=self.sampler.fractional_epoch,
             loss=self.last_loss,
             loss_ema=self.loss_ema.value,
@@ -244,18 +326,19 @@ class AdaptiveBatchState:
 
     def next_batch_epoch(self, step: int) -> int:
         """The epoch the next global batch (of step ``step``) is drawn from."""
-        return self.sampler.peek_batch(self.plan_for_step(step)).epoch
+        return self._peek(self.plan_for_step(step)).epoch
 
     def finished(self, step: int) -> bool:
         """True when ``num_train_epochs`` are trained (the next batch would start at or past it)."""
         if not self.epoch_based:
             return False
-        nxt = self.sampler.peek_batch(self.plan_for_step(step))
+        nxt = self._peek(self.plan_for_step(step))
         start = nxt.epoch + nxt.start / self.sampler.num_samples
         return nxt.epoch >= math.ceil(self.num_train_epochs) or start >= self.num_train_epochs - 1e-9
 
     def steps_left(self, step: int) -> int:
-        """Optimizer steps still to run if the batch of step ``step`` were kept (for the progress bar)."""
+        """Optimizer steps still to run if the batch of step ``step`` were kept (for the progress bar; with
+        a token budget, as if every step held as many samples as that one)."""
         n, drop = self.sampler.num_samples, self.sampler.drop_last
         batch = self.plan_for_step(step).global_batch_size
         epoch, pos = self.sampler.epoch, self.sampler.position
@@ -310,7 +393,9 @@ class AdaptiveBatchState:
         """Global counts only, so a resume on another world size continues the same stream."""
         nxt = None
         if self._decided is not None and self._decided[0] == global_step:
-            nxt = {"step": global_step, "global_batch": self._decided[1].global_batch_size}
+            # A token step's plan holds its samples; the decision is the target they were taken for.
+            batch = self.scheduled_batch if self.token_budget else self._decided[1].global_batch_size
+            nxt = {"step": global_step, "global_batch": batch}
         return {
             "kind": _STATE_KIND,
             "version": _STATE_VERSION,
@@ -343,6 +428,14 @@ class AdaptiveBatchState:
             raise ValueError(
                 f"{STATE_FILE} was written at step {state['global_step']} but trainer_state.json says "
                 f"{global_step}; the checkpoint folder mixes two saves"
+            )
+        saved_tokens = isinstance(state.get("data"), Mapping) and state["data"].get("kind") == "tokens"
+        if saved_tokens != self.token_budget:
+            written, now = ("with", "without") if saved_tokens else ("without", "with")
+            raise ValueError(
+                f"{STATE_FILE} was written {written} adabatch.micro_batch_tokens but this run is {now} "
+                "it: its sample stream cannot continue; resume with the DeepSpeed config the checkpoint "
+                "was written with"
             )
         self.controller.load_state_dict(state["controller"])
         self.loader.load_state_dict(state["data"])

@@ -38,6 +38,13 @@ the inside of one optimizer step change:
 * Checkpoints hold ``adabatch_state.json`` (schedule, sampler cursor, next decision) next to
   ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, also on another
   world size (whether DeepSpeed reloads its own state there depends on its ZeRO stage).
+* Token budgets (``"adabatch".micro_batch_tokens``, for variable-length data): every step is formed by
+  ``ds_adabatch.data.tokens.TokenBudgetSampler`` from the same seeded order, cut into passes of at most
+  that many tokens as the data collator pads them (``padding``), and collated by the Trainer's data
+  collator. The weights above are unchanged (a pass holds ``num_samples`` real samples, a pad 0), so the
+  update is still the exact mean over the step's samples or target tokens. The lengths come from
+  ``lengths=`` / ``length_fn=``, else the ``length_column_name`` column, else ``len(input_ids)``
+  (``_trainer_lengths``). The LR multiplier follows the scheduled target, not the varying sample count.
 * On a machine without GPUs, ``torchrun`` with the default ``use_cpu=False`` would give every rank a
   world of one (N-fold duplicate training); the arguments are rebuilt with ``use_cpu=True`` so the
   ranks train as one gloo data-parallel group (a warning says so), and elsewhere a clear error is raised.
@@ -57,6 +64,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_datasets_available
 
+from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
@@ -74,7 +82,7 @@ from ._trainer_engine import (
     loss_shifts_labels,
     seed_deepspeed_batch_keys,
 )
-from ._trainer_setup import build_batch_state
+from ._trainer_setup import build_batch_state, token_lengths
 from ._trainer_state import STATE_FILE, AdaptiveBatchState
 
 __all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
@@ -96,7 +104,15 @@ class AdaptiveBatchSizeTrainer(Trainer):
             (``TrainingArguments(deepspeed=...)``) drives the global batch, or without one the batch is
             constant.
         max_micro_batch_per_gpu: the largest forward pass, in samples; larger batches add accumulation
-            steps. Default: the ``"adabatch"`` section's, else ``per_device_train_batch_size``.
+            steps. Default: the ``"adabatch"`` section's, else ``per_device_train_batch_size``. With
+            ``micro_batch_tokens`` it is an optional cap on the samples of a pass.
+        lengths: with ``"adabatch".micro_batch_tokens``: every training sample's length in tokens (one
+            integer per sample of ``train_dataset``, before padding). Default: the dataset's
+            ``TrainingArguments.length_column_name`` column (``"length"``, as for ``group_by_length``;
+            a ``datasets.Dataset`` column is read once), else each sample's ``length`` key or
+            ``len(sample["input_ids"])`` (the model's main input), measured when a step first reaches it.
+        length_fn: instead of ``lengths``, ``length_fn(sample) -> int``, called the first time a step
+            reaches the sample and cached.
         **trainer_kwargs: ``transformers.Trainer`` arguments (``model``, ``args``, ``train_dataset``,
             ``data_collator``, ``callbacks``, ...), by keyword.
 
@@ -110,10 +126,19 @@ class AdaptiveBatchSizeTrainer(Trainer):
     cursor, and ``trainer.args.gradient_accumulation_steps`` reads 1 (the plan's steps are in
     ``trainer.batch_state.plan``).
 
+    With ``micro_batch_tokens`` in the ``"adabatch"`` section, a step's samples are cut into passes of
+    bounded tokens: ``global_batch_size`` logs the step's real samples, ``micro_batch_size`` the most
+    samples of one pass, ``gradient_accumulation_steps`` the passes of every rank, and
+    ``global_batch_tokens`` / ``train_tokens`` the step's and the run's real tokens (the samples'
+    lengths); a schedule with ``unit: "tokens"`` sets each step's token target.
+
     Raises:
         TypeError: ``batch_size_scheduler`` is not callable.
-        ValueError: an unsupported setting (``auto_find_batch_size``, ``DataParallel``), or ranks that
-            cannot form one data-parallel group.
+        ValueError: an unsupported setting (``auto_find_batch_size``, ``DataParallel``), ranks that
+            cannot form one data-parallel group, or (before any process group starts) lengths that do not
+            fit ``train_dataset``, a sample longer than ``micro_batch_tokens`` (named with its index and
+            length), or ``lengths`` / ``length_fn`` without ``micro_batch_tokens``.
+        ConfigError: the ``"adabatch"`` section is invalid.
     """
 
     def __init__(
@@ -121,6 +146,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         batch_size_scheduler: BatchSizeScheduler | None = None,
         *,
         max_micro_batch_per_gpu: int | None = None,
+        lengths: Any = None,
+        length_fn: Callable[[Any], int] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         if isinstance(batch_size_scheduler, torch.nn.Module) or (
@@ -134,6 +161,19 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # the Trainer's own default
         self.user_gradient_accumulation_steps = args.gradient_accumulation_steps
+        # Token-budget lengths are checked before trainer_arguments sets up the process group.
+        train_dataset = trainer_kwargs.get("train_dataset")
+        self._lengths_args = (lengths, length_fn)
+        self._lengths_of: tuple[Any, SampleLengths | None] = (
+            train_dataset,
+            token_lengths(
+                args,
+                train_dataset,
+                lengths=lengths,
+                length_fn=length_fn,
+                input_name=_main_input_name(trainer_kwargs.get("processing_class")),
+            ),
+        )
         args = trainer_arguments(args)
         super().__init__(args=args, **trainer_kwargs)
         self.batch_size_scheduler = batch_size_scheduler
@@ -143,6 +183,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._applied_plan: BatchPlan | None = None
         self._lr_coupling: BatchCoupledLR | None = None
         self._samples_at_start = 0
+        self._tokens_at_start = 0
         self._shifts_labels: bool | None = None
         self._recovery: OomRecovery | None = None
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
@@ -175,6 +216,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             batch_size_scheduler=self.batch_size_scheduler,
             gradient_accumulation_steps=self.user_gradient_accumulation_steps,
             max_micro_batch_per_gpu=self.max_micro_batch_per_gpu,
+            lengths=self._sample_lengths(),
         )
         self._applied_plan = None
         if self.is_deepspeed_enabled:
@@ -183,6 +225,21 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 self.batch_state.initial_plan,
             )
         return StepLoader(self.batch_state, lambda: self.state.global_step)
+
+    def _sample_lengths(self) -> SampleLengths | None:
+        """The train dataset's lengths (token budgets only), measured again if the dataset was replaced."""
+        dataset, found = self._lengths_of
+        if dataset is not self.train_dataset:
+            lengths, length_fn = self._lengths_args
+            found = token_lengths(
+                self.args,
+                self.train_dataset,
+                lengths=lengths,
+                length_fn=length_fn,
+                input_name=_main_input_name(self.processing_class),
+            )
+            self._lengths_of = (self.train_dataset, found)
+        return found
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple[int, ...]:
         """Epoch count, steps per epoch and schedule length in samples, not in dataloader batches.
@@ -223,6 +280,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
             state.load(resume_from_checkpoint, step)
             epoch = state.next_batch_epoch(step)
         self._samples_at_start = state.samples_consumed
+        self._tokens_at_start = state.tokens
         if state.epoch_based:
             self.state.max_steps = state.step_budget(step)
         return epoch, 0
@@ -246,7 +304,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
         The returned value averaged over ranks is the step's mean loss over the global batch. Under
         DeepSpeed with ``memory.recover_from_oom`` (the default), an out-of-memory error on any rank
-        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``).
+        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``); with a
+        token budget, cut into passes of a lower token budget.
         """
         if not isinstance(inputs, StepInputs):
             return super().training_step(model, inputs, num_items_in_batch)
@@ -256,12 +315,16 @@ class AdaptiveBatchSizeTrainer(Trainer):
             return self._adaptive_step(model, inputs)
 
         def replan(ranks: list[int]) -> None:
-            plan = state.replan_after_oom(inputs.step.plan, ranks, self.state.global_step)
+            number = self.state.global_step
+            if state.token_budget:  # the same samples, cut with a lower token budget
+                plan = state.recut_after_oom(inputs.step, recovery.failed_passes(ranks), number)
+            else:
+                plan = state.replan_after_oom(inputs.step.plan, ranks, number)
             inputs.step = state.loader.reload(inputs.step, plan)
             state.last_step = inputs.step
 
         logged = recovery.run(lambda: self._adaptive_step(model, inputs), replan)
-        state.memory.on_clean_step(inputs.step.plan.micro_batch_per_gpu)
+        state.after_clean_step(inputs.step)
         return logged
 
     def _oom_recovery(self) -> OomRecovery | None:
@@ -294,7 +357,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         tokens = 0
         own: list[int] = []
         counts: list[int] = []
-        if by_token or state.needs_tokens:
+        if by_token or state.counts_label_tokens:
             own = [self._count_items(m.batch) for m in micro]
             counts = [0 if m.is_pad else c for m, c in zip(micro, own)]
             tokens = int(all_reduce_sum([sum(counts)], device)[0])
@@ -314,7 +377,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         try:
             for i, mb in enumerate(micro):
                 if self._recovery is not None:  # a new pass: its own out-of-memory agreement point
-                    self._recovery.begin_pass(f"in micro-batch {i} of step {self.state.global_step}")
+                    self._recovery.begin_pass(f"in micro-batch {i} of step {self.state.global_step}", index=i)
                 items = None
                 if by_token:
                     # Whatever the model does with num_items_in_batch, its loss is this micro-batch's own
@@ -339,7 +402,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if probe is not None and state.noise is not None:
             sums = all_reduce_sum(probe.local_sums(), device)
             update_estimator(state.noise, sums, step.global_batch_size, probe.reduced_sq_norm())
-        state.tokens += tokens
+        # With a token budget the step's tokens are its samples' lengths, known on every rank.
+        state.tokens += step.global_batch.tokens if state.token_budget else tokens
         if state.needs_loss:
             state.last_loss = float(all_reduce_sum([logged], device)[0]) / world
             state.loss_ema.update(state.last_loss)
@@ -398,15 +462,16 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     def _apply_plan(self, plan: BatchPlan) -> None:
         """Make DeepSpeed's view of the batch and the LR multiplier match ``plan`` (between steps only)."""
-        self._require_state().plan = plan
-        if plan == self._applied_plan:
-            return
-        engine = self._deepspeed_engine()
-        if engine is not None:
-            apply_plan_to_engine(engine, plan)
+        state = self._require_state()
+        state.plan = plan
+        if plan != self._applied_plan:
+            engine = self._deepspeed_engine()
+            if engine is not None:
+                apply_plan_to_engine(engine, plan)
+            self._applied_plan = plan
         if self._lr_coupling is not None:
-            self._lr_coupling.set_global_batch(plan.global_batch_size)
-        self._applied_plan = plan
+            # Every step: a token step's multiplier follows its target, which a plan does not show.
+            self._lr_coupling.set_global_batch(state.lr_batch(plan))
 
     def _normalizes_by_tokens(self, batch: Any) -> bool:
         """Whether the step's mean is over target tokens (``labels != -100``) rather than samples.
@@ -506,13 +571,19 @@ class AdaptiveBatchSizeTrainer(Trainer):
         if state is not None and self.is_in_train and "loss" in logs:
             logs["train_coverage"] = state.train_coverage
             logs["global_batch_size"] = state.plan.global_batch_size
-            logs["micro_batch_size"] = state.plan.micro_batch_per_gpu
+            logs["micro_batch_size"] = state.micro_batch_size
             logs["gradient_accumulation_steps"] = state.plan.gradient_accumulation_steps
+            if state.token_budget and state.last_step is not None:
+                logs["global_batch_tokens"] = state.last_step.global_batch.tokens
+                logs["train_tokens"] = state.tokens
             if state.noise is not None and state.noise.noise_scale is not None:
                 logs["noise_scale"] = state.noise.noise_scale
         if state is not None and logs.get("train_runtime"):
             samples = state.samples_consumed - self._samples_at_start
             logs["train_samples_per_second"] = round(samples / logs["train_runtime"], 3)
+            if state.token_budget:
+                tokens = state.tokens - self._tokens_at_start
+                logs["train_tokens_per_second"] = round(tokens / logs["train_runtime"], 3)
         super().log(logs, start_time)
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -536,3 +607,10 @@ class AdaptiveBatchSizeTrainer(Trainer):
         # accelerate 1.15 keeps the engine it built in accelerator.deepspeed_engine_wrapped.engine.
         wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
         return None if wrapped is None else wrapped.engine
+
+
+def _main_input_name(processing_class: Any) -> str:
+    """The sample key whose length a sample's tokens are, as transformers 5.23 ``group_by_length`` reads
+    it: the processing class's first model input, else ``"input_ids"``."""
+    names = getattr(processing_class, "model_input_names", None)
+    return names[0] if isinstance(names, (list, tuple)) and names else "input_ids"
