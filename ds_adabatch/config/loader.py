@@ -247,7 +247,7 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
             granularity=cfg.granularity,
             min_global_batch=cfg.min_global_batch,
             max_global_batch=cfg.max_global_batch,
-            allow_uneven=cfg.allow_uneven,
+            allow_uneven=cfg.allow_uneven or cfg.token_budget,
         )
     except PlanError as err:
         problems.append(ConfigProblem(f"{SECTION}.max_global_batch", str(err), cfg.max_global_batch))
@@ -271,9 +271,9 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
     for name, value in endpoints:
         path = f"{SECTION}.schedule" + (f".{name}" if name else "")
         try:
-            # A token target is not split over ranks by plan_batch (the token-budget step former
-            # cuts it); its nominal plan only has to exist.
-            uneven = cfg.allow_uneven or cfg.schedule.batch_unit == "tokens"
+            # With a token budget the step former packs a step's samples (a token target, or a sample
+            # count) into passes, not plan_batch: its nominal plan only has to exist.
+            uneven = cfg.allow_uneven or cfg.token_budget
             candidate = plan_batch(value, world_size, cfg.initial_micro_batch_limit, allow_uneven=uneven)
         except PlanError as err:
             message = f"cannot be planned on {world_size} ranks: {err}"

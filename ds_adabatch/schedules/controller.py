@@ -64,7 +64,12 @@ class BatchSizeController:
         self.world_size = world_size
         self.schedule_config = config.schedule
         self.granularity = int(getattr(config, "granularity", 1) or 1)
-        self.allow_uneven = bool(getattr(config, "allow_uneven", False))
+        # Token-budget steps pack whatever samples a step holds into passes, so the global batch (a
+        # token target, or a sample count) need not divide by the world size: no rounding to a multiple
+        # of it, and a resume on another world size keeps the same targets (the same stream).
+        self.allow_uneven = bool(
+            getattr(config, "allow_uneven", False) or getattr(config, "token_budget", False)
+        )
         self.min_global_batch = getattr(config, "min_global_batch", None)
         self.max_global_batch = getattr(config, "max_global_batch", None)
         self.update_interval = int(getattr(config, "update_interval", 1) or 1)
