@@ -35,6 +35,8 @@ STAGES = {
     # bf16: DeepSpeed's BF16_Optimizer (ZeRO-0) and the ZeRO-2 optimizer's fp32 accumulation.
     "z0_bf16": (0, {"bf16": {"enabled": True}}),
     "z2_bf16": (2, {"bf16": {"enabled": True}}),
+    # bf16 with fp32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, reducing like ZeRO-0.
+    "z1_bf16": (1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
 }
 """Case name -> (ZeRO stage, extra ds_config); None means ZeRO-2 with the optimizer offloaded to CPU."""
 

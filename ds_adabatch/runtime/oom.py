@@ -163,7 +163,7 @@ class OomAgreement:
     def _install(self, ds: Any) -> None:
         stage = int(ds.zero_optimization_stage())
         opt = ds.optimizer
-        if stage == 0:
+        if stage == 0 or _bf16_zero1(opt, stage):
             # DeepSpeedEngine.allreduce_gradients (0.19.8): the only gradient collective without ZeRO.
             # It runs after every backward but communicates only at the accumulation boundary.
             self._wrap(ds, "allreduce_gradients", when=ds.is_gradient_accumulation_boundary)
@@ -190,7 +190,7 @@ def discard_partial_step(ds: Any) -> None:
     """
     stage = int(ds.zero_optimization_stage())
     opt = ds.optimizer
-    if stage == 0:
+    if stage == 0 or _bf16_zero1(opt, stage):
         # Plain data parallel (0.19.8): gradients accumulate in param.grad (DeepSpeedEngine.zero_grad
         # sets them to None); the bf16 optimizer keeps fp32 accumulators (clear_hp_grads).
         ds.zero_grad()
@@ -266,6 +266,13 @@ def _discard_zero3(ds: Any, opt: Any) -> None:
         # is persistent (below stage3_param_persistence_threshold) nothing is released: releasing them
         # would make the retry's forward gather again, and an OOM after that gather is unrecoverable.
         coordinator.release_and_reset_all(ds.module)
+
+
+def _bf16_zero1(opt: Any, stage: int) -> bool:
+    """ZeRO-1 with bf16 and fp32 gradient accumulation (``data_types.grad_accum_dtype: "fp32"``):
+    DeepSpeed 0.19.8 runs it on its BF16_Optimizer, which reduces gradients like plain data parallel
+    (``allreduce_gradients``) and keeps fp32 accumulators (``clear_hp_grads``), not ZeRO-1's buckets."""
+    return stage == 1 and not hasattr(opt, "reduce_ipg_grads") and hasattr(opt, "clear_hp_grads")
 
 
 def _host_group(world_size: int) -> Any:
