@@ -11,6 +11,12 @@ where ``v`` is AdamW's bias-corrected second moment and ``g_i^2`` the probe's me
 gradient (the term a new gradient adds to ``v``; it keeps coordinates AdamW has not seen for a while —
 rare bytes' embedding rows — from getting an unbounded weight, as AdamW's own step is bounded there).
 
+The runtime measures the same geometry online (``gradient_noise.geometry: "adam"``, the default for
+Adam-type optimizers), weighing with the denominator of the step just taken, ``sqrt(v_hat_t) + eps``,
+whose ``v_hat_t`` already holds that step's reduced gradient: the online counterpart of the
+``(1 - beta2) g_i^2`` term above. Weighing with the previous step's ``v`` alone left rare coordinates
+unbounded there and the estimate scattered over orders of magnitude.
+
 This script trains the convergence benchmark's baseline (global batch 8, the same model, optimiser, LR,
 warmup and clipping; plain PyTorch on one process, no DeepSpeed) and every ``--every`` optimizer steps
 draws ``--probe-count`` extra micro-batches of ``--probe-micro`` windows from a separate stream,

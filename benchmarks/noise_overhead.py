@@ -1,14 +1,19 @@
 """Cost of measuring the gradient-noise scale, per measured step and at the default cadence.
 
-One engine on the main job's model and data (ZeRO-2, global 32 = micro 8 x GAS 2 on 2 ranks) with the
+One engine on the main job's model and data (ZeRO-2 unless ``--stage``, global 32 = micro 8 x GAS 2 on 2 ranks) with the
 ``gradient_noise`` schedule measuring every other step, so measured and unmeasured steps alternate on
 the same engine, data stream and memory layout; the difference is the probe's cost alone (its warm-up
 is set beyond the run, so the batch never changes)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/noise_overhead.py
+    ... benchmarks/noise_overhead.py --geometry sgd --stage 3     # plain gradients under ZeRO-3
 
-The cost at the default cadence is the per-measured-step cost times the fraction of steps measured
-(1 / the default ``measure_every``). Goal: at most 5% of step time.
+``--geometry`` picks the noise-scale geometry (default: the schedule's, ``auto``, which is ``adam``
+with this AdamW). In the adam geometry the hooks add each micro-batch's squared gradient into a
+per-coordinate buffer instead of summing it, and the optimizer step weighs that buffer and the reduced
+gradient with Adam's denominator (under ZeRO 1-3 after one reduce-scatter of the buffer). ``--stage``
+picks the ZeRO stage (default 2). The cost at the default cadence is the per-measured-step cost times
+the fraction of steps measured (1 / the default ``measure_every``). Goal: at most 5% of step time.
 """
 
 from __future__ import annotations
@@ -28,15 +33,33 @@ MICRO, GAS = 8, 2
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (half of them measured)")
+    fields = GradientNoiseScheduleConfig.model_fields
+    p.add_argument(
+        "--geometry",
+        choices=["auto", "sgd", "adam"],
+        default=fields["geometry"].default,
+        help="noise-scale geometry (default: the schedule's default, %(default)s)",
+    )
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage (default 2)")
     args = p.parse_args()
 
     deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     batch = MICRO * GAS * world
-    default_every = GradientNoiseScheduleConfig.model_fields["measure_every"].default
-    schedule = {"type": "gradient_noise", "start": batch, "warmup_steps": 10**9, "measure_every": 2}
+    default_every = fields["measure_every"].default
+    schedule = {
+        "type": "gradient_noise",
+        "start": batch,
+        "warmup_steps": 10**9,
+        "measure_every": 2,
+        "geometry": args.geometry,
+    }
     cfg = h.ds_config(
-        2, {"schedule": schedule, "max_micro_batch_per_gpu": MICRO}, micro=MICRO, gas=GAS, world=world
+        args.stage,
+        {"schedule": schedule, "max_micro_batch_per_gpu": MICRO},
+        micro=MICRO,
+        gas=GAS,
+        world=world,
     )
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         cfg.pop(key)
@@ -54,7 +77,8 @@ def main() -> None:
         per_step = m_measured / m_plain - 1
         at_default = per_step / default_every
         print(
-            f"\n{world} ranks, ZeRO-2, global {batch} = micro {MICRO} x gas {GAS}; {len(measured)} measured and "
+            f"\n{world} ranks, ZeRO-{args.stage}, geometry {engine._noise_geometry} ({args.geometry}), global {batch} = micro {MICRO} x "
+            f"gas {GAS}; {len(measured)} measured and "
             f"{len(plain)} unmeasured steps alternating on one engine; default measure_every={default_every}\n"
         )
         print("| measure | value |")
@@ -63,7 +87,8 @@ def main() -> None:
         print(f"| median measured step | {m_measured * 1e3:.1f} ms |")
         print(f"| cost of one measured step | {per_step * 100:+.1f}% |")
         print(f"| cost at the default cadence (every {default_every}) | {at_default * 100:+.1f}% |")
-        print(f"| noise-scale estimate at the end | {engine.noise.noise_scale:.1f} |")
+        estimate = engine.noise.noise_scale
+        print(f"| noise-scale estimate at the end | {'-' if estimate is None else f'{estimate:.1f}'} |")
     engine.close()
 
 

@@ -1,8 +1,8 @@
 """The ``gradient_noise`` schedule in a closed loop: controller, estimator and measurements, no DeepSpeed.
 
 Linear regression with a closed-form noise scale (x ~ N(0, I_8), y = x . w* + N(0, 1), |w*| = 1,
-0.5 (x . w - y)^2 at w = 0): B_noise = (n + 1) |G|^2 + n sigma^2 = 17, so the default ``scale`` 0.5 aims
-at 8.5. Every step draws the step's samples, forms what the runtime measures on 2 ranks (the mean squared
+0.5 (x . w - y)^2 at w = 0): B_noise = (n + 1) |G|^2 + n sigma^2 = 17, so the sgd geometry's default
+``scale`` 0.5 aims at 8.5. Every step draws the step's samples, forms what the runtime measures on 2 ranks (the mean squared
 norm of each micro-batch's mean gradient, the squared norm of the global mean), feeds the estimator
 the schedule configures and asks the real controller for the next batch. The weights stay at 0 (learning
 rate 0), so the truth never moves and any excursion is the controller acting on noise.
@@ -23,7 +23,7 @@ from ds_adabatch.signals import GradientNoiseEstimator
 DIM, SIGMA, WORLD = 8, 1.0, 2
 W_STAR = np.ones(DIM) / math.sqrt(DIM)
 TRUTH = (DIM + 1) + DIM * SIGMA**2
-TARGET = 0.5 * TRUTH  # the default scale
+TARGET = 0.5 * TRUTH  # the sgd geometry's default scale
 RUNS, STEPS = 200, 400
 
 
@@ -61,7 +61,9 @@ def closed_loop(seed: int, section: dict, steps: int = STEPS) -> list[int]:
 
 
 def _runs(start: int, max_micro: int) -> list[list[int]]:
-    section = {"schedule": {"type": "gradient_noise", "start": start}, "max_micro_batch_per_gpu": max_micro}
+    # The loop measures plain gradients: the sgd geometry, whose default scale is 0.5.
+    schedule = {"type": "gradient_noise", "start": start, "geometry": "sgd"}
+    section = {"schedule": schedule, "max_micro_batch_per_gpu": max_micro}
     return [closed_loop(seed, section) for seed in range(RUNS)]
 
 

@@ -432,8 +432,24 @@ def test_gradient_noise_reads_version_1_state_without_a_direction():
         rule.load_state_dict({**rule.state_dict(), "last_direction": 2})
 
 
+def test_gradient_noise_default_scale_follows_the_measured_geometry():
+    def rule(**fields):
+        cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 8, **fields})
+        return build_schedule(cfg, world_size=1)
+
+    assert (rule(geometry="sgd").scale, rule(geometry="adam").scale) == (0.5, 0.2)
+    auto = rule()
+    assert auto.geometry is None and auto.scale == 0.2, "unresolved auto: the adam default"
+    auto.use_geometry("sgd")
+    assert (auto.geometry, auto.scale) == ("sgd", 0.5), "auto resolved to sgd: the sgd default"
+    given = rule(scale=0.7)
+    given.use_geometry("sgd")
+    assert given.scale == 0.7, "a configured scale is kept whatever the geometry"
+
+
 def test_gradient_noise_defaults_grow_only():
-    rule = build_schedule(SCHEDULES.validate_python({"type": "gradient_noise", "start": 8}), world_size=1)
+    cfg = {"type": "gradient_noise", "start": 8, "geometry": "sgd"}
+    rule = build_schedule(SCHEDULES.validate_python(cfg), world_size=1)
     assert rule.grow_only is True
     rule.warmup_steps = 0
     # 0.5 x 30 = 15 is above 8 x 1.2 = 9.6, so it grows; a later fall never shrinks it.
@@ -472,7 +488,7 @@ def test_gradient_noise_default_change_cap_doubles_at_most():
     rule.warmup_steps = 0
     assert at(rule, 1, 1000.0, batch=8) == 16.0
     assert "capped" in rule.last_reason
-    assert rule.last_target == 500.0, "the reversal test remembers the uncapped target"
+    assert rule.last_target == 200.0, "the reversal test remembers the uncapped target (0.2 x 1000)"
     assert at(rule, 2, 1000.0, batch=16) == 32.0
     cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 8})
     assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 8.0}

@@ -403,6 +403,10 @@ class LossPlateauScheduleConfig(ScheduleConfigBase):
         return [("start", self.start)]
 
 
+DEFAULT_NOISE_SCALES = {"sgd": 0.5, "adam": 0.2}
+"""``gradient_noise.scale``'s default per measured geometry (see the field's description)."""
+
+
 class GradientNoiseScheduleConfig(ScheduleConfigBase):
     """Follow the gradient-noise scale: target global batch = ``scale`` x B_simple.
 
@@ -430,31 +434,36 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
     spends fewer samples and more steps. The default is set for "fewer steps without spending more
     samples than a small fixed batch" (see the field's description).
 
-    Where that model is off: B_simple is measured in plain SGD's geometry. Under Adam the noise scale of
-    the step actually taken (each coordinate weighted by Adam's preconditioner) is larger, 1.3-2.1x B_simple
-    on the convergence benchmark. With a constant learning rate, a larger batch late in training also
-    lowers the step noise, like an LR decay, which the model does not count. On that benchmark a batch of
-    64 late in the run cost 1.04-1.09x the samples of batch 8, where the model predicts 2x. So this rule is
-    conservative late in constant-LR runs: raise ``scale`` where optimizer steps cost more than samples,
-    or use ``loss_plateau``, which grows on the plateau itself (benchmarks/results/convergence.md).
+    Where that model is off: B_simple is the noise scale of plain SGD. Under Adam the step actually taken
+    weighs each coordinate by Adam's preconditioner, and the noise scale of that step (``geometry``
+    "adam", the default for Adam-type optimizers) is larger and grows faster: 2-6x B_simple over the
+    convergence benchmark's run. With a constant learning rate, a larger batch late in training also
+    lowers the step noise, like an LR decay, which the model does not count: on that benchmark a batch of
+    64 late in the run cost 1.04-1.09x the samples of batch 8, where the model predicts 2x. The adam
+    geometry follows that late growth better (fewer steps for the same samples); raise ``scale`` where
+    optimizer steps cost more than samples, or use ``loss_plateau``, which grows on the plateau itself
+    (BENCHMARKS.md).
     """
 
     type: Literal["gradient_noise"] = Field(description="Schedule type.")
     start: int = Field(
         ge=1, description="Global batch until the estimate is trusted, in samples per optimizer step."
     )
-    scale: float = Field(
-        default=0.5,
+    scale: float | None = Field(
+        default=None,
         gt=0.0,
-        description="Target batch = scale x B_simple (unitless multiplier). It is the sample overhead "
-        "the schedule accepts over the minimum: at batch k x B_simple a run needs about (1 + k) times "
-        "the fewest samples that reach its loss and (1 + 1/k) times the fewest optimizer steps. "
-        "0.5 leans to samples: it halves the sample overhead of the knee k = 1 (1.5x instead of 2x "
-        "the minimum) and still needs only 3x the fewest steps, because samples cost compute on any "
-        "cluster while saved steps pay off only where data parallelism can absorb the larger batch. "
-        "With grow_only the batch follows the running maximum of a noisy estimate, so the batch "
-        "actually trained with sits somewhat above scale x the mean estimate; that too argues against "
-        "a larger default.",
+        description="Target batch = scale x the measured noise scale (unitless multiplier). It is the "
+        "sample overhead the schedule accepts over the minimum: at batch k x B_noise a run needs about "
+        "(1 + k) times the fewest samples that reach its loss and (1 + 1/k) times the fewest optimizer "
+        "steps. null: 0.5 when the noise scale is measured in the sgd geometry, 0.2 in the adam "
+        "geometry (see geometry). 0.5 of B_simple leans to samples: it halves the sample overhead of "
+        "the knee k = 1 (1.5x instead of 2x the minimum), because samples cost compute on any cluster "
+        "while saved steps pay off only where data parallelism can absorb the larger batch. The adam "
+        "geometry's noise scale reads 2-6x B_simple on the convergence benchmark (more the further "
+        "training goes), so the same intent needs a smaller multiplier: 0.2 is the largest that kept "
+        "that benchmark's samples at the sgd default's level (BENCHMARKS.md). With grow_only the batch "
+        "follows the running maximum of a noisy estimate, so the batch actually trained with sits "
+        "somewhat above scale x the mean estimate; that too argues against larger defaults.",
     )
     ema_beta: float = Field(
         default=0.95,
@@ -539,6 +548,24 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         "so the default measures every step: the EMA's memory is then 20 steps, not 200, and the "
         "estimate is usable within the first few hundred steps, when the noise scale changes fastest.",
     )
+    geometry: Literal["auto", "sgd", "adam"] = Field(
+        default="auto",
+        description='The geometry the noise scale is measured in. "sgd": plain gradients, B_simple of '
+        'McCandlish et al. "adam": every gradient coordinate divided by the denominator of the Adam '
+        "step just taken, sqrt(v_hat) + eps (v_hat: the optimizer's bias-corrected exp_avg_sq after the "
+        "measured step's update): the noise scale of the step an Adam-type optimizer actually takes, "
+        "which grows faster during training than B_simple. It needs an optimizer that keeps exp_avg_sq "
+        '(Adam, AdamW, DeepSpeed\'s FusedAdam and CPUAdam); any other is a config error. "auto": adam '
+        "for such an optimizer, sgd for any other (SGD, Adagrad, Lion, ...). With adam a measured step "
+        "holds one fp32 value per model parameter on every rank until its optimizer step, and under "
+        "ZeRO 1-3 the step issues one reduce-scatter of that size.",
+    )
+
+    def scale_for(self, geometry: str) -> float:
+        """``scale``, or its default for the geometry the noise scale is measured in (``sgd``/``adam``)."""
+        if self.scale is not None:
+            return self.scale
+        return DEFAULT_NOISE_SCALES[geometry]
 
     def initial_batch(self, world_size: int | None = None) -> int:
         return self.start

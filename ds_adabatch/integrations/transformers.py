@@ -66,6 +66,7 @@ from transformers.utils import is_datasets_available
 
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.plan import BatchPlan
+from ds_adabatch.runtime.adam_geometry import configured_geometry, measured_geometry
 from ds_adabatch.runtime.comm import all_reduce_sum
 from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
 from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
@@ -601,7 +602,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
         engine = self._deepspeed_engine()
         if engine is None:
             raise RuntimeError("the gradient-noise scale is measured under DeepSpeed only")
-        return NoiseProbe.for_deepspeed(engine)
+        # The geometry the optimizer allows ("auto": Adam's when it keeps a second moment); an unset
+        # scale takes that geometry's default, as with ds_adabatch.initialize.
+        geometry = measured_geometry(engine, configured_geometry(engine))
+        schedule = self._require_state().controller.schedule
+        if hasattr(schedule, "use_geometry"):
+            schedule.use_geometry(geometry)
+        return NoiseProbe.for_deepspeed(engine, geometry=geometry)
 
     def _deepspeed_engine(self) -> Any:
         # accelerate 1.15 keeps the engine it built in accelerator.deepspeed_engine_wrapped.engine.

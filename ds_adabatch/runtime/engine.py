@@ -36,6 +36,7 @@ import torch
 from ..plan import BatchPlan, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
 from ..signals import EmaLoss, GradientNoiseEstimator
+from .adam_geometry import measured_geometry
 from .batch_shape import apply_plan_to_engine
 from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
@@ -296,7 +297,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         # already see the samples this step consumes.
         self.lr_coupling.set_samples(self.global_samples + total_samples)
 
-        probe = NoiseProbe.for_deepspeed(ds) if measure else None
+        probe = self._noise_probe() if measure else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         last = len(batches) - 1
         try:
@@ -493,7 +494,20 @@ class AdaptiveBatchEngine(CheckpointMixin):
     # Gradient-noise scale
     def _noise_kwargs(self) -> dict[str, Any]:
         schedule = self.config.schedule
-        return schedule.estimator_settings() if schedule.type == "gradient_noise" else {}
+        if schedule.type != "gradient_noise":
+            return {}
+        # The geometry is resolved against the optimizer now (a ConfigError for "adam" without a second
+        # moment), and an unset scale takes that geometry's default.
+        self._noise_geometry = measured_geometry(self.deepspeed, schedule.geometry)
+        use_geometry = getattr(self.controller.schedule, "use_geometry", None)
+        if use_geometry is not None:
+            use_geometry(self._noise_geometry)
+        return schedule.estimator_settings()
+
+    def _noise_probe(self) -> NoiseProbe:
+        """Hooks for one measured step, in the resolved geometry (on every rank: under ZeRO 1-3 the adam
+        geometry's optimizer step issues one collective)."""
+        return NoiseProbe.for_deepspeed(self.deepspeed, geometry=self._noise_geometry)
 
     def _should_measure_noise(self) -> bool:
         return self._noise_cadence.due(

@@ -10,10 +10,17 @@ tensors before the optimizer step clears them. No extra forward or backward pass
 
 Everything stays on the device until the step's one all-reduce: the hooks add squared norms into a
 device scalar, so a GPU is never synchronised per parameter.
+
+With ``geometry: "adam"`` both norms are taken of the gradient divided elementwise by the denominator
+``sqrt(v_hat) + eps`` of the Adam step the measured step takes (:class:`AdamPreconditioner`): the noise
+scale of the step an Adam-type optimizer takes rather than of plain SGD's. The hooks then add squared
+gradients per coordinate instead of their sum, and a post-step hook on the optimizer weighs them
+(:mod:`ds_adabatch.runtime.adam_geometry`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +29,8 @@ from typing import Any
 import torch
 
 from ds_adabatch.signals import GradientNoiseEstimator
+
+from .adam_geometry import AdamPreconditioner, configured_geometry, measured_geometry, noise_preconditioner
 
 __all__ = ["NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
 
@@ -52,6 +61,8 @@ class NoiseProbe:
             or ``None`` where it has none; ``None`` (the argument): use :meth:`read_reduced_norm`.
         read_grads: whether :meth:`read_reduced_norm` reads the reduced ``.grad`` tensors (where
             ``reduced_norm`` may have no value).
+        preconditioner: measure in Adam's geometry (under ZeRO 1-3 the optimizer step then issues one
+            collective: build the probe on every rank); ``None``: plain gradients.
 
     :meth:`for_deepspeed` builds one for a DeepSpeed engine.
     """
@@ -64,6 +75,7 @@ class NoiseProbe:
         grad_scale: Callable[[], float] | None = None,
         reduced_norm: Callable[[], Any] | None = None,
         read_grads: bool = True,
+        preconditioner: AdamPreconditioner | None = None,
     ) -> None:
         self.params = [p for p in parameters if p.requires_grad]
         self._grad_scale = grad_scale or (lambda: 1.0)
@@ -76,28 +88,61 @@ class NoiseProbe:
         self._weight = 0.0
         self._samples = 0
         self._big: torch.Tensor | None = None
-        self._handles = [p.register_hook(self._hook) for p in self.params]
+        self.preconditioner = preconditioner
+        self._factor = 0.0
+        self._step_sums: torch.Tensor | None = None
+        self._handles: list[Any] = []
+        if preconditioner is None:
+            self._handles = [p.register_hook(self._hook) for p in self.params]
+            return
+        # Adam geometry: the hooks add squared gradients per coordinate; a post-step hook on the
+        # optimizer that holds exp_avg_sq weighs them, and the reduced gradient, with this step's
+        # denominator: (weighted small-batch sum, reduced weighted, reduced plain) on this rank's share.
+        preconditioner.begin_step()
+        self._step_sums = sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self._handles = [p.register_hook(functools.partial(self._adam_hook, p)) for p in self.params]
+        self._handles.append(
+            preconditioner.optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: preconditioner.after_step(opt, sums)
+            )
+        )
 
     @classmethod
-    def for_deepspeed(cls, ds_engine: Any) -> NoiseProbe:
+    def for_deepspeed(cls, ds_engine: Any, geometry: str | None = None) -> NoiseProbe:
         """Hooks on the engine's module; the big batch from DeepSpeed's global gradient norm (ZeRO 1-3,
-        bf16) or, under plain ZeRO 0, from the all-reduced ``.grad`` tensors."""
+        bf16) or, under plain ZeRO 0, from the all-reduced ``.grad`` tensors.
+
+        ``geometry`` is ``"sgd"`` or ``"adam"``; ``None``: the ``gradient_noise`` schedule's
+        (:func:`configured_geometry`, resolved by :func:`measured_geometry`). Build it on every rank: in Adam's geometry the optimizer step
+        issues one collective under ZeRO 1-3.
+        """
+        if geometry is None:
+            geometry = measured_geometry(ds_engine, configured_geometry(ds_engine), caller_resolves=False)
         return cls(
             ds_engine.module.parameters(),
             ds_engine.device,
             grad_scale=lambda: loss_scale(ds_engine),
             reduced_norm=ds_engine.get_global_grad_norm,
             read_grads=ds_engine.zero_optimization_stage() == 0,
+            preconditioner=noise_preconditioner(ds_engine) if geometry == "adam" else None,
         )
 
     def _hook(self, grad: torch.Tensor) -> None:
         self._acc.add_(grad.detach().float().pow(2).sum())
+
+    def _adam_hook(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self._factor:
+            self.preconditioner.accumulate(param, grad, self._factor)
 
     def begin(self, weight: float, samples: int) -> None:
         """Before a micro-batch's backward: its loss weight and real sample count."""
         self._acc.zero_()
         self._weight = weight
         self._samples = samples
+        if self.preconditioner is not None:
+            # Pads are skipped; the gradient is of the weighted (and fp16-scaled) loss.
+            scale = weight * self._grad_scale()
+            self._factor = 1.0 / (scale * scale) if samples > 0 and weight > 0 else 0.0
 
     def end(self) -> None:
         """After the backward: fold the micro-batch's squared norm in (pads are skipped)."""
@@ -140,13 +185,21 @@ class NoiseProbe:
         return value
 
     def local_sums(self) -> list[torch.Tensor | float]:
-        """This rank's (sum of small-batch squared norms, micro-batches measured, sum of 1/size)."""
-        return [self._sq_sum, float(self._n), self._inv_b]
+        """This rank's (sum of small-batch squared norms, micro-batches measured, sum of 1/size); in
+        Adam's geometry also (the reduced gradient's weighted squared norm, its plain squared norm) on
+        this rank's share of it. Read after the optimizer step."""
+        if self._step_sums is None:
+            return [self._sq_sum, float(self._n), self._inv_b]
+        small, weighted, plain = self._step_sums.unbind()
+        return [small, float(self._n), self._inv_b, weighted, plain]
 
     def close(self) -> None:
+        """Remove the hooks and drop the per-coordinate buffer (after the step's optimizer step)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.preconditioner is not None:
+            self.preconditioner.release()
 
 
 def update_estimator(
@@ -157,11 +210,17 @@ def update_estimator(
     ``sums`` are :meth:`NoiseProbe.local_sums` summed over ranks, ``total_samples`` the global batch's
     real samples and ``sq_big`` :meth:`NoiseProbe.reduced_sq_norm`. The small batch is the harmonic mean
     of the measured micro-batch sizes; nothing is fed when no micro-batch was measured, the big norm is
-    missing, or the global batch is not larger than the small one.
+    missing, or the global batch is not larger than the small one. In Adam's geometry (five sums) the
+    big norm is ``sq_big`` times the ratio of the reduced gradient's weighted to plain squared norm.
     """
-    sq_sum, n_micro, inv_b_sum = (float(s) for s in sums)
+    sq_sum, n_micro, inv_b_sum, *step = (float(s) for s in sums)
     if n_micro < 1 or sq_big is None:
         return
+    if step:
+        weighted, plain = step
+        if not (plain > 0 and math.isfinite(weighted) and math.isfinite(plain)):
+            return  # the optimizer did not step (an overflow) or its gradient was not finite
+        sq_big = sq_big * weighted / plain
     b_small = n_micro / inv_b_sum
     if total_samples <= b_small:
         return

@@ -59,7 +59,12 @@ class GradientNoiseSchedule:
     requires: frozenset[str] = frozenset({"noise_scale"})
 
     def __init__(self, config: Any) -> None:
-        self.scale = float(config.scale)
+        self._config = config
+        self.geometry: str | None = None if config.geometry == "auto" else config.geometry
+        """The geometry the noise scale is measured in; None while ``"auto"`` is unresolved."""
+        self.scale = float(config.scale_for(self.geometry or "adam"))
+        """The multiplier in use: the configured ``scale`` or the default for :attr:`geometry` (adam's
+        until an ``"auto"`` geometry is resolved)."""
         self.hysteresis = float(config.hysteresis)
         self.grow_only = bool(config.grow_only)
         self.measure_every = int(config.measure_every)
@@ -82,6 +87,12 @@ class GradientNoiseSchedule:
         self.moves = 0
         """How many evaluations asked for a change."""
         self.last_reason = ""
+
+    def use_geometry(self, geometry: str) -> None:
+        """The runtime measures in ``geometry`` (``"sgd"`` or ``"adam"``): an unset ``scale`` takes that
+        geometry's default."""
+        self.geometry = geometry
+        self.scale = float(self._config.scale_for(geometry))
 
     def __call__(self, ctx: ScheduleContext) -> float:
         current = float(ctx.global_batch)

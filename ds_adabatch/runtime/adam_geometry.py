@@ -1,0 +1,443 @@
+"""The gradient-noise scale in Adam's geometry: gradients divided by Adam's step denominator.
+
+:class:`AdamPreconditioner` finds, for every model parameter, the second moments DeepSpeed's optimizer
+keeps for it (per parameter under ZeRO 0, in flat per-rank partitions under ZeRO 1-3) and turns the
+norms :class:`~ds_adabatch.runtime.noise_probe.NoiseProbe` measures into norms of ``g / (sqrt(v_hat) +
+eps)``. :func:`measured_geometry` resolves the schedule's ``geometry`` (``auto``/``sgd``/``adam``)
+against the engine's optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ds_adabatch.config import ConfigError
+from ds_adabatch.config.schedules import DEFAULT_NOISE_SCALES, GradientNoiseScheduleConfig
+
+__all__ = [
+    "AdamPreconditioner",
+    "check_noise_geometry",
+    "configured_geometry",
+    "measured_geometry",
+    "noise_preconditioner",
+]
+
+logger = logging.getLogger("ds_adabatch")
+
+
+class _Unit:
+    """One tensor the optimizer keeps state for, and the model parameters it covers.
+
+    ``key``'s ``exp_avg_sq`` elements ``[start, start + size)`` are this rank's piece. When
+    ``partitioned``, the unit's full flat is every rank's piece laid end to end in rank order (ZeRO
+    1-3); otherwise this rank's piece is the full flat. ``members`` are the model parameters with
+    their offset in the full flat.
+    """
+
+    __slots__ = ("key", "group", "start", "size", "members", "partitioned")
+
+    def __init__(
+        self,
+        key: torch.Tensor,
+        group: dict[str, Any],
+        start: int,
+        size: int,
+        members: list[tuple[torch.nn.Parameter, int]],
+        partitioned: bool,
+    ) -> None:
+        self.key, self.group, self.start, self.size = key, group, start, size
+        self.members, self.partitioned = members, partitioned
+
+
+def _adam_step_count(state: dict[str, Any], group: dict[str, Any]) -> float:
+    # torch Adam/AdamW keep a 0-d CPU tensor, DeepSpeed's FusedAdam and CPUAdam an int, in
+    # state["step"]; older FusedAdam states kept it in the group.
+    step = state.get("step", group.get("step", 0))
+    return float(step)
+
+
+def _inverse_root(exp_avg_sq: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+    """1 / (sqrt(v_hat) + eps), fp32, with v_hat Adam's bias-corrected second moment (a new tensor)."""
+    beta2 = float(group["betas"][1])
+    t = _adam_step_count(state, group)
+    correction = 1.0 - beta2**t if group.get("bias_correction", True) and t > 0 else 1.0
+    v = exp_avg_sq.detach().float()
+    return (v / correction).sqrt_().add_(float(group["eps"])).reciprocal_()
+
+
+def _is_adam_like(optimizer: Any) -> bool:
+    groups = getattr(optimizer, "param_groups", None)
+    return bool(groups) and all("betas" in g and "eps" in g for g in groups)
+
+
+def _group_of(optimizer: Any, key: torch.Tensor) -> dict[str, Any] | None:
+    for group in optimizer.param_groups:
+        if any(p is key for p in group["params"]):
+            return group
+    return None
+
+
+def _numel(p: torch.Tensor) -> int:
+    # A ZeRO-3 parameter is empty outside its forward and backward; ds_numel is its full size.
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
+    out, offset = [], 0
+    for p in params:
+        out.append(offset)
+        offset += p.numel()
+    return out
+
+
+def _dp_group_world(group: Any) -> int:
+    dist = torch.distributed
+    return dist.get_world_size(group=group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    """The units of the engine's optimizer and the process group its partitions span, or why not.
+
+    Read from DeepSpeed 0.19.8's optimizer wrappers; each branch names the fields it relies on.
+    """
+    opt = ds_engine.optimizer
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        # ZeRO 3 (stage3.py DeepSpeedZeroOptimizer_Stage3): sub-group s keeps one fp32 flat,
+        # fp32_partitioned_groups_flat[s], the concatenation of its parameters' own partitions
+        # (fp16_groups[s] order, partition_numel() each). Parameter p is split into equal pieces of
+        # partition_numel() elements, rank r holding piece r (_partition_param).
+        if getattr(opt, "swap_optimizer", False) or getattr(opt, "backup_optimizer", None) is not None:
+            return "ZeRO-3 NVMe or partial optimizer offload keeps part of the state out of reach"
+        units, pg = [], None
+        for s, params in enumerate(opt.fp16_groups):
+            key = opt.fp32_partitioned_groups_flat[s]
+            group = basic.param_groups[opt.sub_group_to_group_id[s]]
+            offset = 0
+            for p in params:
+                size = int(p.partition_numel())
+                p_group = opt._get_param_partition_group(p)
+                if pg is None:
+                    pg = p_group
+                elif p_group is not pg:
+                    return "ZeRO-3 parameters are partitioned over different process groups"
+                units.append(_Unit(key, group, offset, size, [(p, 0)], True))
+                offset += size
+        return units, pg
+    if hasattr(opt, "single_partition_of_fp32_groups"):
+        # ZeRO 1-2 (stage_1_and_2.py DeepSpeedZeroOptimizer): group i's parameters are views into
+        # bit16_groups_flat[i] at round_robin_bit16_offsets[i] (round_robin_bit16_groups[i] order); rank r
+        # owns elements [r, r + 1) x partition_size[i], whose fp32 copy single_partition_of_fp32_groups[i]
+        # the inner optimizer steps.
+        units, pg = [], None
+        for i, key in enumerate(opt.single_partition_of_fp32_groups):
+            group = _group_of(basic, key)
+            p_group = opt.real_dp_process_group[i]
+            if group is None or (pg is not None and p_group is not pg):
+                return "ZeRO 1-2 groups differ from the optimizer's or span different process groups"
+            pg = p_group
+            members = list(zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]))
+            units.append(_Unit(key, group, 0, int(opt.partition_size[i]), members, True))
+        return units, pg
+    if hasattr(opt, "fp32_groups_flat_partition"):
+        # bf16_optimizer.py BF16_Optimizer (bf16 with fp32 gradient accumulation): group i's parameters
+        # lie back to back in bf16_groups_flat[i], partitioned like ZeRO 1.
+        units, pg = [], None
+        for i, key in enumerate(opt.fp32_groups_flat_partition):
+            group = _group_of(basic, key)
+            p_group = opt.real_dp_process_group[i]
+            if group is None or (pg is not None and p_group is not pg):
+                return "bf16 optimizer groups differ from the optimizer's or span different process groups"
+            pg = p_group
+            size = opt.bf16_groups_flat[i].numel() // _dp_group_world(p_group)
+            params = opt.bf16_groups[i]
+            units.append(_Unit(key, group, 0, size, list(zip(params, _offsets(params))), True))
+        return units, pg
+    if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
+        # fp16/fused_optimizer.py FP16_Optimizer: one unpartitioned fp32 flat per group, parameters back
+        # to back (torch's _flatten_dense_tensors).
+        units = []
+        for params, key in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            group = _group_of(basic, key)
+            if group is None:
+                return "fp16 optimizer groups differ from the optimizer's"
+            units.append(_Unit(key, group, 0, key.numel(), list(zip(params, _offsets(params))), False))
+        return units, None
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+        # fp16/unfused_optimizer.py FP16_UnfusedOptimizer (ZeRO 0 with fp16 or bf16): one fp32 master per
+        # parameter, fp32_groups[i][j] for fp16_groups[i][j].
+        units = []
+        for params, masters in zip(opt.fp16_groups, opt.fp32_groups):
+            for p, key in zip(params, masters):
+                group = _group_of(basic, key)
+                if group is None:
+                    return "fp16 optimizer groups differ from the optimizer's"
+                units.append(_Unit(key, group, 0, key.numel(), [(p, 0)], False))
+        return units, None
+    if opt is basic:
+        # ZeRO 0 in fp32: the torch optimizer steps the model's own parameters.
+        units = []
+        for group in basic.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    units.append(_Unit(p, group, 0, p.numel(), [(p, 0)], False))
+        return units, None
+    return f"the optimizer wrapper {type(opt).__name__} is not one ds_adabatch can read second moments from"
+
+
+def _reduce_scatter(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's row of ``full`` (``[world, n]``) summed over the group's ranks; one collective."""
+    world = full.shape[0]
+    if world == 1:
+        return full[0]
+    out = torch.empty(full.shape[1], dtype=full.dtype, device=full.device)
+    torch.distributed.reduce_scatter_tensor(out, full.reshape(-1), group=group)
+    return out
+
+
+def _row_pieces(offset: int, numel: int, width: int, rows: torch.Tensor) -> list[_Piece]:
+    """A parameter's elements ``[offset, offset + numel)`` of a rank-major ``[world, width]`` layout,
+    as at most three pieces: a partial row, a block of whole rows, a partial row."""
+    pieces: list[_Piece] = []
+    done = 0
+    r, c = divmod(offset, width)
+    if c:
+        take = min(width - c, numel)
+        pieces.append((0, take, 0, rows[r, c : c + take]))
+        done, r = take, r + 1
+    k = (numel - done) // width
+    if k:
+        pieces.append((done, done + k * width, k, rows[r : r + k]))
+        done, r = done + k * width, r + k
+    if done < numel:
+        pieces.append((done, numel, 0, rows[r, : numel - done]))
+    return pieces
+
+
+_Piece = tuple[int, int, int, torch.Tensor]
+"""(first, end) elements of a flattened gradient, rows (0: one-dimensional) and the buffer view."""
+
+
+class AdamPreconditioner:
+    """The noise-scale norms in Adam's geometry: gradients divided elementwise by ``sqrt(v_hat) + eps``.
+
+    ``v_hat`` is the optimizer's bias-corrected second moment ``exp_avg_sq / (1 - beta2^t)`` right after
+    the measured step's update, i.e. the denominator of the step Adam actually takes (it includes
+    this step's gradient, which bounds every coordinate's weight as Adam bounds its step; the moments
+    of the previous step leave rarely-seen coordinates with unbounded weights, and the estimate
+    scatters over orders of magnitude). Since that denominator exists only after the step, the
+    backward hooks add each micro-batch's squared gradient into a per-coordinate buffer
+    (:meth:`accumulate`), and a post-step hook on the inner optimizer (:meth:`after_step`) weighs it
+    with ``1 / (sqrt(v_hat) + eps)^2``, together with the reduced gradient the optimizer stepped with.
+
+    Where the state lives (DeepSpeed 0.19.8), and what a measured step costs beyond the hooks:
+
+    * ZeRO 0: per parameter (or per fp32 master copy under fp16/bf16); every rank weighs its own
+      buffer in place. No collective.
+    * ZeRO 1-2 (and bf16 with fp32 accumulation): each rank steps one flat fp32 partition per group.
+      The buffer is laid out like the flat groups, rank-major; one reduce-scatter hands every rank
+      the sum over ranks of its own partition, which it weighs with its own second moments.
+    * ZeRO 3: every parameter is split into equal per-rank pieces; the buffer holds each rank's
+      pieces in that rank's row and the same single reduce-scatter applies.
+
+    The buffer holds one fp32 value per parameter from :meth:`begin_step` to :meth:`release`. The
+    reduced gradient's norms are taken on the optimizer's own (partitioned) gradient, which DeepSpeed
+    has unscaled and clipped by one factor for all coordinates: the ratio of its weighted to its plain
+    squared norm is that of the unclipped gradient, and the probe multiplies it into the plain squared
+    norm it measures anyway. Build it with :meth:`for_deepspeed`.
+    """
+
+    def __init__(
+        self, units: list[_Unit], optimizer: Any, process_group: Any, device: torch.device | str
+    ) -> None:
+        self.units = units
+        self.optimizer = optimizer
+        self.process_group = process_group
+        self.device = torch.device(device)
+        self._offsets: list[int] = []
+        self._by_key: dict[int, list[int]] = {}
+        shared = full = 0
+        for i, unit in enumerate(units):
+            self._offsets.append(shared if unit.partitioned else full)
+            if unit.partitioned:
+                shared += unit.size
+            else:
+                full += unit.size
+            self._by_key.setdefault(id(unit.key), []).append(i)
+        self._sizes = (shared, full)
+        self.world = _dp_group_world(process_group) if shared else 1
+        self._shared: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
+        self._reduced: torch.Tensor | None = None
+        self._pieces: dict[int, list[_Piece]] = {}
+
+    @classmethod
+    def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
+        """The preconditioner of ``ds_engine``'s optimizer; None (with a warning) where its second
+        moments cannot be read.
+
+        Raises:
+            ConfigError: the optimizer is not Adam-like (no ``betas`` and ``eps``).
+        """
+        basic = _inner_optimizer(ds_engine)
+        check_noise_geometry(basic, "adam")
+        found = _units_for(ds_engine, basic)
+        if isinstance(found, str):
+            logger.warning(
+                'gradient_noise geometry "adam": %s; measuring the noise scale in geometry "sgd"', found
+            )
+            return None
+        units, group = found
+        return cls(units, basic, group, ds_engine.device)
+
+    def begin_step(self) -> None:
+        """Zeroed buffers for one measured step (one fp32 value per parameter)."""
+        shared, full = self._sizes
+        self._shared = torch.zeros(self.world, shared, dtype=torch.float32, device=self.device)
+        self._full = torch.zeros(full, dtype=torch.float32, device=self.device)
+        self._reduced = None
+        self._pieces = {}
+        for i, unit in enumerate(self.units):
+            o = self._offsets[i]
+            for p, start in unit.members:
+                n = _numel(p)
+                if unit.partitioned:
+                    block = self._shared[:, o : o + unit.size]
+                    self._pieces[id(p)] = _row_pieces(start, n, unit.size, block)
+                else:
+                    self._pieces[id(p)] = [(0, n, 0, self._full[o + start : o + start + n])]
+
+    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor, factor: float) -> None:
+        """Add ``factor x grad^2`` (one micro-batch's full gradient of ``param``) into the buffer."""
+        pieces = self._pieces.get(id(param))
+        if pieces is None:
+            return  # a parameter the optimizer does not step
+        flat = grad.detach().reshape(-1)
+        for first, end, rows, dest in pieces:
+            x = flat[first:end].float()
+            dest.addcmul_(x.view(rows, -1) if rows else x, x.view(rows, -1) if rows else x, value=factor)
+
+    def after_step(self, optimizer: Any, out: torch.Tensor) -> None:
+        """A post-step hook on the inner optimizer: add, for the tensors it just stepped (this rank's
+        partition), the weighted small-batch sum, the reduced gradient's weighted and its plain squared
+        norm into ``out[0:3]``."""
+        if self._reduced is None:
+            # First call of this step, on every rank (they step the same groups in the same order).
+            self._reduced = _reduce_scatter(self._shared, self.process_group)
+        for group in optimizer.param_groups:
+            for t in group["params"]:
+                indices = self._by_key.get(id(t))
+                state = optimizer.state.get(t)
+                if indices is None or t.grad is None or not state:
+                    continue
+                v = state.get("exp_avg_sq")
+                if v is None:
+                    raise ValueError(
+                        f'gradient_noise geometry "adam": the optimizer {type(optimizer).__name__} keeps '
+                        f"no exp_avg_sq (its state has {sorted(state)}); set adabatch.schedule.geometry "
+                        'to "sgd" or use an Adam-type optimizer'
+                    )
+                inv = _inverse_root(v.view(-1), state, group)  # after the update: this step's
+                g = t.grad.detach().reshape(-1).float()
+                small = torch.zeros((), dtype=torch.float32, device=self.device)
+                for i in indices:
+                    unit, o = self.units[i], self._offsets[i]
+                    source = self._reduced if unit.partitioned else self._full
+                    w2 = inv[unit.start : unit.start + unit.size].square().to(self.device, non_blocking=True)
+                    small = small + torch.dot(source[o : o + unit.size], w2)
+                big = torch.stack([(g * inv).square().sum(), g.square().sum()]).to(self.device)
+                out.add_(torch.cat([small.view(1), big]).to(out.dtype))
+
+    def release(self) -> None:
+        """Drop the buffers until the next :meth:`begin_step`."""
+        self._shared = self._full = self._reduced = None
+        self._pieces = {}
+
+
+def check_noise_geometry(optimizer: Any, geometry: str) -> None:
+    """Refuse ``geometry: "adam"`` for an optimizer without Adam's second moment.
+
+    Raises:
+        ConfigError: ``geometry`` is ``"adam"`` and ``optimizer``'s parameter groups have no ``betas``
+            and ``eps`` (SGD, Adagrad, Lion, ...).
+    """
+    if geometry == "adam" and not _is_adam_like(optimizer):
+        raise ConfigError.single(
+            "adabatch.schedule.geometry",
+            f"measures the noise scale with Adam's second moment, but the optimizer "
+            f"{type(optimizer).__name__} keeps none (no betas and eps in its parameter groups); set it "
+            'to "sgd" or train with an Adam-type optimizer',
+            geometry,
+        )
+
+
+def measured_geometry(ds_engine: Any, geometry: str, *, caller_resolves: bool = True) -> str:
+    """The geometry a probe on ``ds_engine`` measures in for the configured ``geometry``.
+
+    ``"auto"`` is ``"adam"`` for an optimizer that keeps Adam's second moment, else ``"sgd"``;
+    ``"adam"`` falls back to ``"sgd"`` (with a warning) where DeepSpeed's optimizer wrapper keeps the
+    second moments out of reach. ``caller_resolves``: the caller sets the schedule's scale for the
+    result (the engine); else an ``"auto"`` that resolves to ``"sgd"`` is warned about once, since the
+    schedule then keeps the adam geometry's default ``scale``.
+
+    Raises:
+        ConfigError: ``geometry`` is ``"adam"`` and the optimizer keeps no second moment.
+    """
+    if geometry == "sgd":
+        return "sgd"
+    if geometry == "auto" and not _is_adam_like(_inner_optimizer(ds_engine)):
+        if not caller_resolves and ds_engine not in _AUTO_WARNED:
+            _AUTO_WARNED.add(ds_engine)
+            logger.warning(
+                'gradient_noise geometry "auto": the optimizer %s keeps no second moment, so the noise '
+                'scale is measured in geometry "sgd" while scale keeps the adam default %g; set '
+                'geometry "sgd" (its default scale is %g) or set scale',
+                type(_inner_optimizer(ds_engine)).__name__,
+                DEFAULT_NOISE_SCALES["adam"],
+                DEFAULT_NOISE_SCALES["sgd"],
+            )
+        return "sgd"
+    return "adam" if noise_preconditioner(ds_engine) is not None else "sgd"
+
+
+def _inner_optimizer(ds_engine: Any) -> Any:
+    # DeepSpeed 0.19.8 keeps the torch optimizer it wraps in engine.basic_optimizer (a ZeRO or
+    # fp16/bf16 wrapper holds the same object as .optimizer).
+    basic = getattr(ds_engine, "basic_optimizer", None) or getattr(ds_engine.optimizer, "optimizer", None)
+    return basic if basic is not None else ds_engine.optimizer
+
+
+_AUTO_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def configured_geometry(ds_engine: Any) -> str:
+    """The ``geometry`` of the ``gradient_noise`` schedule in the engine's DeepSpeed config (its
+    ``"adabatch"`` section), ``"sgd"`` without one."""
+    # DeepSpeed 0.19.8 keeps the config dict it was built with, unknown sections such as "adabatch"
+    # included, in engine._config._param_dict. The Hugging Face Trainer path reads its schedule from
+    # that same section.
+    raw = getattr(getattr(ds_engine, "_config", None), "_param_dict", None)
+    section = raw.get("adabatch") if isinstance(raw, dict) else None
+    schedule = section.get("schedule") if isinstance(section, dict) else None
+    if not isinstance(schedule, dict) or schedule.get("type") != "gradient_noise":
+        return "sgd"
+    return str(schedule.get("geometry", GradientNoiseScheduleConfig.model_fields["geometry"].default))
+
+
+_PRECONDITIONERS: weakref.WeakKeyDictionary[Any, AdamPreconditioner | None] = weakref.WeakKeyDictionary()
+
+
+def noise_preconditioner(ds_engine: Any) -> AdamPreconditioner | None:
+    """The engine's :class:`AdamPreconditioner`, built once (None where the second moments cannot be
+    read: the noise scale is then measured in the SGD geometry, with one warning).
+
+    Raises:
+        ConfigError: the optimizer is not Adam-like.
+    """
+    if ds_engine not in _PRECONDITIONERS:
+        _PRECONDITIONERS[ds_engine] = AdamPreconditioner.for_deepspeed(ds_engine)
+    return _PRECONDITIONERS[ds_engine]
