@@ -36,7 +36,7 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", ["z0_token", "z2_token", "z3_token", "z0_sample"])
+@pytest.mark.parametrize("case", ["z0_token", "z1_token", "z2_token", "z3_token", "z0_sample"])
 def test_token_budget_steps_are_exact_and_exactly_once(results, case):
     r = read_result(results, f"train_{case}")
     assert r["max_rel_err"] <= 1e-5, f"{case}: off the big-batch reference by {r['max_rel_err']:.2e}"
@@ -61,7 +61,7 @@ def test_token_budget_steps_are_exact_and_exactly_once(results, case):
 
 def test_same_stream_on_every_stage_and_with_length_fn(results):
     base = read_result(results, "train_z0_token")
-    for case in ("z2_token", "z3_token", "z0_sample"):
+    for case in ("z1_token", "z2_token", "z3_token", "z0_sample"):
         assert read_result(results, f"train_{case}")["steps"] == base["steps"]
 
 

@@ -163,7 +163,7 @@ def write(out_dir: str, name: str, record: dict) -> None:
 
 def train(out_dir: str) -> None:
     data = Sequences()
-    for stage, normalization in ((0, "token"), (2, "token"), (3, "token"), (0, "sample")):
+    for stage, normalization in ((0, "token"), (1, "token"), (2, "token"), (3, "token"), (0, "sample")):
         loss_fn = token_mean_loss if normalization == "token" else sample_mean_loss
         engine, *_ = ds_adabatch.initialize(
             make_model(), config(stage, normalization), data, collate_fn=collate, loss_fn=loss_fn,
