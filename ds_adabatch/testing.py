@@ -33,27 +33,15 @@ def simulated_limit_installed() -> bool:
     return _installed > 0
 
 
-def _leading_dim(value: Any) -> int | None:
+def _first_batched(value: Any) -> torch.Tensor | None:
+    """The first tensor with at least one dimension in a call's arguments (tensors, dicts, sequences)."""
     if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.dim() else None
+        return value if value.dim() else None
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
         for item in value:
-            n = _leading_dim(item)
-            if n is not None:
-                return n
-    return None
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_tensor(item)
+            found = _first_batched(item)
             if found is not None:
                 return found
     return None
@@ -149,9 +137,9 @@ class SimulatedMemoryLimit:
         if self._samples is None:
             # The batch size is the first positional tensor of the outermost call, or (when that call
             # takes keyword arguments only, like model(**batch)) of the first module call below it.
-            self._samples = _leading_dim(args)
-            first = _first_tensor(args)
-            self._tokens = int(first.numel()) if first is not None and first.dim() else None
+            first = _first_batched(args)
+            if first is not None:
+                self._samples, self._tokens = int(first.shape[0]), int(first.numel())
         # A forward-phase error is raised where the model starts computing, as a real one would be:
         # at its first leaf module (e.g. the embedding), after the hooks of the modules around it
         # (ZeRO-3's start-of-forward hook communicates in the first steps), before that leaf runs.

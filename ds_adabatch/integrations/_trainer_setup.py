@@ -32,6 +32,7 @@ from ds_adabatch.data import ElasticDataLoader, ElasticSampler
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler
+from ds_adabatch.runtime.token_setup import sampler_for_config
 from ds_adabatch.schedules import BatchSizeController
 from ds_adabatch.schedules.user import CallableSchedule
 
@@ -121,19 +122,8 @@ def token_lengths(
 def _token_sampler(
     config: AdaBatchConfig, lengths: SampleLengths, *, seed: int, drop_last: bool
 ) -> TokenBudgetSampler:
-    micro = config.max_micro_batch_per_gpu
-    return TokenBudgetSampler(
-        lengths,
-        micro_batch_tokens=int(config.micro_batch_tokens),
-        padding=config.padding,
-        max_micro_batch=micro if isinstance(micro, int) else None,
-        bucket_window=config.bucket_window,
-        truncate=config.truncate_long_samples,
-        shuffle=True,
-        seed=seed,
-        drop_last=drop_last,
-        step_unit=config.schedule.batch_unit,
-    )
+    # The Trainer always shuffles (its seed and drop_last come from TrainingArguments).
+    return sampler_for_config(config, lengths, shuffle=True, seed=seed, drop_last=drop_last)
 
 
 def build_batch_state(

@@ -249,7 +249,7 @@ class AdaptiveBatchState:
             sampler = self.loader.sampler
             # Cut with the learned token budget (micro_batch_tokens until an out-of-memory error lowers
             # it), as ds_adabatch.runtime.AdaptiveBatchEngine does.
-            sampler.pass_budget = min(self.memory.limit, sampler.budget)
+            sampler.pass_budget = self.memory.limit  # ceiling: micro_batch_tokens (memory_for)
             return self.loader.plan_for_tokens(global_batch)
         cfg = self.config
         return plan_batch(global_batch, self.world_size, self.memory.limit, allow_uneven=cfg.allow_uneven)

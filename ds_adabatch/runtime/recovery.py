@@ -195,7 +195,7 @@ def replan_token_step_after_oom(
     cost = max(splittable)
     old_budget = step.budget
     memory.on_oom(cost)
-    sampler.pass_budget = min(memory.limit, sampler.budget)
+    sampler.pass_budget = memory.limit  # its ceiling is micro_batch_tokens (memory_for)
     new = sampler.repack(step)
     line = (
         f"step {number}: OOM on {who} at {cost} tokens per pass -> token budget {old_budget} -> "
