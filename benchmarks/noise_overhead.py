@@ -1,9 +1,11 @@
 """Cost of measuring the gradient-noise scale, per measured step and at the default cadence.
 
 One engine on the main job's model and data (ZeRO-2 unless ``--stage``, global 32 = micro 8 x GAS 2 on 2 ranks) with the
-``gradient_noise`` schedule measuring every other step, so measured and unmeasured steps alternate on
-the same engine, data stream and memory layout; the difference is the probe's cost alone (its warm-up
-is set beyond the run, so the batch never changes)::
+``gradient_noise`` schedule, alternating blocks of ``--block`` steps that measure every step with blocks
+that measure none, on the same engine, data stream and memory layout; the difference is the probe's
+cost alone (its warm-up is set beyond the run, so the batch never changes). The first step of each
+block is not timed: a measurement's all-reduce completes, and is folded into the estimate, at the end
+of the step after it, so a step's time includes the previous step's measurement::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/noise_overhead.py
     ... benchmarks/noise_overhead.py --geometry sgd --stage 3     # plain gradients under ZeRO-3
@@ -33,6 +35,7 @@ MICRO, GAS = 8, 2
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (half of them measured)")
+    p.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
     fields = GradientNoiseScheduleConfig.model_fields
     p.add_argument(
         "--geometry",
@@ -45,13 +48,14 @@ def main() -> None:
 
     deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
+    load_before = h.idle_check("at launch", own_processes=world)
     batch = MICRO * GAS * world
     default_every = fields["measure_every"].default
     schedule = {
         "type": "gradient_noise",
         "start": batch,
         "warmup_steps": 10**9,
-        "measure_every": 2,
+        "measure_every": 1,
         "geometry": args.geometry,
     }
     cfg = h.ds_config(
@@ -67,10 +71,15 @@ def main() -> None:
     h.time_steps(engine.train_batch, 4)
 
     measured, plain = [], []
-    for _ in range(args.steps):
+    cadence = engine._noise_cadence
+    for i in range(args.steps):
+        block, first = divmod(i, args.block)
+        cadence.every = 1 if block % 2 == 0 else 0  # measure every step, or none
         is_measured = engine._should_measure_noise()
         dist.barrier()
-        (measured if is_measured else plain).append(h.time_steps(engine.train_batch, 1)[0])
+        took = h.time_steps(engine.train_batch, 1)[0]
+        if first:
+            (measured if is_measured else plain).append(took)
 
     if rank == 0:
         m_plain, m_measured = h.median(plain), h.median(measured)
@@ -79,7 +88,8 @@ def main() -> None:
         print(
             f"\n{world} ranks, ZeRO-{args.stage}, geometry {engine._noise_geometry} ({args.geometry}), global {batch} = micro {MICRO} x "
             f"gas {GAS}; {len(measured)} measured and "
-            f"{len(plain)} unmeasured steps alternating on one engine; default measure_every={default_every}\n"
+            f"{len(plain)} unmeasured steps timed, in alternating blocks of {args.block} on one engine; "
+            f"default measure_every={default_every}\n"
         )
         print("| measure | value |")
         print("|---|---|")
@@ -89,6 +99,7 @@ def main() -> None:
         print(f"| cost at the default cadence (every {default_every}) | {at_default * 100:+.1f}% |")
         estimate = engine.noise.noise_scale
         print(f"| noise-scale estimate at the end | {'-' if estimate is None else f'{estimate:.1f}'} |")
+        print(f"\n{load_before}\n{h.idle_check('at the end', own_processes=world)}")
     engine.close()
 
 

@@ -1,10 +1,11 @@
 """The gradient-noise scale in Adam's geometry (``gradient_noise.geometry: "adam"``).
 
 One process: the probe's weighted norms against a hand computation from a torch AdamW's state, the
-row-piece layout of partitioned factors, the estimator's big-norm ratio, config errors. Two gloo ranks
-(one launch, this file run as a torchrun worker): ZeRO 0, 1, 2 and 3 give the same estimates as each
-other and as a plain-PyTorch reference, and the same parameters as the reference (the probe does not
-touch the update).
+per-rank shares of partitioned and unpartitioned state (every coordinate weighed on exactly one rank),
+the estimator's big-norm ratio, config errors. Two gloo ranks (one launch, this file run as a torchrun
+worker): under ZeRO 0, 1, 2 and 3 the estimates equal a plain-PyTorch reference that weighs each
+coordinate on the rank DeepSpeed's layout gives it, with that rank's micro-batches, and the parameters
+equal the reference's (the probe does not touch the update).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ds_adabatch.config import ConfigError
 from ds_adabatch.config.schedules import GradientNoiseScheduleConfig
 from ds_adabatch.runtime.adam_geometry import (
     AdamPreconditioner,
-    _row_pieces,
     _Unit,
     check_noise_geometry,
     configured_geometry,
@@ -99,44 +99,98 @@ def test_adam_norms_match_a_hand_computation_from_the_optimizer_state():
         probe.close()
         inv = _inverse_roots(opt)  # Adam's denominator of the step just taken
 
-        sq_sum, n, inv_b, weighted, plain = (float(v) for v in probe.local_sums())
-        expected_small = sum(float(((gi * w) ** 2).sum()) for g in micro for gi, w in zip(g, inv))
+        mean_small, n, inv_b, weighted, plain, missing = (float(v) for v in probe.local_sums())
+        expected_small = sum(float(((gi * w) ** 2).sum()) for g in micro for gi, w in zip(g, inv)) / 2
         expected_weighted = sum(float(((g * w) ** 2).sum()) for g, w in zip(big, inv))
         expected_plain = sum(float((g**2).sum()) for g in big)
-        assert n == 2 and inv_b == pytest.approx(1 / 4 + 1 / 6)
-        assert sq_sum == pytest.approx(expected_small, rel=1e-5), f"step {step}: small-batch weighted norms"
+        assert n == 2 and inv_b == pytest.approx(1 / 4 + 1 / 6) and missing == 0
+        assert mean_small == pytest.approx(expected_small, rel=1e-5), f"step {step}: small-batch weighted norms"
         # The post-step hook saw the clipped gradient: both of its sums scale by 0.25^2, their ratio not.
         assert weighted == pytest.approx(expected_weighted * 0.0625, rel=1e-5), f"step {step}: weighted"
         assert plain == pytest.approx(expected_plain * 0.0625, rel=1e-5), f"step {step}: plain"
-        assert pre._pieces == {} and pre._shared is None, "close() must drop the buffers"
+        assert pre._buffer is None, "close() must drop the buffer"
 
 
 def test_update_estimator_scales_the_big_norm_by_the_weighted_ratio():
     est = GradientNoiseEstimator(ema_beta=0.0)
-    update_estimator(est, [2 * 3.0, 2, 2 / 4, 10.0, 5.0], 16, 1.5)
+    # Adam's geometry: (mean small-batch norm, micro-batches, sum of 1/size, weighted, plain, missing).
+    update_estimator(est, [3.0, 2, 2 / 4, 10.0, 5.0, 0.0], 16, 1.5)
     ref = GradientNoiseEstimator(ema_beta=0.0)
     ref.update(4, 3.0, 16, 3.0)  # 1.5 x 10 / 5
     assert est.last_grad_sq_norm == pytest.approx(ref.last_grad_sq_norm)
     assert est.last_trace_sigma == pytest.approx(ref.last_trace_sigma)
     # A step the optimizer skipped (no gradient reached it) is not fed.
-    update_estimator(est, [6.0, 2, 0.5, 0.0, 0.0], 16, 1.5)
+    update_estimator(est, [3.0, 2, 0.5, 0.0, 0.0, 0.0], 16, 1.5)
+    assert est.count == 1
+    # Nor is one where a rank that holds a share of the coordinates ran only padding.
+    update_estimator(est, [3.0, 2, 0.5, 10.0, 5.0, 1.0], 16, 1.5)
     assert est.count == 1
 
 
-@pytest.mark.parametrize("offset,numel,width", [(0, 8, 4), (3, 10, 4), (1, 2, 4), (5, 3, 4), (0, 3, 4)])
-def test_row_pieces_cover_a_parameter_exactly_once(offset, numel, width):
-    world = 4
-    rows = torch.arange(world * width, dtype=torch.float32).view(world, width)
-    grad = torch.arange(numel, dtype=torch.float32) + 100
-    covered = torch.zeros(numel)
-    total = 0.0
-    for first, end, nrows, w in _row_pieces(offset, numel, width, rows):
-        x = grad[first:end]
-        covered[first:end] += 1
-        total += float((x.view(nrows, -1) if nrows else x).mul(w).sum())
-    assert covered.eq(1).all(), f"pieces {covered.tolist()} do not cover the parameter exactly once"
-    expected = float((grad * rows.reshape(-1)[offset : offset + numel]).sum())
-    assert total == pytest.approx(expected)
+def _shares_total(units_of_rank, grads: dict, world: int) -> tuple[float, float]:
+    """Sum over ranks of the probe's weighted small-batch norm (one micro-batch, weight 1) and of the
+    reduced weighted norm, each rank with its own preconditioner."""
+    small = weighted = 0.0
+    for rank in range(world):
+        units, opt = units_of_rank(rank)
+        pre = AdamPreconditioner(units, opt, None, "cpu", rank=rank, world=world)
+        pre.begin_step()
+        for p, g in grads.items():
+            pre.accumulate(p, g, 1.0)
+        out = torch.zeros(3, dtype=torch.float64)
+        pre.after_step(opt, out)
+        small += float(out[0])
+        weighted += float(out[1])
+    return small, weighted
+
+
+def _stepped(keys: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(keys, lr=0.01, betas=(0.9, 0.99), eps=1e-3)
+    for k, g in zip(keys, grads):
+        k.grad = g.clone()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_every_coordinate_is_weighed_on_exactly_one_rank(world):
+    gen = torch.Generator().manual_seed(world)
+    shapes = [(5,), (7, 1), (4,)]  # 16 elements: padding and parameters across partition boundaries
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    micro = {p: torch.randn(p.shape, generator=gen) for p in params}
+    flat_grad = torch.randn(16, generator=gen)  # the reduced gradient the optimizer steps with
+
+    # Unpartitioned (ZeRO 0): every rank steps full per-parameter state; the shares are consecutive.
+    masters = [torch.nn.Parameter(torch.zeros(p.numel())) for p in params]
+    full_opt = _stepped(masters, list(flat_grad.split([5, 7, 4])))
+    inv = [1 / ((full_opt.state[m]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for m in masters]
+    expected_small = sum(float((micro[p].reshape(-1) * w).square().sum()) for p, w in zip(params, inv))
+    expected_weighted = float((flat_grad * torch.cat(inv)).square().sum())
+
+    def unpartitioned(rank):
+        group = full_opt.param_groups[0]
+        return [_Unit(m, group, 0, m.numel(), [(p, 0)], False) for p, m in zip(params, masters)], full_opt
+
+    small, weighted = _shares_total(unpartitioned, micro, world)
+    assert small == pytest.approx(expected_small, rel=1e-5)
+    assert weighted == pytest.approx(expected_weighted, rel=1e-5)
+
+    # Partitioned (ZeRO 1-2): one flat, padded to world x width, rank r steps elements [r, r+1) x width.
+    width = -(-16 // world)
+    padded = torch.cat([flat_grad, torch.zeros(world * width - 16)])
+    parts = [torch.nn.Parameter(torch.zeros(width)) for _ in range(world)]
+    opts = [_stepped([k], [padded[r * width : (r + 1) * width]]) for r, k in enumerate(parts)]
+    inv = torch.cat([1 / ((o.state[k]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for o, k in zip(opts, parts)])
+    micro_flat = torch.cat([micro[p].reshape(-1) for p in params])
+    members = list(zip(params, (0, 5, 12)))
+
+    def partitioned(rank):
+        unit = _Unit(parts[rank], opts[rank].param_groups[0], 0, width, members, True)
+        return [unit], opts[rank]
+
+    small, weighted = _shares_total(partitioned, micro, world)
+    assert small == pytest.approx(float((micro_flat * inv[:16]).square().sum()), rel=1e-5)
+    assert weighted == pytest.approx(float((flat_grad * inv[:16]).square().sum()), rel=1e-5)
 
 
 def test_adam_geometry_needs_an_adam_like_optimizer():
@@ -176,15 +230,15 @@ def test_geometry_is_validated_by_the_config():
 # Two ranks, ZeRO 0-3 (this file is the torchrun worker)
 
 
-def test_zero_stages_agree_with_each_other_and_with_plain_torch(tmp_path):
+def test_zero_stages_agree_with_plain_torch(tmp_path):
     from _util import torchrun
 
     proc = torchrun(Path(__file__), str(tmp_path), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     doc = json.loads((tmp_path / "adam_geometry.json").read_text())
-    ref = doc["reference"]
-    assert len(ref["estimates"]) == STEPS
     for stage in STAGES:
+        ref = doc[f"reference{stage}"]
+        assert len(ref["estimates"]) == STEPS
         got = doc[f"zero{stage}"]
         assert got["count"] == STEPS, f"ZeRO {stage}: {got['count']} measurements, expected {STEPS}"
         for step, (mine, theirs) in enumerate(zip(got["estimates"], ref["estimates"])):
@@ -196,9 +250,15 @@ def test_zero_stages_agree_with_each_other_and_with_plain_torch(tmp_path):
             assert got[name] == pytest.approx(ref[name], rel=1e-4), f"ZeRO {stage}: smoothed {name}"
         diff = max(abs(a - b) for a, b in zip(got["params"], ref["params"]))
         assert diff < 1e-5, f"ZeRO {stage}: parameters differ from plain AdamW by {diff} (the update changed)"
+    # Each rank weighs its own share with its own micro-batches: the estimate differs from the one that
+    # weighs every coordinate with every micro-batch (so the test's ownership is really exercised).
+    pooled = doc["pooled"]
+    for stage in STAGES:
+        ref = doc[f"reference{stage}"]
+        assert abs(ref["trace_sigma"] / pooled["trace_sigma"] - 1) > 1e-3, f"ZeRO {stage}: shares not exercised"
     # The SGD-geometry run of the same steps: a different estimate, so the geometry is really applied.
     sgd = doc["zero2_sgd"]
-    assert abs(sgd["trace_sigma"] / ref["trace_sigma"] - 1) > 1e-2, "adam and sgd geometries agree"
+    assert abs(sgd["trace_sigma"] / doc["reference2"]["trace_sigma"] - 1) > 1e-2, "adam and sgd geometries agree"
     with_sgd = doc["sgd_optimizer"]
     error = with_sgd["adam"].get("error", "")
     assert "adabatch.schedule.geometry" in error and "SGD" in error, f"SGD with geometry adam: {with_sgd}"
@@ -253,8 +313,32 @@ def _loss(engine, batch):
     return ((engine(x) - y) ** 2).mean()
 
 
-def _run_engine(stage: int, geometry: str) -> tuple[dict, list[list[list[int]]]]:
-    """Train STEPS steps; the estimates after each, the final parameters and every rank's micro-batches."""
+def _owners(engine, stage: int) -> list[list[int]]:
+    """For each model parameter, the rank whose share holds each of its elements, read from
+    DeepSpeed's own layout (ZeRO 1-2: the flat group cut into partition_size pieces; ZeRO 3: each
+    parameter cut into partition_numel pieces; ZeRO 0: the parameters end to end, cut into equal
+    consecutive pieces, the probe's rule for unpartitioned state)."""
+    world = torch.distributed.get_world_size()
+    params = list(engine.module.parameters())
+    sizes = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+    if stage == 3:
+        return [[e // p.partition_numel() for e in range(n)] for p, n in zip(params, sizes)]
+    if stage == 0:
+        chunk = -(-sum(sizes) // world)
+        order, width = params, chunk
+    else:
+        opt = engine.optimizer
+        order, width = opt.bit16_groups[0], int(opt.partition_size[0])
+    offset, start = 0, {}
+    for p in order:  # laid back to back in this order
+        start[id(p)] = offset
+        offset += p.numel()
+    return [[(start[id(p)] + e) // width for e in range(n)] for p, n in zip(params, sizes)]
+
+
+def _run_engine(stage: int, geometry: str) -> tuple[dict, list[list[list[list[int]]]], list]:
+    """Train STEPS steps; the estimates after each, the final parameters, each rank's micro-batches per
+    step and the owner of every element."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     import ds_adabatch
@@ -267,7 +351,7 @@ def _run_engine(stage: int, geometry: str) -> tuple[dict, list[list[list[int]]]]
         mine = [list(m.indices) for m in engine.last_step_batch.micro_batches]
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
-        steps.append([mb for rank in everyone for mb in rank])
+        steps.append(everyone)
         if engine.noise.count:
             estimates.append([engine.noise.last_grad_sq_norm, engine.noise.last_trace_sigma])
     params = []
@@ -277,18 +361,24 @@ def _run_engine(stage: int, geometry: str) -> tuple[dict, list[list[list[int]]]]
     noise = engine.noise
     out = {"estimates": estimates, "count": noise.count, "params": params}
     out.update(grad_sq_norm=noise.grad_sq_norm, trace_sigma=noise.trace_sigma)
+    owners = _owners(engine, stage)
     engine.close()
-    return out, steps
+    return out, steps, owners
 
 
-def _reference(steps: list[list[list[int]]]) -> dict:
-    """Plain PyTorch in one process: the same micro-batches, norms and AdamW steps written out."""
+def _reference(steps: list[list[list[list[int]]]], owners: list[list[int]] | None) -> dict:
+    """Plain PyTorch in one process: the same micro-batches, norms and AdamW steps written out.
+
+    ``owners``: the rank whose micro-batches measure each element's small-batch norm (a mean over
+    that rank's micro-batches, summed over elements); None: every element with every micro-batch."""
     model = _model()
     x, y = _data()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.0)
     est = GradientNoiseEstimator(ema_beta=0.5, reference_batch=8)
     estimates = []
-    for micro in steps:
+    for per_rank in steps:
+        micro = [idx for rank in per_rank for idx in rank]
+        rank_of = [r for r, rank in enumerate(per_rank) for _ in rank]
         total = sum(len(idx) for idx in micro)
         grads = [_grads(model, x[idx], y[idx]) for idx in micro]
         big = [sum(g[k] * len(idx) / total for g, idx in zip(grads, micro)) for k in range(len(grads[0]))]
@@ -302,7 +392,15 @@ def _reference(steps: list[list[list[int]]]) -> dict:
                 p.grad.mul_(coef)
         opt.step()
         inv = _inverse_roots(opt)  # the denominator of the step just taken
-        small = sum(sum(float(((gk * w) ** 2).sum()) for gk, w in zip(g, inv)) for g in grads) / len(grads)
+        if owners is None:
+            small = sum(sum(float(((gk * w) ** 2).sum()) for gk, w in zip(g, inv)) for g in grads) / len(grads)
+        else:
+            small = 0.0
+            for r in range(len(per_rank)):
+                mine = [g for g, rr in zip(grads, rank_of) if rr == r]
+                for k, w in enumerate(inv):
+                    held = torch.tensor(owners[k]).view(w.shape) == r
+                    small += sum(float(((g[k] * w) ** 2)[held].sum()) for g in mine) / len(mine)
         big_sq = sum(float(((gk * w) ** 2).sum()) for gk, w in zip(big, inv))
         b_small = len(micro) / sum(1 / len(idx) for idx in micro)
         est.update(b_small, small, total, big_sq)
@@ -335,14 +433,16 @@ def _with_sgd(geometry: str) -> dict:
 def _worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     doc: dict = {}
-    steps = None
+    runs = {}
     for stage in STAGES:
         # ZeRO 3 leaves the geometry at its default, "auto": with AdamW it must measure as "adam".
-        doc[f"zero{stage}"], steps = _run_engine(stage, "auto" if stage == 3 else "adam")
-    doc["zero2_sgd"], _ = _run_engine(2, "sgd")
+        doc[f"zero{stage}"], *runs[stage] = _run_engine(stage, "auto" if stage == 3 else "adam")
+    doc["zero2_sgd"], *_ = _run_engine(2, "sgd")
     doc["sgd_optimizer"] = {geometry: _with_sgd(geometry) for geometry in ("adam", "auto")}
     if torch.distributed.get_rank() == 0:
-        doc["reference"] = _reference(steps)
+        for stage, (steps, owners) in runs.items():
+            doc[f"reference{stage}"] = _reference(steps, owners)
+        doc["pooled"] = _reference(runs[2][0], None)
         (Path(out_dir) / "adam_geometry.json").write_text(json.dumps(doc))
     import ds_adabatch
 

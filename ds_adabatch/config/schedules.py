@@ -557,8 +557,9 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
         "which grows faster during training than B_simple. It needs an optimizer that keeps exp_avg_sq "
         '(Adam, AdamW, DeepSpeed\'s FusedAdam and CPUAdam); any other is a config error. "auto": adam '
         "for such an optimizer, sgd for any other (SGD, Adagrad, Lion, ...). With adam a measured step "
-        "holds one fp32 value per model parameter on every rank until its optimizer step, and under "
-        "ZeRO 1-3 the step issues one reduce-scatter of that size.",
+        "holds one fp32 value per coordinate of the rank's share (its partition under ZeRO 1-3, "
+        "1/world of the parameters under ZeRO 0) until its optimizer step and issues no extra "
+        "collective: each share's small-batch norm comes from its own rank's micro-batches.",
     )
 
     def scale_for(self, geometry: str) -> float:

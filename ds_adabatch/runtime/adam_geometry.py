@@ -61,13 +61,10 @@ def _adam_step_count(state: dict[str, Any], group: dict[str, Any]) -> float:
     return float(step)
 
 
-def _inverse_root(exp_avg_sq: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
-    """1 / (sqrt(v_hat) + eps), fp32, with v_hat Adam's bias-corrected second moment (a new tensor)."""
-    beta2 = float(group["betas"][1])
+def _bias_correction(state: dict[str, Any], group: dict[str, Any]) -> float:
+    """Adam's ``1 - beta2^t`` for the step just taken (1 without bias correction or before any step)."""
     t = _adam_step_count(state, group)
-    correction = 1.0 - beta2**t if group.get("bias_correction", True) and t > 0 else 1.0
-    v = exp_avg_sq.detach().float()
-    return (v / correction).sqrt_().add_(float(group["eps"])).reciprocal_()
+    return 1.0 - float(group["betas"][1]) ** t if group.get("bias_correction", True) and t > 0 else 1.0
 
 
 def _is_adam_like(optimizer: Any) -> bool:
@@ -189,37 +186,38 @@ def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return f"the optimizer wrapper {type(opt).__name__} is not one ds_adabatch can read second moments from"
 
 
-def _reduce_scatter(full: torch.Tensor, group: Any) -> torch.Tensor:
-    """This rank's row of ``full`` (``[world, n]``) summed over the group's ranks; one collective."""
-    world = full.shape[0]
-    if world == 1:
-        return full[0]
-    out = torch.empty(full.shape[1], dtype=full.dtype, device=full.device)
-    torch.distributed.reduce_scatter_tensor(out, full.reshape(-1), group=group)
+class _Slice:
+    """The elements of one unit's state this rank weighs: ``key``'s ``exp_avg_sq`` elements
+    ``[start, start + size)``, which sit at ``[flat_lo, flat_lo + size)`` of the unit's full flat (the
+    frame its members' offsets are given in), and at ``[at, at + size)`` of the probe's buffer."""
+
+    __slots__ = ("key", "group", "start", "size", "flat_lo", "at")
+
+    def __init__(self, unit: _Unit, start: int, size: int, flat_lo: int, at: int) -> None:
+        self.key, self.group = unit.key, unit.group
+        self.start, self.size, self.flat_lo, self.at = start, size, flat_lo, at
+
+
+def _own_slices(units: Sequence[_Unit], rank: int, world: int) -> list[tuple[_Unit, int, int, int]]:
+    """(unit, start in its state, size, offset in its full flat) of what rank ``rank`` weighs.
+
+    A partitioned unit's piece is the rank's own partition. Unpartitioned units (every rank holds the
+    whole state, ZeRO 0) are laid end to end and cut into ``world`` equal consecutive pieces, rank ``r``
+    taking piece ``r``: every coordinate is weighed on exactly one rank either way.
+    """
+    total = sum(u.size for u in units if not u.partitioned)
+    chunk = -(-total // world) if total else 0
+    lo, hi = rank * chunk, min(total, (rank + 1) * chunk)
+    out, pos = [], 0
+    for unit in units:
+        if unit.partitioned:
+            out.append((unit, unit.start, unit.size, rank * unit.size))
+            continue
+        a, b = max(lo, pos) - pos, min(hi, pos + unit.size) - pos
+        if a < b:
+            out.append((unit, unit.start + a, b - a, a))
+        pos += unit.size
     return out
-
-
-def _row_pieces(offset: int, numel: int, width: int, rows: torch.Tensor) -> list[_Piece]:
-    """A parameter's elements ``[offset, offset + numel)`` of a rank-major ``[world, width]`` layout,
-    as at most three pieces: a partial row, a block of whole rows, a partial row."""
-    pieces: list[_Piece] = []
-    done = 0
-    r, c = divmod(offset, width)
-    if c:
-        take = min(width - c, numel)
-        pieces.append((0, take, 0, rows[r, c : c + take]))
-        done, r = take, r + 1
-    k = (numel - done) // width
-    if k:
-        pieces.append((done, done + k * width, k, rows[r : r + k]))
-        done, r = done + k * width, r + k
-    if done < numel:
-        pieces.append((done, numel, 0, rows[r, : numel - done]))
-    return pieces
-
-
-_Piece = tuple[int, int, int, torch.Tensor]
-"""(first, end) elements of a flattened gradient, rows (0: one-dimensional) and the buffer view."""
 
 
 class AdamPreconditioner:
@@ -234,46 +232,61 @@ class AdamPreconditioner:
     (:meth:`accumulate`), and a post-step hook on the inner optimizer (:meth:`after_step`) weighs it
     with ``1 / (sqrt(v_hat) + eps)^2``, together with the reduced gradient the optimizer stepped with.
 
-    Where the state lives (DeepSpeed 0.19.8), and what a measured step costs beyond the hooks:
+    **Every rank weighs one share of the coordinates, with its own micro-batches**, so a measured step
+    holds 1/world of a model's worth of fp32 values and issues no collective beyond the step's existing
+    all-reduce of a few scalars. The shares (DeepSpeed 0.19.8):
 
-    * ZeRO 0: per parameter (or per fp32 master copy under fp16/bf16); every rank weighs its own
-      buffer in place. No collective.
-    * ZeRO 1-2 (and bf16 with fp32 accumulation): each rank steps one flat fp32 partition per group.
-      The buffer is laid out like the flat groups, rank-major; one reduce-scatter hands every rank
-      the sum over ranks of its own partition, which it weighs with its own second moments.
-    * ZeRO 3: every parameter is split into equal per-rank pieces; the buffer holds each rank's
-      pieces in that rank's row and the same single reduce-scatter applies.
+    * ZeRO 1-2 (and bf16 with fp32 accumulation): the flat fp32 partition per group the rank steps.
+    * ZeRO 3: the rank's piece of every parameter.
+    * ZeRO 0 (state per parameter, or per fp32 master copy under fp16/bf16, on every rank): the
+      parameters laid end to end and cut into ``world`` equal consecutive pieces.
 
-    The buffer holds one fp32 value per parameter from :meth:`begin_step` to :meth:`release`. The
-    reduced gradient's norms are taken on the optimizer's own (partitioned) gradient, which DeepSpeed
-    has unscaled and clipped by one factor for all coordinates: the ratio of its weighted to its plain
-    squared norm is that of the unclipped gradient, and the probe multiplies it into the plain squared
-    norm it measures anyway. Build it with :meth:`for_deepspeed`.
+    The small-batch norm is then the sum over shares of each share's mean over its rank's
+    micro-batches. Micro-batches are drawn alike on every rank, so this has the expected value of the
+    mean over all micro-batches; it averages fewer micro-batches per coordinate, so one step's
+    estimate scatters more (the schedule's moving averages smooth that), and a step in which a rank
+    that holds a share ran only padding is not measured.
+
+    The reduced gradient's norms are taken on the optimizer's own gradient, over the same shares,
+    which DeepSpeed has unscaled and clipped by one factor for all coordinates: the ratio of its
+    weighted to its plain squared norm is that of the unclipped gradient, and the probe multiplies it
+    into the plain squared norm it measures anyway. Build it with :meth:`for_deepspeed`.
     """
 
     def __init__(
-        self, units: list[_Unit], optimizer: Any, process_group: Any, device: torch.device | str
+        self,
+        units: list[_Unit],
+        optimizer: Any,
+        process_group: Any,
+        device: torch.device | str,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
     ) -> None:
-        self.units = units
+        dist = torch.distributed
+        on = dist.is_available() and dist.is_initialized()
+        if world is None:
+            world = dist.get_world_size(group=process_group) if on else 1
+        if rank is None:
+            rank = dist.get_rank(group=process_group) if on else 0
         self.optimizer = optimizer
-        self.process_group = process_group
         self.device = torch.device(device)
-        self._offsets: list[int] = []
-        self._by_key: dict[int, list[int]] = {}
-        shared = full = 0
-        for i, unit in enumerate(units):
-            self._offsets.append(shared if unit.partitioned else full)
-            if unit.partitioned:
-                shared += unit.size
-            else:
-                full += unit.size
-            self._by_key.setdefault(id(unit.key), []).append(i)
-        self._sizes = (shared, full)
-        self.world = _dp_group_world(process_group) if shared else 1
-        self._shared: torch.Tensor | None = None
-        self._full: torch.Tensor | None = None
-        self._reduced: torch.Tensor | None = None
-        self._pieces: dict[int, list[_Piece]] = {}
+        self.slices: list[_Slice] = []
+        self._by_key: dict[int, list[_Slice]] = {}
+        # id(parameter) -> [(first, end) of its flattened gradient, where it goes in the buffer]
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        at = 0
+        for unit, start, size, flat_lo in _own_slices(units, rank, world):
+            piece = _Slice(unit, start, size, flat_lo, at)
+            self.slices.append(piece)
+            self._by_key.setdefault(id(unit.key), []).append(piece)
+            for p, offset in unit.members:
+                lo, hi = max(offset, flat_lo), min(offset + _numel(p), flat_lo + size)
+                if lo < hi:
+                    self._pieces.setdefault(id(p), []).append((lo - offset, hi - offset, at + lo - flat_lo))
+            at += size
+        self._size = at
+        self._buffer: torch.Tensor | None = None
 
     @classmethod
     def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
@@ -292,47 +305,55 @@ class AdamPreconditioner:
             )
             return None
         units, group = found
+        # The probe's sums are added over all ranks: the shares must cover every rank exactly once.
+        world = _dp_group_world(None)
+        if group is not None and _dp_group_world(group) != world:
+            logger.warning(
+                'gradient_noise geometry "adam": the optimizer state is partitioned over %d of the %d '
+                'ranks; measuring the noise scale in geometry "sgd"',
+                _dp_group_world(group),
+                world,
+            )
+            return None
         return cls(units, basic, group, ds_engine.device)
 
+    @property
+    def holds_share(self) -> bool:
+        """Whether this rank weighs any coordinates (it has a share of the state)."""
+        return self._size > 0
+
+    def measures(self, param: torch.nn.Parameter) -> bool:
+        """Whether any of ``param``'s coordinates are weighed on this rank (its gradient needs a hook)."""
+        return id(param) in self._pieces
+
     def begin_step(self) -> None:
-        """Zeroed buffers for one measured step (one fp32 value per parameter)."""
-        shared, full = self._sizes
-        self._shared = torch.zeros(self.world, shared, dtype=torch.float32, device=self.device)
-        self._full = torch.zeros(full, dtype=torch.float32, device=self.device)
-        self._reduced = None
-        self._pieces = {}
-        for i, unit in enumerate(self.units):
-            o = self._offsets[i]
-            for p, start in unit.members:
-                n = _numel(p)
-                if unit.partitioned:
-                    block = self._shared[:, o : o + unit.size]
-                    self._pieces[id(p)] = _row_pieces(start, n, unit.size, block)
-                else:
-                    self._pieces[id(p)] = [(0, n, 0, self._full[o + start : o + start + n])]
+        """A zeroed buffer for one measured step (one fp32 value per coordinate of this rank's share)."""
+        self._buffer = torch.zeros(self._size, dtype=torch.float32, device=self.device)
 
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor, factor: float) -> None:
-        """Add ``factor x grad^2`` (one micro-batch's full gradient of ``param``) into the buffer."""
+        """Add ``factor x grad^2`` (one micro-batch's full gradient of ``param``) into the buffer, for
+        the coordinates of this rank's share."""
         pieces = self._pieces.get(id(param))
         if pieces is None:
-            return  # a parameter the optimizer does not step
+            return  # a parameter the optimizer does not step, or none of it in this rank's share
         flat = grad.detach().reshape(-1)
-        for first, end, rows, dest in pieces:
+        for first, end, at in pieces:
             x = flat[first:end].float()
-            dest.addcmul_(x.view(rows, -1) if rows else x, x.view(rows, -1) if rows else x, value=factor)
+            self._buffer[at : at + end - first].addcmul_(x, x, value=factor)
 
     def after_step(self, optimizer: Any, out: torch.Tensor) -> None:
-        """A post-step hook on the inner optimizer: add, for the tensors it just stepped (this rank's
-        partition), the weighted small-batch sum, the reduced gradient's weighted and its plain squared
-        norm into ``out[0:3]``."""
-        if self._reduced is None:
-            # First call of this step, on every rank (they step the same groups in the same order).
-            self._reduced = _reduce_scatter(self._shared, self.process_group)
+        """A post-step hook on the inner optimizer: add, over this rank's share, the weighted squared
+        norms of its micro-batches (into ``out[0]``) and the reduced gradient's weighted and plain
+        squared norms (``out[1:3]``).
+
+        The arithmetic runs as a few multi-tensor (``torch._foreach_*``) operations over all slices.
+        """
+        moments, grads, buffers, corrections, eps = [], [], [], [], []
         for group in optimizer.param_groups:
             for t in group["params"]:
-                indices = self._by_key.get(id(t))
+                slices = self._by_key.get(id(t))
                 state = optimizer.state.get(t)
-                if indices is None or t.grad is None or not state:
+                if slices is None or t.grad is None or not state:
                     continue
                 v = state.get("exp_avg_sq")
                 if v is None:
@@ -341,21 +362,42 @@ class AdamPreconditioner:
                         f"no exp_avg_sq (its state has {sorted(state)}); set adabatch.schedule.geometry "
                         'to "sgd" or use an Adam-type optimizer'
                     )
-                inv = _inverse_root(v.view(-1), state, group)  # after the update: this step's
-                g = t.grad.detach().reshape(-1).float()
-                small = torch.zeros((), dtype=torch.float32, device=self.device)
-                for i in indices:
-                    unit, o = self.units[i], self._offsets[i]
-                    source = self._reduced if unit.partitioned else self._full
-                    w2 = inv[unit.start : unit.start + unit.size].square().to(self.device, non_blocking=True)
-                    small = small + torch.dot(source[o : o + unit.size], w2)
-                big = torch.stack([(g * inv).square().sum(), g.square().sum()]).to(self.device)
-                out.add_(torch.cat([small.view(1), big]).to(out.dtype))
+                v, g = v.detach().reshape(-1), t.grad.detach().reshape(-1)
+                correction, e = _bias_correction(state, group), float(group["eps"])
+                for piece in slices:
+                    end = piece.start + piece.size
+                    moments.append(v[piece.start : end].float())
+                    grads.append(g[piece.start : end].float())
+                    buffers.append(self._buffer[piece.at : piece.at + piece.size])
+                    corrections.append(correction)
+                    eps.append(e)
+        if not moments:
+            return
+        # 1 / (sqrt(v_hat) + eps)^2 with v_hat = exp_avg_sq / (1 - beta2^t), after the update: this step's.
+        w2 = torch._foreach_div(moments, corrections)
+        torch._foreach_sqrt_(w2)
+        torch._foreach_add_(w2, eps)
+        torch._foreach_mul_(w2, w2)
+        torch._foreach_reciprocal_(w2)
+        plain_sq = torch._foreach_mul(grads, grads)
+        # Every factor is non-negative: each dot product is the 1-norm of the elementwise product.
+        weighted = torch._foreach_norm(torch._foreach_mul(plain_sq, w2), 1)
+        plain = torch._foreach_norm(plain_sq, 1)
+        if w2[0].device != self.device:  # optimizer state offloaded to the CPU
+            w2 = [w.to(self.device, non_blocking=True) for w in w2]
+        small = torch._foreach_norm(torch._foreach_mul(buffers, w2), 1)
+        sums = torch.stack(
+            [
+                torch.stack(small).sum(),
+                torch.stack(weighted).sum().to(self.device),
+                torch.stack(plain).sum().to(self.device),
+            ]
+        )
+        out.add_(sums.to(out.dtype))
 
     def release(self) -> None:
-        """Drop the buffers until the next :meth:`begin_step`."""
-        self._shared = self._full = self._reduced = None
-        self._pieces = {}
+        """Drop the buffer until the next :meth:`begin_step`."""
+        self._buffer = None
 
 
 def check_noise_geometry(optimizer: Any, geometry: str) -> None:

@@ -3,7 +3,8 @@
 DeepSpeed's communication layer (``deepspeed.comm``, 0.19.8) runs on ``torch.distributed``'s default
 process group, so these work under DeepSpeed, under plain DDP (the Hugging Face integration) and in a
 single process. Each call packs its values into one tensor: one optimizer step costs at most two extra
-small collectives; a steady step issues none (see :mod:`ds_adabatch.runtime.step_sync`).
+small collectives; a steady step issues none (see :mod:`ds_adabatch.runtime.step_sync`). One of them, a
+measured step's noise-scale sums, is issued without waiting, so it overlaps the next step.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["all_reduce_sum", "barrier", "broadcast_int", "finish"]
+__all__ = ["all_reduce_sum", "all_reduce_sum_async", "barrier", "broadcast_int", "finish"]
 
 
 def _active() -> bool:
@@ -24,9 +25,8 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Each value summed over all ranks, as float64 scalars on ``device``, in one collective."""
-    packed = torch.stack(
+def _pack(values: Sequence[float | torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    return torch.stack(
         [
             v.detach().to(device=device, dtype=torch.float64).reshape(())
             if isinstance(v, torch.Tensor)
@@ -35,9 +35,30 @@ def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device 
             for v in values
         ]
     )
+
+
+def all_reduce_sum(values: Sequence[float | torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Each value summed over all ranks, as float64 scalars on ``device``, in one collective."""
+    packed = _pack(values, device)
     if _active():
         torch.distributed.all_reduce(packed)
     return list(packed.unbind())
+
+
+def all_reduce_sum_async(
+    values: Sequence[float | torch.Tensor], device: torch.device | str
+) -> Callable[[], list[torch.Tensor]]:
+    """:func:`all_reduce_sum` issued now without waiting for it: returns a function that waits and
+    gives the sums. The values are copied when it is issued."""
+    packed = _pack(values, device)
+    work = torch.distributed.all_reduce(packed, async_op=True) if _active() else None
+
+    def wait() -> list[torch.Tensor]:
+        if work is not None:
+            work.wait()
+        return list(packed.unbind())
+
+    return wait
 
 
 def broadcast_int(value: int, device: torch.device | str, src: int = 0) -> int:

@@ -253,14 +253,19 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self.global_samples += total_samples
         self.global_tokens += tokens
         self._after_step()
+        # The previous step's measurement: its all-reduce (issued below, one step ago) has overlapped
+        # this step's work, and it reaches the schedule before the next decision.
+        self._sync.complete()
         if probe_sums is not None:
             self._sync.defer(probe_sums[0], self._noise_callback(total_samples, probe_sums[1]))
         loss = self._record_step(step, started, lr_used, loss_sum, total)
-        # Measured noise sums are folded into the next step's collective when every step has one
-        # (token counts); otherwise they are summed now, so the next decision sees this measurement.
-        flush_noise = probe_sums is not None and not self.counts_tokens
-        if flush_noise or self.global_steps % self.config.log.every_steps == 0:
+        if self.global_steps % self.config.log.every_steps == 0:
             self._sync.reduce()
+        elif probe_sums is not None and not self.counts_tokens:
+            # Measured noise sums ride the next step's collective when every step has one (token
+            # counts); otherwise their all-reduce (with the pending losses) is issued now and waited
+            # for at the end of the next step, so a measurement reaches the schedule one step later.
+            self._sync.reduce_later()
         return loss
 
     def resolve_losses(self) -> None:
@@ -505,8 +510,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return schedule.estimator_settings()
 
     def _noise_probe(self) -> NoiseProbe:
-        """Hooks for one measured step, in the resolved geometry (on every rank: under ZeRO 1-3 the adam
-        geometry's optimizer step issues one collective)."""
+        """Hooks for one measured step, in the resolved geometry."""
         return NoiseProbe.for_deepspeed(self.deepspeed, geometry=self._noise_geometry)
 
     def _should_measure_noise(self) -> bool:

@@ -14,8 +14,9 @@ device scalar, so a GPU is never synchronised per parameter.
 With ``geometry: "adam"`` both norms are taken of the gradient divided elementwise by the denominator
 ``sqrt(v_hat) + eps`` of the Adam step the measured step takes (:class:`AdamPreconditioner`): the noise
 scale of the step an Adam-type optimizer takes rather than of plain SGD's. The hooks then add squared
-gradients per coordinate instead of their sum, and a post-step hook on the optimizer weighs them
-(:mod:`ds_adabatch.runtime.adam_geometry`).
+gradients per coordinate instead of their sum, for this rank's share of the coordinates (its partition
+under ZeRO 1-3, 1/world of the parameters under ZeRO 0), and a post-step hook on the optimizer weighs
+them (:mod:`ds_adabatch.runtime.adam_geometry`). No collective is added in either geometry.
 """
 
 from __future__ import annotations
@@ -61,8 +62,7 @@ class NoiseProbe:
             or ``None`` where it has none; ``None`` (the argument): use :meth:`read_reduced_norm`.
         read_grads: whether :meth:`read_reduced_norm` reads the reduced ``.grad`` tensors (where
             ``reduced_norm`` may have no value).
-        preconditioner: measure in Adam's geometry (under ZeRO 1-3 the optimizer step then issues one
-            collective: build the probe on every rank); ``None``: plain gradients.
+        preconditioner: measure in Adam's geometry; ``None``: plain gradients.
 
     :meth:`for_deepspeed` builds one for a DeepSpeed engine.
     """
@@ -95,12 +95,16 @@ class NoiseProbe:
         if preconditioner is None:
             self._handles = [p.register_hook(self._hook) for p in self.params]
             return
-        # Adam geometry: the hooks add squared gradients per coordinate; a post-step hook on the
-        # optimizer that holds exp_avg_sq weighs them, and the reduced gradient, with this step's
-        # denominator: (weighted small-batch sum, reduced weighted, reduced plain) on this rank's share.
+        # Adam geometry: the hooks add squared gradients per coordinate of this rank's share; a
+        # post-step hook on the optimizer that holds exp_avg_sq weighs them, and the reduced gradient,
+        # with this step's denominator: (weighted small-batch sum, reduced weighted, reduced plain).
         preconditioner.begin_step()
         self._step_sums = sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self._handles = [p.register_hook(functools.partial(self._adam_hook, p)) for p in self.params]
+        self._handles = [
+            p.register_hook(functools.partial(self._adam_hook, p))
+            for p in self.params
+            if preconditioner.measures(p)
+        ]
         self._handles.append(
             preconditioner.optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: preconditioner.after_step(opt, sums)
@@ -113,8 +117,7 @@ class NoiseProbe:
         bf16) or, under plain ZeRO 0, from the all-reduced ``.grad`` tensors.
 
         ``geometry`` is ``"sgd"`` or ``"adam"``; ``None``: the ``gradient_noise`` schedule's
-        (:func:`configured_geometry`, resolved by :func:`measured_geometry`). Build it on every rank: in Adam's geometry the optimizer step
-        issues one collective under ZeRO 1-3.
+        (:func:`configured_geometry`, resolved by :func:`measured_geometry`).
         """
         if geometry is None:
             geometry = measured_geometry(ds_engine, configured_geometry(ds_engine), caller_resolves=False)
@@ -128,7 +131,9 @@ class NoiseProbe:
         )
 
     def _hook(self, grad: torch.Tensor) -> None:
-        self._acc.add_(grad.detach().float().pow(2).sum())
+        g = grad.detach().reshape(-1)
+        g = g if g.dtype == torch.float32 else g.float()
+        self._acc.add_(torch.dot(g, g))
 
     def _adam_hook(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if self._factor:
@@ -185,13 +190,21 @@ class NoiseProbe:
         return value
 
     def local_sums(self) -> list[torch.Tensor | float]:
-        """This rank's (sum of small-batch squared norms, micro-batches measured, sum of 1/size); in
-        Adam's geometry also (the reduced gradient's weighted squared norm, its plain squared norm) on
-        this rank's share of it. Read after the optimizer step."""
+        """This rank's (sum of small-batch squared norms, micro-batches measured, sum of 1/size), to be
+        summed over ranks. Read after the optimizer step.
+
+        In Adam's geometry, over this rank's share of the coordinates: the first sum is instead the
+        mean over this rank's micro-batches of their weighted squared norms (summed over ranks, the
+        small-batch mean over all coordinates), and three more follow: the reduced gradient's weighted
+        squared norm, its plain squared norm, and 1 where this rank holds a share but measured no
+        micro-batch (the step is then not fed).
+        """
         if self._step_sums is None:
             return [self._sq_sum, float(self._n), self._inv_b]
         small, weighted, plain = self._step_sums.unbind()
-        return [small, float(self._n), self._inv_b, weighted, plain]
+        missing = float(self.preconditioner.holds_share and self._n == 0)
+        mean = small / self._n if self._n else small
+        return [mean, float(self._n), self._inv_b, weighted, plain, missing]
 
     def close(self) -> None:
         """Remove the hooks and drop the per-coordinate buffer (after the step's optimizer step)."""
@@ -210,21 +223,27 @@ def update_estimator(
     ``sums`` are :meth:`NoiseProbe.local_sums` summed over ranks, ``total_samples`` the global batch's
     real samples and ``sq_big`` :meth:`NoiseProbe.reduced_sq_norm`. The small batch is the harmonic mean
     of the measured micro-batch sizes; nothing is fed when no micro-batch was measured, the big norm is
-    missing, or the global batch is not larger than the small one. In Adam's geometry (five sums) the
-    big norm is ``sq_big`` times the ratio of the reduced gradient's weighted to plain squared norm.
+    missing, or the global batch is not larger than the small one. In Adam's geometry (six sums) the
+    first sum is already the small-batch mean (the sum of each rank's share's mean), the big norm is
+    ``sq_big`` times the ratio of the reduced gradient's weighted to plain squared norm, and a step in
+    which a rank that holds a share measured no micro-batch is not fed.
     """
     sq_sum, n_micro, inv_b_sum, *step = (float(s) for s in sums)
     if n_micro < 1 or sq_big is None:
         return
+    mean_small = sq_sum / n_micro
     if step:
-        weighted, plain = step
+        weighted, plain, missing = step
+        if missing > 0:
+            return  # a share of the coordinates has no small-batch measurement this step
         if not (plain > 0 and math.isfinite(weighted) and math.isfinite(plain)):
             return  # the optimizer did not step (an overflow) or its gradient was not finite
         sq_big = sq_big * weighted / plain
+        mean_small = sq_sum
     b_small = n_micro / inv_b_sum
     if total_samples <= b_small:
         return
-    estimator.update(b_small, sq_sum / n_micro, total_samples, sq_big)
+    estimator.update(b_small, mean_small, total_samples, sq_big)
 
 
 class NoiseCadence:
