@@ -272,14 +272,12 @@ class AdamPreconditioner:
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.slices: list[_Slice] = []
-        self._by_key: dict[int, list[_Slice]] = {}
         # id(parameter) -> [(first, end) of its flattened gradient, where it goes in the buffer]
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         at = 0
         for unit, start, size, flat_lo in _own_slices(units, rank, world):
             piece = _Slice(unit, start, size, flat_lo, at)
             self.slices.append(piece)
-            self._by_key.setdefault(id(unit.key), []).append(piece)
             for p, offset in unit.members:
                 lo, hi = max(offset, flat_lo), min(offset + _numel(p), flat_lo + size)
                 if lo < hi:
@@ -287,6 +285,16 @@ class AdamPreconditioner:
             at += size
         self._size = at
         self._buffer: torch.Tensor | None = None
+        # Per stepped tensor, its slices merged where both the state and the buffer run on (ZeRO 3's
+        # per-parameter pieces of one flat): (start in the state, size, offset in the buffer).
+        self._runs: dict[int, list[list[int]]] = {}
+        for piece in self.slices:
+            runs = self._runs.setdefault(id(piece.key), [])
+            last = runs[-1] if runs else None
+            if last and last[0] + last[1] == piece.start and last[2] + last[1] == piece.at:
+                last[1] += piece.size
+            else:
+                runs.append([piece.start, piece.size, piece.at])
 
     @classmethod
     def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
@@ -344,16 +352,13 @@ class AdamPreconditioner:
     def after_step(self, optimizer: Any, out: torch.Tensor) -> None:
         """A post-step hook on the inner optimizer: add, over this rank's share, the weighted squared
         norms of its micro-batches (into ``out[0]``) and the reduced gradient's weighted and plain
-        squared norms (``out[1:3]``).
-
-        The arithmetic runs as a few multi-tensor (``torch._foreach_*``) operations over all slices.
-        """
-        moments, grads, buffers, corrections, eps = [], [], [], [], []
+        squared norms (``out[1:3]``)."""
+        parts: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             for t in group["params"]:
-                slices = self._by_key.get(id(t))
+                runs = self._runs.get(id(t))
                 state = optimizer.state.get(t)
-                if slices is None or t.grad is None or not state:
+                if runs is None or t.grad is None or not state:
                     continue
                 v = state.get("exp_avg_sq")
                 if v is None:
@@ -363,37 +368,20 @@ class AdamPreconditioner:
                         'to "sgd" or use an Adam-type optimizer'
                     )
                 v, g = v.detach().reshape(-1), t.grad.detach().reshape(-1)
-                correction, e = _bias_correction(state, group), float(group["eps"])
-                for piece in slices:
-                    end = piece.start + piece.size
-                    moments.append(v[piece.start : end].float())
-                    grads.append(g[piece.start : end].float())
-                    buffers.append(self._buffer[piece.at : piece.at + piece.size])
-                    corrections.append(correction)
-                    eps.append(e)
-        if not moments:
-            return
-        # 1 / (sqrt(v_hat) + eps)^2 with v_hat = exp_avg_sq / (1 - beta2^t), after the update: this step's.
-        w2 = torch._foreach_div(moments, corrections)
-        torch._foreach_sqrt_(w2)
-        torch._foreach_add_(w2, eps)
-        torch._foreach_mul_(w2, w2)
-        torch._foreach_reciprocal_(w2)
-        plain_sq = torch._foreach_mul(grads, grads)
-        # Every factor is non-negative: each dot product is the 1-norm of the elementwise product.
-        weighted = torch._foreach_norm(torch._foreach_mul(plain_sq, w2), 1)
-        plain = torch._foreach_norm(plain_sq, 1)
-        if w2[0].device != self.device:  # optimizer state offloaded to the CPU
-            w2 = [w.to(self.device, non_blocking=True) for w in w2]
-        small = torch._foreach_norm(torch._foreach_mul(buffers, w2), 1)
-        sums = torch.stack(
-            [
-                torch.stack(small).sum(),
-                torch.stack(weighted).sum().to(self.device),
-                torch.stack(plain).sum().to(self.device),
-            ]
-        )
-        out.add_(sums.to(out.dtype))
+                # Adam's denominator after the update, sqrt(v_hat) + eps with v_hat = v / (1 - beta2^t).
+                root_correction = _bias_correction(state, group) ** -0.5
+                eps = float(group["eps"])
+                for start, size, at in runs:
+                    denom = v[start : start + size].float().sqrt().mul_(root_correction).add_(eps)
+                    gs = g[start : start + size].float()
+                    weighted = gs / denom
+                    w2 = denom.square_().reciprocal_()
+                    if w2.device != self.device:  # optimizer state offloaded to the CPU
+                        w2 = w2.to(self.device, non_blocking=True)
+                    small = torch.dot(self._buffer[at : at + size], w2)
+                    parts += [small, torch.dot(weighted, weighted).to(self.device), torch.dot(gs, gs).to(self.device)]
+        if parts:
+            out.add_(torch.stack(parts).view(-1, 3).sum(0).to(out.dtype))
 
     def release(self) -> None:
         """Drop the buffer until the next :meth:`begin_step`."""

@@ -104,6 +104,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._sync = StepSync(ds_engine.device)
+        self._probe: NoiseProbe | None = None
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
         self.memory_recovery = OomRecovery(ds_engine, cfg, rank=self.rank, world_size=self.world_size)
         self._memory_reason: str | None = None
@@ -330,7 +331,7 @@ class AdaptiveBatchEngine(CheckpointMixin):
                     loss_sum = loss_sum + loss.detach().to(torch.float64) * count
         finally:
             if probe is not None:
-                probe.close()
+                probe.stop()
             ds.set_gradient_accumulation_boundary(None)
 
         measured = (probe.local_sums(), probe.reduced_sq_norm_later()) if probe is not None else None
@@ -510,8 +511,13 @@ class AdaptiveBatchEngine(CheckpointMixin):
         return schedule.estimator_settings()
 
     def _noise_probe(self) -> NoiseProbe:
-        """Hooks for one measured step, in the resolved geometry."""
-        return NoiseProbe.for_deepspeed(self.deepspeed, geometry=self._noise_geometry)
+        """The run's probe, in the resolved geometry, started for one measured step (its hooks are
+        registered once and stay, idle between measured steps)."""
+        if self._probe is None:
+            self._probe = NoiseProbe.for_deepspeed(self.deepspeed, geometry=self._noise_geometry)
+        else:
+            self._probe.start()
+        return self._probe
 
     def _should_measure_noise(self) -> bool:
         return self._noise_cadence.due(
@@ -594,6 +600,9 @@ class AdaptiveBatchEngine(CheckpointMixin):
     def close(self) -> None:
         """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics file."""
         self.resolve_losses()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         self.metrics.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):
             self.dataloader.close()

@@ -51,7 +51,11 @@ def loss_scale(ds_engine: Any) -> float:
 
 
 class NoiseProbe:
-    """Collects one optimizer step's small- and big-batch squared gradient norms on this rank.
+    """Collects a measured optimizer step's small- and big-batch squared gradient norms on this rank.
+
+    A new probe measures the next step; after it, :meth:`stop` leaves its hooks in place, idle, and
+    :meth:`start` measures another step without registering them again (the engine keeps one probe
+    for the run); :meth:`close` removes them.
 
     Args:
         parameters: the model's parameters; a hook on each trainable one reads its micro-batch gradient.
@@ -81,35 +85,52 @@ class NoiseProbe:
         self._grad_scale = grad_scale or (lambda: 1.0)
         self._reduced_norm = reduced_norm
         self.read_grads = read_grads
+        self.device = device
         self._acc = torch.zeros((), dtype=torch.float32, device=device)
-        self._sq_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._n = 0
-        self._inv_b = 0.0
         self._weight = 0.0
         self._samples = 0
-        self._big: torch.Tensor | None = None
         self.preconditioner = preconditioner
         self._factor = 0.0
+        self._active = False
         self._step_sums: torch.Tensor | None = None
-        self._handles: list[Any] = []
         if preconditioner is None:
             self._handles = [p.register_hook(self._hook) for p in self.params]
-            return
-        # Adam geometry: the hooks add squared gradients per coordinate of this rank's share; a
-        # post-step hook on the optimizer that holds exp_avg_sq weighs them, and the reduced gradient,
-        # with this step's denominator: (weighted small-batch sum, reduced weighted, reduced plain).
-        preconditioner.begin_step()
-        self._step_sums = sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self._handles = [
-            p.register_hook(functools.partial(self._adam_hook, p))
-            for p in self.params
-            if preconditioner.measures(p)
-        ]
-        self._handles.append(
-            preconditioner.optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: preconditioner.after_step(opt, sums)
-            )
-        )
+        else:
+            # Adam geometry: the hooks add squared gradients per coordinate of this rank's share; a
+            # post-step hook on the optimizer that holds exp_avg_sq weighs them, and the reduced
+            # gradient, with this step's denominator: (weighted small-batch sum, reduced weighted,
+            # reduced plain).
+            self._handles = [
+                p.register_hook(functools.partial(self._adam_hook, p))
+                for p in self.params
+                if preconditioner.measures(p)
+            ]
+            self._handles.append(preconditioner.optimizer.register_step_post_hook(self._after_step))
+        self.start()
+
+    def start(self) -> None:
+        """Measure the next optimizer step (a new probe starts measuring at once): fresh sums; the
+        previous step's :meth:`local_sums` stay valid."""
+        self._sq_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._n = 0
+        self._inv_b = 0.0
+        self._big: torch.Tensor | None = None
+        if self.preconditioner is not None:
+            self.preconditioner.begin_step()
+            self._step_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self._active = True
+
+    def stop(self) -> None:
+        """After the measured step's optimizer step: the hooks stay, idle, until :meth:`start` (an idle
+        hook returns at once) and the per-coordinate buffer is dropped."""
+        self._active = False
+        self._factor = 0.0
+        if self.preconditioner is not None:
+            self.preconditioner.release()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._active:
+            self.preconditioner.after_step(optimizer, self._step_sums)
 
     @classmethod
     def for_deepspeed(cls, ds_engine: Any, geometry: str | None = None) -> NoiseProbe:
@@ -131,6 +152,8 @@ class NoiseProbe:
         )
 
     def _hook(self, grad: torch.Tensor) -> None:
+        if not self._active:
+            return
         g = grad.detach().reshape(-1)
         g = g if g.dtype == torch.float32 else g.float()
         self._acc.add_(torch.dot(g, g))
@@ -140,7 +163,8 @@ class NoiseProbe:
             self.preconditioner.accumulate(param, grad, self._factor)
 
     def begin(self, weight: float, samples: int) -> None:
-        """Before a micro-batch's backward: its loss weight and real sample count."""
+        """Before a micro-batch's backward (of a step being measured): its loss weight and real sample
+        count."""
         self._acc.zero_()
         self._weight = weight
         self._samples = samples
@@ -208,11 +232,10 @@ class NoiseProbe:
 
     def close(self) -> None:
         """Remove the hooks and drop the per-coordinate buffer (after the step's optimizer step)."""
+        self.stop()
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.preconditioner is not None:
-            self.preconditioner.release()
 
 
 def update_estimator(
