@@ -345,9 +345,12 @@ class AdamPreconditioner:
         if pieces is None:
             return  # a parameter the optimizer does not step, or none of it in this rank's share
         flat = grad.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        buffer = self._buffer
         for first, end, at in pieces:
-            x = flat[first:end].float()
-            self._buffer[at : at + end - first].addcmul_(x, x, value=factor)
+            x = flat[first:end]
+            buffer[at : at + end - first].addcmul_(x, x, value=factor)
 
     def after_step(self, optimizer: Any, out: torch.Tensor) -> None:
         """A post-step hook on the inner optimizer: add, over this rank's share, the weighted squared

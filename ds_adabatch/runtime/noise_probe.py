@@ -186,9 +186,10 @@ class NoiseProbe:
         """After the last micro-batch's backward (gradients reduced), before the optimizer step."""
         if not self.read_grads:
             return
-        grads = [p.grad.detach().float().pow(2).sum() for p in self.params if p.grad is not None]
+        grads = [p.grad.detach() for p in self.params if p.grad is not None]
         if grads:
-            self._big = torch.stack(grads).sum().double() / self._grad_scale() ** 2
+            norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads])
+            self._big = torch.stack(norms).double().square().sum() / self._grad_scale() ** 2
 
     def reduced_sq_norm(self) -> float | None:
         """The big batch's squared gradient norm (the same on every rank), after the step."""
