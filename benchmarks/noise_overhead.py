@@ -12,8 +12,8 @@ of the step after it, so a step's time includes the previous step's measurement:
 
 ``--geometry`` picks the noise-scale geometry (default: the schedule's, ``auto``, which is ``adam``
 with this AdamW). In the adam geometry the hooks add each micro-batch's squared gradient into a
-per-coordinate buffer instead of summing it, and the optimizer step weighs that buffer and the reduced
-gradient with Adam's denominator (under ZeRO 1-3 after one reduce-scatter of the buffer). ``--stage``
+per-coordinate buffer over the rank's share of the coordinates instead of summing it, and the optimizer
+step weighs that buffer and the reduced gradient with Adam's denominator (no collective). ``--stage``
 picks the ZeRO stage (default 2). The cost at the default cadence is the per-measured-step cost times
 the fraction of steps measured (1 / the default ``measure_every``). Goal: at most 5% of step time.
 """

@@ -160,7 +160,7 @@ def test_every_coordinate_is_weighed_on_exactly_one_rank(world):
     micro = {p: torch.randn(p.shape, generator=gen) for p in params}
     flat_grad = torch.randn(16, generator=gen)  # the reduced gradient the optimizer steps with
 
-    # Unpartitioned (ZeRO 0): every rank steps full per-parameter state; each parameter is cut in pieces.
+    # Unpartitioned (ZeRO 0): every rank steps full per-parameter state; the shares are consecutive.
     masters = [torch.nn.Parameter(torch.zeros(p.numel())) for p in params]
     full_opt = _stepped(masters, list(flat_grad.split([5, 7, 4])))
     inv = [1 / ((full_opt.state[m]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for m in masters]
@@ -316,17 +316,18 @@ def _loss(engine, batch):
 def _owners(engine, stage: int) -> list[list[int]]:
     """For each model parameter, the rank whose share holds each of its elements, read from
     DeepSpeed's own layout (ZeRO 1-2: the flat group cut into partition_size pieces; ZeRO 3: each
-    parameter cut into partition_numel pieces; ZeRO 0: each parameter cut into equal consecutive
-    pieces, the probe's rule for unpartitioned state)."""
+    parameter cut into partition_numel pieces; ZeRO 0: the parameters end to end, cut into equal
+    consecutive pieces, the probe's rule for unpartitioned state)."""
     world = torch.distributed.get_world_size()
     params = list(engine.module.parameters())
     sizes = [int(getattr(p, "ds_numel", p.numel())) for p in params]
     if stage == 3:
         return [[e // p.partition_numel() for e in range(n)] for p, n in zip(params, sizes)]
     if stage == 0:
-        return [[e // -(-n // world) for e in range(n)] for n in sizes]
-    opt = engine.optimizer
-    order, width = opt.bit16_groups[0], int(opt.partition_size[0])
+        order, width = params, -(-sum(sizes) // world)
+    else:
+        opt = engine.optimizer
+        order, width = opt.bit16_groups[0], int(opt.partition_size[0])
     offset, start = 0, {}
     for p in order:  # laid back to back in this order
         start[id(p)] = offset

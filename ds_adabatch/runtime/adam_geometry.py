@@ -201,22 +201,23 @@ class _Slice:
 def _own_slices(units: Sequence[_Unit], rank: int, world: int) -> list[tuple[_Unit, int, int, int]]:
     """(unit, start in its state, size, offset in its full flat) of what rank ``rank`` weighs.
 
-    A partitioned unit's piece is the rank's own partition. Where every rank holds the whole state
-    (ZeRO 0) each parameter is cut into ``world`` equal consecutive pieces and rank ``r`` takes piece
-    ``r``, as ZeRO 3 partitions parameters: every coordinate is weighed on exactly one rank either
-    way, and under ZeRO 0 every parameter's norm is measured with every rank's micro-batches.
+    A partitioned unit's piece is the rank's own partition. Unpartitioned units (every rank holds the
+    whole state, ZeRO 0) are laid end to end and cut into ``world`` equal consecutive pieces, rank ``r``
+    taking piece ``r``, as ZeRO 1-2 partition their flat groups: every coordinate is weighed on exactly
+    one rank either way, and each rank hooks and weighs only the parameters its piece touches.
     """
-    out = []
+    total = sum(u.size for u in units if not u.partitioned)
+    chunk = -(-total // world) if total else 0
+    lo, hi = rank * chunk, min(total, (rank + 1) * chunk)
+    out, pos = [], 0
     for unit in units:
         if unit.partitioned:
             out.append((unit, unit.start, unit.size, rank * unit.size))
             continue
-        for p, offset in unit.members:
-            n = _numel(p)
-            piece = -(-n // world)
-            a, b = offset + rank * piece, offset + min(n, (rank + 1) * piece)
-            if a < b:
-                out.append((unit, unit.start + a, b - a, a))
+        a, b = max(lo, pos) - pos, min(hi, pos + unit.size) - pos
+        if a < b:
+            out.append((unit, unit.start + a, b - a, a))
+        pos += unit.size
     return out
 
 
@@ -238,8 +239,9 @@ class AdamPreconditioner:
 
     * ZeRO 1-2 (and bf16 with fp32 accumulation): the flat fp32 partition per group the rank steps.
     * ZeRO 3: the rank's piece of every parameter.
-    * ZeRO 0 (state per parameter, or per fp32 master copy under fp16/bf16, on every rank): each
-      parameter's ``r``-th of ``world`` equal consecutive pieces, as ZeRO 3 cuts them.
+    * ZeRO 0 (state per parameter, or per fp32 master copy under fp16/bf16, on every rank): the
+      parameters laid end to end and cut into ``world`` equal consecutive pieces, as ZeRO 1-2 cut
+      their flat groups.
 
     The small-batch norm is then the sum over shares of each share's mean over its rank's
     micro-batches. Micro-batches are drawn alike on every rank, so this has the expected value of the
