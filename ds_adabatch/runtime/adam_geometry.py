@@ -186,18 +186,6 @@ def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return f"the optimizer wrapper {type(opt).__name__} is not one ds_adabatch can read second moments from"
 
 
-class _Slice:
-    """The elements of one unit's state this rank weighs: ``key``'s ``exp_avg_sq`` elements
-    ``[start, start + size)``, which sit at ``[flat_lo, flat_lo + size)`` of the unit's full flat (the
-    frame its members' offsets are given in), and at ``[at, at + size)`` of the probe's buffer."""
-
-    __slots__ = ("key", "group", "start", "size", "flat_lo", "at")
-
-    def __init__(self, unit: _Unit, start: int, size: int, flat_lo: int, at: int) -> None:
-        self.key, self.group = unit.key, unit.group
-        self.start, self.size, self.flat_lo, self.at = start, size, flat_lo, at
-
-
 def _own_slices(units: Sequence[_Unit], rank: int, world: int) -> list[tuple[_Unit, int, int, int]]:
     """(unit, start in its state, size, offset in its full flat) of what rank ``rank`` weighs.
 
@@ -273,30 +261,27 @@ class AdamPreconditioner:
             rank = dist.get_rank(group=process_group) if on else 0
         self.optimizer = optimizer
         self.device = torch.device(device)
-        self.slices: list[_Slice] = []
         # id(parameter) -> [(first, end) of its flattened gradient, where it goes in the buffer]
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        # id(stepped tensor) -> [(start in its state, size, offset in the buffer)], slices merged where
+        # both the state and the buffer run on (ZeRO 3's per-parameter pieces of one flat).
+        self._runs: dict[int, list[list[int]]] = {}
         at = 0
         for unit, start, size, flat_lo in _own_slices(units, rank, world):
-            piece = _Slice(unit, start, size, flat_lo, at)
-            self.slices.append(piece)
+            # The slice is the unit's state [start, start + size), its full flat [flat_lo, flat_lo + size)
+            # (the frame of its members' offsets) and the buffer [at, at + size).
             for p, offset in unit.members:
                 lo, hi = max(offset, flat_lo), min(offset + _numel(p), flat_lo + size)
                 if lo < hi:
                     self._pieces.setdefault(id(p), []).append((lo - offset, hi - offset, at + lo - flat_lo))
+            runs = self._runs.setdefault(id(unit.key), [])
+            if runs and runs[-1][0] + runs[-1][1] == start and runs[-1][2] + runs[-1][1] == at:
+                runs[-1][1] += size
+            else:
+                runs.append([start, size, at])
             at += size
         self._size = at
         self._buffer: torch.Tensor | None = None
-        # Per stepped tensor, its slices merged where both the state and the buffer run on (ZeRO 3's
-        # per-parameter pieces of one flat): (start in the state, size, offset in the buffer).
-        self._runs: dict[int, list[list[int]]] = {}
-        for piece in self.slices:
-            runs = self._runs.setdefault(id(piece.key), [])
-            last = runs[-1] if runs else None
-            if last and last[0] + last[1] == piece.start and last[2] + last[1] == piece.at:
-                last[1] += piece.size
-            else:
-                runs.append([piece.start, piece.size, piece.at])
 
     @classmethod
     def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
