@@ -1,0 +1,223 @@
+"""Latency of the per-pass and per-step agreements of ds_adabatch against the number of ranks (gloo).
+
+For each world size N it forks N processes (one gloo group each way, as the runtime builds them) and
+times, interleaved in rounds, the median wall time of one call of:
+
+- ``flags all-reduce (before)``: the out-of-memory agreement as it was, an all-reduce of N float32 flags;
+- ``recursive doubling (now)``: :class:`ds_adabatch.runtime.agreement.HostAgreement` reducing
+  ``[anyone failed, -predicted micro-batch limit]`` (max, max): what every reducing pass pays now;
+- ``StepSync all-reduce``: ``comm.all_reduce_sum`` of ``--values`` float64 (the one collective a step
+  issues when it has per-rank values to sum: token counts, noise-scale sums, a user function's answer,
+  pending losses; its payload does not depend on N);
+
+and prints, per method and N, the measured median next to the structural cost: rounds (message hops)
+on the critical path, messages per rank and payload bytes. Then it fits, per method,
+
+    wall(N) = c0 + R(N) * (h + s * N / cores)
+
+where R(N) is the method's structural round count (2(N-1) for a ring all-reduce, log2 N (+2 when N is not
+a power of two) for recursive doubling), h the cost of one hop and s the oversubscription cost: with N
+processes on ``cores`` cores every round waits for about N / cores context switches whatever the
+algorithm, so on one small machine wall time grows at least linearly in N for both. The fit separates
+the two; the projection for 256 to 16,384 ranks assumes one core per rank (s = 0), ``--ranks-per-node``
+ranks per node whose rounds cost the measured h, and ``--hop-us`` microseconds per cross-node hop
+(gloo over TCP on a datacentre network). On GPUs StepSync runs on NCCL, not gloo (its small all-reduces
+use NCCL's tree or ring protocols), so its row projects the gloo case only.
+
+    .venv/bin/python benchmarks/agreement_latency.py                       # 2 .. 64 processes
+    .venv/bin/python benchmarks/agreement_latency.py --worlds 2,4 --passes 20 --rounds 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ds_adabatch.runtime import comm  # noqa: E402
+from ds_adabatch.runtime.agreement import HostAgreement, host_group  # noqa: E402
+
+METHODS = ("flags all-reduce (before)", "recursive doubling (now)", "StepSync all-reduce")
+PROJECT = (256, 1024, 4096, 16384)
+
+
+def ring_rounds(n: int) -> int:
+    return 2 * (n - 1)
+
+
+def doubling_rounds(n: int) -> int:
+    return HostAgreement(0, n).rounds
+
+
+def structure(method: str, n: int, values: int) -> dict:
+    """Rounds on the critical path, messages per rank (sent + received) and payload bytes per call."""
+    if method == "recursive doubling (now)":
+        agreement = HostAgreement(0, n)
+        return {"rounds": agreement.rounds, "messages": agreement.messages, "payload_bytes": 16}
+    payload = 4 * n if method.startswith("flags") else 8 * values
+    # A ring all-reduce: reduce-scatter then all-gather, N - 1 steps each, a message each way per step.
+    return {"rounds": ring_rounds(n), "messages": 4 * (n - 1), "payload_bytes": payload}
+
+
+def _worker(rank: int, n: int, port: int, passes: int, rounds: int, values: int, queue) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    agreement = HostAgreement(rank, n, host_group())
+    group = agreement.group
+
+    def flags() -> None:
+        t = torch.zeros(n, dtype=torch.float32)
+        dist.all_reduce(t, group=group)
+        t.tolist()
+
+    def doubling() -> None:
+        agreement.reduce([0, -(1 << 62)], ["max", "max"])
+
+    def step_sync() -> None:
+        comm.all_reduce_sum([0.5] * values, "cpu")[0].item()
+
+    calls = dict(zip(METHODS, (flags, doubling, step_sync)))
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for call in calls.values():  # warm-up: connections, buffers
+        for _ in range(3):
+            call()
+    for _ in range(rounds):
+        for method, call in calls.items():
+            dist.barrier()
+            for _ in range(passes):
+                start = time.perf_counter()
+                call()
+                times[method].append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put({m: statistics.median(t) for m, t in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(n: int, passes: int, rounds: int, values: int) -> dict[str, float]:
+    ctx = mp.get_context("fork")  # the children share the parent's imported torch: little memory
+    queue = ctx.Queue()
+    port = comm_free_port()
+    procs = [ctx.Process(target=_worker, args=(r, n, port, passes, rounds, values, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a worker of the {n}-process run exited with {p.exitcode}")
+    return result
+
+
+def comm_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit(points: list[tuple[int, float]], rounds, cores: int) -> tuple[float, float, float]:
+    """Least squares of wall = c0 + R(N) h + R(N) (N / cores) s over the measured N; returns (c0, h, s),
+    each clipped at 0 (a cost is never negative)."""
+    import numpy as np
+
+    a = np.array([[1.0, rounds(n), rounds(n) * n / cores] for n, _ in points])
+    b = np.array([t for _, t in points])
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    return tuple(float(max(c, 0.0)) for c in coef)  # type: ignore[return-value]
+
+
+def project(method: str, n: int, c0: float, h: float, hop: float, per_node: int, values: int) -> float:
+    """Seconds per call on ``n`` ranks, one core each: node-local rounds at ``h``, the others at ``hop``."""
+    if method == "recursive doubling (now)":
+        local = int(math.log2(min(per_node, n))) if per_node & (per_node - 1) == 0 else 0
+        total = doubling_rounds(n)
+        return c0 + local * h + (total - local) * hop
+    # A ring's every round waits for its slowest edge: once the ring spans nodes, every round crosses.
+    total = ring_rounds(n)
+    return c0 + total * (hop if n > per_node else h)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4,8,16,32,64", help="comma-separated numbers of processes")
+    p.add_argument("--passes", type=int, default=200, help="timed calls per method per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the methods")
+    p.add_argument("--values", type=int, default=4, help="float64 values in the StepSync all-reduce")
+    p.add_argument("--hop-us", type=float, default=30.0, help="assumed cross-node hop latency (us)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="assumed ranks per node")
+    p.add_argument("--out", default=None, help="also write the measurements and fits as JSON here")
+    args = p.parse_args()
+
+    cores = len(os.sched_getaffinity(0))
+    worlds = [int(w) for w in args.worlds.split(",")]
+    load = os.getloadavg()[0]
+    print(f"{cores} cores, 1-minute load {load:.2f} at start (timings are only figures on an idle machine)")
+    measured: dict[int, dict[str, float]] = {}
+    for n in worlds:
+        try:
+            measured[n] = measure(n, args.passes, args.rounds, args.values)
+        except Exception as exc:  # noqa: BLE001 - report how far it got
+            print(f"N={n}: did not run ({exc}); stopping here")
+            break
+        row = "  ".join(f"{m}: {measured[n][m] * 1e6:9.1f} us" for m in METHODS)
+        print(f"N={n:3d}  {row}", flush=True)
+
+    print(
+        "\nmedian per call, and the structure of one call (rounds on the critical path / messages per "
+        "rank / payload bytes)"
+    )
+    print(f"{'method':28s} {'N':>4s} {'median us':>10s} {'rounds':>7s} {'msgs':>6s} {'payload B':>9s}")
+    for method in METHODS:
+        for n, times in measured.items():
+            s = structure(method, n, args.values)
+            print(
+                f"{method:28s} {n:4d} {times[method] * 1e6:10.1f} {s['rounds']:7d} {s['messages']:6d} "
+                f"{s['payload_bytes']:9d}"
+            )
+
+    fits = {}
+    print(
+        f"\nfit: wall(N) = c0 + R(N) (h + s N / {cores} cores); projection: one core per rank, "
+        f"{args.ranks_per_node} ranks per node, node-local hops at h, cross-node hops at {args.hop_us:g} us"
+    )
+    header = "".join(f"{n:>11d}" for n in PROJECT)
+    print(f"{'method':28s} {'c0 us':>7s} {'h us':>7s} {'s us':>7s} |{header}  (ms per call)")
+    for method in METHODS:
+        rounds = doubling_rounds if method == "recursive doubling (now)" else ring_rounds
+        points = [(n, t[method]) for n, t in measured.items()]
+        if len(points) < 3:
+            print(f"{method:28s} (needs 3 world sizes to fit)")
+            continue
+        c0, h, s = fit(points, rounds, cores)
+        fits[method] = {"c0_s": c0, "hop_s": h, "oversubscription_s": s}
+        proj = [
+            project(method, n, c0, h, args.hop_us * 1e-6, args.ranks_per_node, args.values) for n in PROJECT
+        ]
+        cells = "".join(f"{t * 1e3:11.3f}" for t in proj)
+        print(f"{method:28s} {c0 * 1e6:7.1f} {h * 1e6:7.1f} {s * 1e6:7.2f} |{cells}")
+        fits[method]["projection_s"] = dict(zip(map(str, PROJECT), proj))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(
+                {"cores": cores, "load": load, "args": vars(args), "measured": measured, "fits": fits},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
