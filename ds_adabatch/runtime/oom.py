@@ -66,7 +66,18 @@ class PeerOutOfMemory(RuntimeError):
 
 
 class UnrecoverableOutOfMemory(RuntimeError):
-    """An out-of-memory error that cannot be turned into a smaller micro-batch (the message says why)."""
+    """An out-of-memory error that cannot be turned into a smaller micro-batch (the message says why).
+
+    Attributes:
+        exit_code: the status to end the process with (``ds_adabatch.finish(exc.exit_code)``): 75 when
+            the failing rank recorded a lower limit next to the checkpoints, so that a restart
+            (``torchrun --max-restarts``) resumes below it; 1 when a restart cannot help (a micro-batch
+            of one sample does not fit, or no checkpoint folder is known).
+        record: the path of that record, or None.
+    """
+
+    exit_code: int = 1
+    record: str | None = None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

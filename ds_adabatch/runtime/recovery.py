@@ -14,6 +14,11 @@ Nothing else moves during a retry: the optimizer, the LR scheduler, the step and
 and the data cursor advance once, when the step finally completes. With recovery off (``memory.
 recover_from_oom: false`` and an integer ``max_micro_batch_per_gpu``) :meth:`run` calls the attempt
 once and an OOM propagates untouched.
+
+Around it: the peak-memory predictor (:mod:`ds_adabatch.runtime.memory_model`) reads the allocator at
+every pass and its agreed verdict caps the next step's limit; an OOM that cannot be re-planned is
+recorded next to the checkpoints before it propagates (:mod:`ds_adabatch.runtime.restart_record`), and
+``load_checkpoint`` imposes such records on the learned limits.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from typing import Any, TypeVar
 import torch
 
 from ..plan import BatchPlan, plan_batch
-from .memory import MicroBatchMemory
+from . import restart_record
+from .memory import MicroBatchMemory, parse_key
+from .memory_model import PeakPredictor
 from .oom import (
+    NO_VERDICT,
     OomAgreement,
     PeerOutOfMemory,
     UnrecoverableOutOfMemory,
@@ -56,13 +64,28 @@ class OomRecovery:
         self.deepspeed = ds_engine
         self.memory = memory if memory is not None else memory_for(config)
         self.agreement: OomAgreement | None = None
+        self.predictor: PeakPredictor | None = None
+        self.rank = rank
         if config.memory.recover_from_oom:
             self.agreement = OomAgreement(
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
+            # It also tells a record which size failed, so it runs with predict_peak off too.
+            self.predictor = PeakPredictor(
+                ds_engine.module,
+                device=ds_engine.device,
+                unit="tokens" if config.token_budget else "samples",
+                margin=config.memory.peak_margin,
+                device_memory_bytes=config.memory.device_memory_bytes,
+                key=lambda: self.memory.key,
+            )
+            if config.memory.predict_peak:
+                self.agreement.local_verdict = self._local_verdict
         self.where = ""
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
+        self.checkpoint_dir: str | None = None  # where an unrecoverable OOM is recorded
+        self._imposed: dict[str, float] = {}  # records imposed on the limits: path -> written_at
 
     @property
     def armed(self) -> bool:
@@ -75,6 +98,8 @@ class OomRecovery:
             self.where = where
             self.pass_index = index
             self.agreement.begin_pass()
+            if self.armed:
+                self.predictor.begin_pass()
 
     def failed_passes(self, ranks: list[int]) -> dict[int, int | None]:
         """The pass each of ``ranks`` ran out of memory in at the last agreement (None: unknown)."""
@@ -89,7 +114,12 @@ class OomRecovery:
         while True:
             ok, value, ranks = self._try(attempt)
             if ok:
+                if self.agreement.local_verdict is not None:
+                    # Identical on every rank: the minimum over ranks, agreed in this step's passes.
+                    agreed = self.agreement.agreed_verdict
+                    self.memory.set_cap(None if agreed == NO_VERDICT else agreed)
                 return value  # type: ignore[return-value]
+            self.predictor.discard_pass()
             self.ooms += 1
             # Outside the except block: the exception's traceback (and the activations its frames
             # hold) is gone, so the cache can really be freed.
@@ -111,9 +141,60 @@ class OomRecovery:
             # Raises UnrecoverableOutOfMemory (chained to exc) when this pass already agreed.
             try:
                 ranks = self.agreement.report_oom(self.where, self.pass_index)
-            except Exception as unrecoverable:
+            except UnrecoverableOutOfMemory as unrecoverable:
+                self._record(unrecoverable)
                 raise unrecoverable from exc
             return False, None, ranks
+
+    def _local_verdict(self) -> int:
+        verdict = self.predictor.verdict() if self.predictor is not None else None
+        return NO_VERDICT if verdict is None else verdict
+
+    # -- unrecoverable errors: recorded for the next start -----------------------------------------
+    def _record(self, error: UnrecoverableOutOfMemory) -> None:
+        """Write what this rank learned next to the checkpoints and say so in ``error`` (whose
+        ``exit_code`` becomes :data:`~ds_adabatch.runtime.restart_record.OOM_RESTART_EXIT_CODE`)."""
+        size = self.predictor.pass_size if self.predictor is not None else None
+        failed = size or self.memory.limit  # the optimizer step, or an unknown size: the limit in force
+        if self.checkpoint_dir is None:
+            error.args = (
+                f"{error.args[0]}. The limit is not recorded: no checkpoint folder is known (call "
+                "save_checkpoint or load_checkpoint before training), so a restart would fail the same way",
+            )
+            return
+        record = restart_record.new_record(self.memory.key, failed, rank=self.rank, where=self.where)
+        path = restart_record.write_record(self.checkpoint_dir, record)
+        error.exit_code = restart_record.OOM_RESTART_EXIT_CODE
+        error.record = path
+        error.args = (
+            f"{error.args[0]}. Recorded in {path}: end this process with exit code {error.exit_code} "
+            f"(ds_adabatch.finish(exc.exit_code)); the next start (torchrun --max-restarts) resumes from the "
+            f"last complete checkpoint in {self.checkpoint_dir} and plans below {failed}",
+        )
+
+    def use_checkpoint_dir(self, folder: str) -> None:
+        """``load_checkpoint(folder)`` is starting: impose the records an earlier process left there, and
+        record there from now on. On every rank."""
+        self.checkpoint_dir = folder
+        for path, record in restart_record.read_records(folder):
+            if self._imposed.get(path) == record.written_at:
+                continue
+            self._imposed[path] = record.written_at
+            self.memory.impose(parse_key(record.key), record.failed)
+            if self.rank == 0:
+                unit = self.predictor.unit if self.predictor is not None else "samples"
+                logger.warning(
+                    "out-of-memory record %s: rank %d could not recover at %d %s per pass (%s); "
+                    "planning below it",
+                    path, record.rank, record.failed, unit, record.where,
+                )  # fmt: skip
+
+    def checkpoint_saved(self, folder: str) -> None:
+        """A complete checkpoint now holds the imposed records' knowledge: rank 0 deletes them."""
+        self.checkpoint_dir = folder
+        if self.rank == 0 and self._imposed:
+            restart_record.remove_records(list(self._imposed))
+        self._imposed = {}
 
     def _snapshot(self) -> dict[str, Any]:
         state: dict[str, Any] = {"micro_steps": self.deepspeed.micro_steps, "cpu": torch.get_rng_state()}
