@@ -75,11 +75,11 @@ class HostAgreement:
         ``"min"``); identical on every rank. A collective: call it on every rank, with the same ops."""
         if len(values) != len(ops):
             raise ValueError(f"{len(values)} values but {len(ops)} operations")
+        combine = _combiner(tuple(ops))
         self.exchanges += 1
         if self.world_size == 1:
             return [int(v) for v in values]
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64)  # host memory
-        combine = _combiner(tuple(ops))
         rank, power = self.rank, self.power
         if rank >= power:
             # Folded in: the partner below the power of two reduces for this rank.

@@ -134,7 +134,7 @@ class PeakPredictor:
     def begin_pass(self) -> None:
         counters = self._counters()
         if counters is None:
-            self._open = None
+            self._open, self._size = None, None
             return
         self._close(counters)
         self.reads += 2
