@@ -101,8 +101,10 @@ class PeakPredictor:
         margin: float,
         device_memory_bytes: int | None,
         key: Any,
+        measure: bool = True,
     ) -> None:
         self.model = PeakMemoryModel()
+        self.measure = measure  # False: only the size of each pass is kept (for out-of-memory records)
         self.unit = unit  # "samples" or "tokens"
         self.margin = margin
         self.device_memory_bytes = device_memory_bytes
@@ -122,6 +124,8 @@ class PeakPredictor:
 
     def _counters(self) -> Any:
         """The simulated allocator when one is installed here, else the accelerator's (None on the CPU)."""
+        if not self.measure:
+            return None
         simulated = simulated_memory()
         if simulated is not None:
             return simulated

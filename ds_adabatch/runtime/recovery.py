@@ -78,6 +78,7 @@ class OomRecovery:
                 margin=config.memory.peak_margin,
                 device_memory_bytes=config.memory.device_memory_bytes,
                 key=lambda: self.memory.key,
+                measure=config.memory.predict_peak,
             )
             if config.memory.predict_peak:
                 self.agreement.local_verdict = self._local_verdict
