@@ -4,9 +4,9 @@ The out-of-memory agreement (:mod:`ds_adabatch.runtime.oom`) runs before the fir
 of every reducing pass. It used to all-reduce one flag per rank: a payload of ``world`` values, and gloo
 reduces a CPU tensor with a ring whose latency grows with the number of ranks. What every rank needs in
 a pass where nothing failed is one number (did anyone fail?) and, for the memory predictor, one more
-(the smallest micro-batch limit any rank predicts). :class:`HostAgreement` reduces such a short vector
-of int64 values, each element with its own operation (sum, max or min), by recursive doubling over
-point-to-point messages on a gloo group:
+(the smallest micro-batch limit any rank predicts; sent negated, so both travel as a maximum).
+:class:`HostAgreement` reduces such a short vector of int64 values, each element with its own
+operation (sum, max or min), by recursive doubling over point-to-point messages on a gloo group:
 
 - with ``N`` ranks, ``P`` the largest power of two <= ``N``: rank ``r >= P`` first hands its values to
   ``r - P``; the ``P`` ranks then exchange with partner ``r XOR 2^k`` for ``k = 0 .. log2(P) - 1``,
@@ -25,6 +25,7 @@ one-flag-per-rank all-reduce) that the first one's result announces to every ran
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ class HostAgreement:
         return theirs
 
 
+@functools.lru_cache(maxsize=64)
 def _combiner(ops: tuple[str, ...]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One function combining two value vectors element by element (one tensor operation per kind of
     operation: a round costs a few microseconds of host time, not one operation per element)."""
