@@ -1,7 +1,8 @@
 """Latency of the per-pass and per-step agreements of ds_adabatch against the number of ranks (gloo).
 
-For each world size N it forks N processes (one gloo group each way, as the runtime builds them) and
-times, interleaved in rounds, the median wall time of one call of:
+For each world size N it starts N processes with torchrun (the default gloo group and the agreement's
+own gloo group, as the runtime builds them) and times, interleaved in rounds, the median wall time of
+one call of:
 
 - ``flags all-reduce (before)``: the out-of-memory agreement as it was, an all-reduce of N float32 flags;
 - ``recursive doubling (now)``: :class:`ds_adabatch.runtime.agreement.HostAgreement` reducing
@@ -33,10 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,10 +72,11 @@ def structure(method: str, n: int, values: int) -> dict:
     return {"rounds": ring_rounds(n), "messages": 4 * (n - 1), "payload_bytes": payload}
 
 
-def _worker(rank: int, n: int, port: int, passes: int, rounds: int, values: int, queue) -> None:
+def worker(passes: int, rounds: int, values: int, out: str) -> None:
+    """One rank of a measurement (under torchrun): rank 0 writes the medians to ``out``."""
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, n, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
     agreement = HostAgreement(rank, n, host_group())
     group = agreement.group
 
@@ -101,24 +104,30 @@ def _worker(rank: int, n: int, port: int, passes: int, rounds: int, values: int,
                 call()
                 times[method].append(time.perf_counter() - start)
     if rank == 0:
-        queue.put({m: statistics.median(t) for m, t in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({m: statistics.median(t) for m, t in times.items()}, f)
+    comm.finish()  # ends the process: a gloo group can abort a finished one in teardown
 
 
 def measure(n: int, passes: int, rounds: int, values: int) -> dict[str, float]:
-    ctx = mp.get_context("fork")  # the children share the parent's imported torch: little memory
-    queue = ctx.Queue()
-    port = comm_free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, passes, rounds, values, queue)) for r in range(n)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a worker of the {n}-process run exited with {p.exitcode}")
-    return result
+    """``n`` ranks started by torchrun, the launcher of real jobs, which starts each worker in a session
+    of its own. That matters on a shared machine: Linux's scheduler (autogroup) shares the CPU between
+    sessions, so ranks started in the caller's session (multiprocessing, a bare subprocess) waited
+    milliseconds for every wake-up while other work ran, which slowed gloo's point-to-point messages
+    (2-4 ms per round trip on 2 ranks instead of 0.1 ms) more than its all-reduce. Idle, it should not."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "medians.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}"]
+        cmd += [f"--master-port={comm_free_port()}", os.path.abspath(__file__), "--worker", out]
+        cmd += ["--passes", str(passes), "--rounds", str(rounds), "--values", str(values)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"torchrun exited with {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"
+            )
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def comm_free_port() -> int:
@@ -160,7 +169,11 @@ def main() -> None:
     p.add_argument("--hop-us", type=float, default=30.0, help="assumed cross-node hop latency (us)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="assumed ranks per node")
     p.add_argument("--out", default=None, help="also write the measurements and fits as JSON here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of one measurement
     args = p.parse_args()
+    if args.worker:
+        worker(args.passes, args.rounds, args.values, args.worker)
+        return
 
     cores = len(os.sched_getaffinity(0))
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -32,7 +32,7 @@ import torch
 
 from ..plan import BatchPlan, plan_batch
 from . import restart_record
-from .memory import MicroBatchMemory, parse_key
+from .memory import MicroBatchMemory
 from .memory_model import PeakPredictor
 from .oom import (
     NO_VERDICT,
@@ -85,8 +85,7 @@ class OomRecovery:
         self.where = ""
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
-        self.checkpoint_dir: str | None = None  # where an unrecoverable OOM is recorded
-        self._imposed: dict[str, float] = {}  # records imposed on the limits: path -> written_at
+        self.records = restart_record.RestartRecords(rank)
 
     @property
     def armed(self) -> bool:
@@ -151,51 +150,21 @@ class OomRecovery:
         verdict = self.predictor.verdict() if self.predictor is not None else None
         return NO_VERDICT if verdict is None else verdict
 
-    # -- unrecoverable errors: recorded for the next start -----------------------------------------
+    # -- unrecoverable errors: recorded for the next start (restart_record.py) -------------------
     def _record(self, error: UnrecoverableOutOfMemory) -> None:
-        """Write what this rank learned next to the checkpoints and say so in ``error`` (whose
-        ``exit_code`` becomes :data:`~ds_adabatch.runtime.restart_record.OOM_RESTART_EXIT_CODE`)."""
         size = self.predictor.pass_size if self.predictor is not None else None
-        failed = size or self.memory.limit  # the optimizer step, or an unknown size: the limit in force
-        if self.checkpoint_dir is None:
-            error.args = (
-                f"{error.args[0]}. The limit is not recorded: no checkpoint folder is known (call "
-                "save_checkpoint or load_checkpoint before training), so a restart would fail the same way",
-            )
-            return
-        record = restart_record.new_record(self.memory.key, failed, rank=self.rank, where=self.where)
-        path = restart_record.write_record(self.checkpoint_dir, record)
-        error.exit_code = restart_record.OOM_RESTART_EXIT_CODE
-        error.record = path
-        error.args = (
-            f"{error.args[0]}. Recorded in {path}: end this process with exit code {error.exit_code} "
-            f"(ds_adabatch.finish(exc.exit_code)); the next start (torchrun --max-restarts) resumes from the "
-            f"last complete checkpoint in {self.checkpoint_dir} and plans below {failed}",
-        )
+        # The optimizer step, or a size never read: the limit in force is what failed.
+        self.records.record(error, self.memory.key, size or self.memory.limit, where=self.where)
 
     def use_checkpoint_dir(self, folder: str) -> None:
         """``load_checkpoint(folder)`` is starting: impose the records an earlier process left there, and
         record there from now on. On every rank."""
-        self.checkpoint_dir = folder
-        for path, record in restart_record.read_records(folder):
-            if self._imposed.get(path) == record.written_at:
-                continue
-            self._imposed[path] = record.written_at
-            self.memory.impose(parse_key(record.key), record.failed)
-            if self.rank == 0:
-                unit = self.predictor.unit if self.predictor is not None else "samples"
-                logger.warning(
-                    "out-of-memory record %s: rank %d could not recover at %d %s per pass (%s); "
-                    "planning below it",
-                    path, record.rank, record.failed, unit, record.where,
-                )  # fmt: skip
+        unit = self.predictor.unit if self.predictor is not None else "samples"
+        self.records.impose(folder, self.memory, unit)
 
     def checkpoint_saved(self, folder: str) -> None:
-        """A complete checkpoint now holds the imposed records' knowledge: rank 0 deletes them."""
-        self.checkpoint_dir = folder
-        if self.rank == 0 and self._imposed:
-            restart_record.remove_records(list(self._imposed))
-        self._imposed = {}
+        """A complete checkpoint in ``folder`` now holds what the imposed records taught. On every rank."""
+        self.records.saved(folder)
 
     def _snapshot(self) -> dict[str, Any]:
         state: dict[str, Any] = {"micro_steps": self.deepspeed.micro_steps, "cpu": torch.get_rng_state()}

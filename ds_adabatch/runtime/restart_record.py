@@ -19,19 +19,26 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import time
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from .memory import parse_key
 
 __all__ = [
     "OOM_RESTART_EXIT_CODE",
     "OomRecord",
+    "RestartRecords",
     "new_record",
     "read_records",
     "remove_records",
     "write_record",
 ]
+
+logger = logging.getLogger("ds_adabatch")
 
 OOM_RESTART_EXIT_CODE = 75
 """Exit status of a process that ended on an unrecoverable out-of-memory error after recording the
@@ -92,3 +99,51 @@ def remove_records(paths: list[str]) -> None:
 
 def new_record(key: Hashable, failed: int, *, rank: int, where: str) -> OomRecord:
     return OomRecord(key=repr(key), failed=int(failed), rank=rank, where=where, written_at=time.time())
+
+
+class RestartRecords:
+    """One engine's side of the records: where to write, and which records it imposed (per rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.folder: str | None = None  # the checkpoint folder of the last save or load
+        self._imposed: dict[str, float] = {}  # path -> written_at of the records imposed on the limits
+
+    def record(self, error: Any, key: Hashable, failed: int, *, where: str) -> None:
+        """Write this rank's record and say so in ``error`` (an ``UnrecoverableOutOfMemory``, whose
+        ``exit_code`` becomes :data:`OOM_RESTART_EXIT_CODE`); without a folder it only says why not."""
+        if self.folder is None:
+            error.args = (
+                f"{error.args[0]}. The limit is not recorded: no checkpoint folder is known (call "
+                "save_checkpoint or load_checkpoint before training), so a restart would fail the same way",
+            )
+            return
+        path = write_record(self.folder, new_record(key, failed, rank=self.rank, where=where))
+        error.exit_code, error.record = OOM_RESTART_EXIT_CODE, path
+        error.args = (
+            f"{error.args[0]}. Recorded in {path}: end this process with exit code {error.exit_code} "
+            f"(ds_adabatch.finish(exc.exit_code)); the next start (torchrun --max-restarts) resumes from "
+            f"the last complete checkpoint in {self.folder} and plans below {failed}",
+        )
+
+    def impose(self, folder: str, memory: Any, unit: str) -> None:
+        """Impose every record in ``folder`` not imposed yet on ``memory`` (a ``MicroBatchMemory``)."""
+        self.folder = folder
+        for path, record in read_records(folder):
+            if self._imposed.get(path) == record.written_at:
+                continue
+            self._imposed[path] = record.written_at
+            memory.impose(parse_key(record.key), record.failed)
+            if self.rank == 0:
+                logger.warning(
+                    "out-of-memory record %s: rank %d could not recover at %d %s per pass (%s); "
+                    "planning below it",
+                    path, record.rank, record.failed, unit, record.where,
+                )  # fmt: skip
+
+    def saved(self, folder: str) -> None:
+        """A complete checkpoint in ``folder`` holds what the imposed records taught: rank 0 deletes them."""
+        self.folder = folder
+        if self.rank == 0 and self._imposed:
+            remove_records(list(self._imposed))
+        self._imposed = {}
