@@ -12,14 +12,12 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 import token_worker as tw  # noqa: E402
-from engine_worker import Regression, ds_config, full_params, make_model, mse_loss, write  # noqa: E402
+from engine_worker import Regression, ds_config, full_params, make_model, mse_loss, reference, write  # noqa: E402
 
 import ds_adabatch  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
@@ -75,13 +73,7 @@ def run_samples(predict: bool) -> dict:
         "seen": seen,
     }
     if engine.global_rank == 0:
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        for idx in batches:
-            opt.zero_grad()
-            ((model(data.x[idx]) - data.y[idx]) ** 2).mean().backward()
-            opt.step()
-        want = torch.cat([p.detach().flatten() for p in model.parameters()])
+        want = reference(batches, data)
         record["max_rel_err"] = float((got - want).abs().max() / want.abs().max())
     engine.close()
     return record
