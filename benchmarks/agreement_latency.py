@@ -14,15 +14,16 @@ one call of:
 and prints, per method and N, the measured median next to the structural cost: rounds (message hops)
 on the critical path, messages per rank and payload bytes. Then it fits, per method,
 
-    wall(N) = c0 + R(N) * (h + s * N / cores)
+    wall(N) = R(N) * (h + s * max(0, N / cores - 1))
 
 where R(N) is the method's structural round count (2(N-1) for a ring all-reduce, log2 N (+2 when N is not
-a power of two) for recursive doubling), h the cost of one hop and s the oversubscription cost: with N
-processes on ``cores`` cores every round waits for about N / cores context switches whatever the
-algorithm, so on one small machine wall time grows at least linearly in N for both. The fit separates
-the two; the projection for 256 to 16,384 ranks assumes one core per rank (s = 0), ``--ranks-per-node``
-ranks per node whose rounds cost the measured h, and ``--hop-us`` microseconds per cross-node hop
-(gloo over TCP on a datacentre network). On GPUs StepSync runs on NCCL, not gloo (its small all-reduces
+a power of two) for recursive doubling), h the cost of one round when every rank has a core of its own
+and s the oversubscription cost: with N processes on ``cores`` cores every round waits for about
+N / cores context switches whatever the algorithm, so on one small machine wall time grows at least
+linearly in N for both. The fit separates the two: h from the world sizes that fit the cores
+(N <= cores), then s by least squares over the others. The projection for 256 to 16,384 ranks assumes one
+core per rank (s = 0), ``--ranks-per-node`` ranks per node whose rounds cost the measured h, and
+``--hop-us`` microseconds per round that crosses nodes (gloo over TCP on a datacentre network). On GPUs StepSync runs on NCCL, not gloo (its small all-reduces
 use NCCL's tree or ring protocols), so its row projects the gloo case only.
 
     .venv/bin/python benchmarks/agreement_latency.py                       # 2 .. 64 processes
@@ -138,26 +139,29 @@ def comm_free_port() -> int:
         return s.getsockname()[1]
 
 
-def fit(points: list[tuple[int, float]], rounds, cores: int) -> tuple[float, float, float]:
-    """Least squares of wall = c0 + R(N) h + R(N) (N / cores) s over the measured N; returns (c0, h, s),
-    each clipped at 0 (a cost is never negative)."""
-    import numpy as np
+def fit(points: list[tuple[int, float]], rounds, cores: int) -> tuple[float, float]:
+    """``(h, s)`` of wall = R(N) (h + s max(0, N / cores - 1)): h the mean per-round time of the world
+    sizes within the cores, s the least-squares oversubscription cost per round and extra process of
+    the others (clipped at 0: a cost is never negative)."""
+    within = [t / rounds(n) for n, t in points if n <= cores and rounds(n)]
+    if not within:
+        raise ValueError(f"measure at least one world size of at most {cores} processes")
+    h = statistics.mean(within)
+    over = [(rounds(n) * (n / cores - 1), t - rounds(n) * h) for n, t in points if n > cores]
+    denominator = sum(x * x for x, _ in over)
+    s = max(sum(x * y for x, y in over) / denominator, 0.0) if denominator else 0.0
+    return h, s
 
-    a = np.array([[1.0, rounds(n), rounds(n) * n / cores] for n, _ in points])
-    b = np.array([t for _, t in points])
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-    return tuple(float(max(c, 0.0)) for c in coef)  # type: ignore[return-value]
 
-
-def project(method: str, n: int, c0: float, h: float, hop: float, per_node: int, values: int) -> float:
+def project(method: str, n: int, h: float, hop: float, per_node: int) -> float:
     """Seconds per call on ``n`` ranks, one core each: node-local rounds at ``h``, the others at ``hop``."""
     if method == "recursive doubling (now)":
         local = int(math.log2(min(per_node, n))) if per_node & (per_node - 1) == 0 else 0
         total = doubling_rounds(n)
-        return c0 + local * h + (total - local) * hop
+        return local * h + (total - local) * hop
     # A ring's every round waits for its slowest edge: once the ring spans nodes, every round crosses.
     total = ring_rounds(n)
-    return c0 + total * (hop if n > per_node else h)
+    return total * (hop if n > per_node else h)
 
 
 def main() -> None:
@@ -169,6 +173,7 @@ def main() -> None:
     p.add_argument("--hop-us", type=float, default=30.0, help="assumed cross-node hop latency (us)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="assumed ranks per node")
     p.add_argument("--out", default=None, help="also write the measurements and fits as JSON here")
+    p.add_argument("--load", default=None, help="fit and project the measurements of an earlier --out file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of one measurement
     args = p.parse_args()
     if args.worker:
@@ -180,6 +185,12 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"{cores} cores, 1-minute load {load:.2f} at start (timings are only figures on an idle machine)")
     measured: dict[int, dict[str, float]] = {}
+    if args.load:
+        with open(args.load, encoding="utf-8") as f:
+            saved = json.load(f)
+        measured = {int(n): times for n, times in saved["measured"].items()}
+        cores, load, worlds = saved["cores"], saved["load"], []
+        print(f"measurements of {args.load}: {cores} cores, load {load:.2f} at their start")
     for n in worlds:
         try:
             measured[n] = measure(n, args.passes, args.rounds, args.values)
@@ -204,25 +215,26 @@ def main() -> None:
 
     fits = {}
     print(
-        f"\nfit: wall(N) = c0 + R(N) (h + s N / {cores} cores); projection: one core per rank, "
+        f"\nfit: wall(N) = R(N) (h + s max(0, N / {cores} cores - 1)); projection: one core per rank, "
         f"{args.ranks_per_node} ranks per node, node-local hops at h, cross-node hops at {args.hop_us:g} us"
     )
     header = "".join(f"{n:>11d}" for n in PROJECT)
-    print(f"{'method':28s} {'c0 us':>7s} {'h us':>7s} {'s us':>7s} |{header}  (ms per call)")
+    print(f"{'method':28s} {'h us':>7s} {'s us':>7s} |{header}  (ms per call)")
     for method in METHODS:
         rounds = doubling_rounds if method == "recursive doubling (now)" else ring_rounds
         points = [(n, t[method]) for n, t in measured.items()]
-        if len(points) < 3:
-            print(f"{method:28s} (needs 3 world sizes to fit)")
+        if not any(n <= cores for n, _ in points):
+            print(f"{method:28s} (needs a world size of at most {cores} processes to fit)")
             continue
-        c0, h, s = fit(points, rounds, cores)
-        fits[method] = {"c0_s": c0, "hop_s": h, "oversubscription_s": s}
-        proj = [
-            project(method, n, c0, h, args.hop_us * 1e-6, args.ranks_per_node, args.values) for n in PROJECT
-        ]
+        h, s = fit(points, rounds, cores)
+        proj = [project(method, n, h, args.hop_us * 1e-6, args.ranks_per_node) for n in PROJECT]
+        fits[method] = {
+            "round_s": h,
+            "oversubscription_s": s,
+            "projection_s": dict(zip(map(str, PROJECT), proj)),
+        }
         cells = "".join(f"{t * 1e3:11.3f}" for t in proj)
-        print(f"{method:28s} {c0 * 1e6:7.1f} {h * 1e6:7.1f} {s * 1e6:7.2f} |{cells}")
-        fits[method]["projection_s"] = dict(zip(map(str, PROJECT), proj))
+        print(f"{method:28s} {h * 1e6:7.1f} {s * 1e6:7.2f} |{cells}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(
