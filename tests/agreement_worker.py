@@ -1,8 +1,10 @@
 """Host agreements on 3 gloo ranks after an elastic (c10d) restart, run by tests/test_agreement.py.
 
 Usage: torchrun --standalone --nproc-per-node 3 --max-restarts 1 tests/agreement_worker.py OUT_DIR
-The first incarnation forms its groups through ``ds_adabatch.init_distributed`` and rank 2 exits with
-code 3 (a crash); torchrun restarts all three, whose groups must form again in the agent's store. Then
+The first incarnation forms its groups through the restart-safe initialisation of
+``ds_adabatch.init_distributed`` (its torch part: no DeepSpeed import, for a light launch) and rank 2
+exits with code 3 (a crash); torchrun restarts all three, whose groups must form again in the agent's
+store. Then
 recursive-doubling reductions (3 ranks: one folded in) are checked against the values every rank drew,
 and rank 0 writes OUT_DIR/agreement.json.
 """
@@ -13,6 +15,7 @@ import json
 import os
 import random
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -20,10 +23,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import ds_adabatch  # noqa: E402
 from ds_adabatch.runtime.agreement import HostAgreement, host_group  # noqa: E402
+from ds_adabatch.runtime.process_group import init_process_group_restart_safe  # noqa: E402
 
 
 def main() -> None:
-    ds_adabatch.init_distributed()
+    assert init_process_group_restart_safe("gloo", timedelta(minutes=5)), "launched by torchrun's agent"
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
     agreement = HostAgreement(rank, world, host_group())

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["init_distributed"]
+__all__ = ["init_distributed", "init_process_group_restart_safe"]
 
 _PREFIX = "ds_adabatch/pg"
 
@@ -71,20 +71,31 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | No
         # DeepSpeed would try MPI discovery.
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
-        backend = dist_backend or get_accelerator().communication_backend_name()
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        base = torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
-        )
-        namespace = _fresh_namespace(base, rank, world, timeout)
-        store = torch.distributed.PrefixStore(f"{_PREFIX}/{namespace}/", base)
-        torch.distributed.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=timeout, **_device_binding(world)
-        )
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    init_process_group_restart_safe(
+        backend, timeout, **_device_binding(int(os.environ.get("WORLD_SIZE", "1")))
+    )
     # With torch.distributed initialised, DeepSpeed 0.19.8's init_distributed only wraps the group
-    # (comm.init_distributed: "The user initialized torch.dist themselves").
+    # (comm.init_distributed: "The user initialized torch.dist themselves"); otherwise it forms it.
     deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)
+
+
+def init_process_group_restart_safe(backend: str, timeout: timedelta, **kwargs: Any) -> bool:
+    """``torch.distributed.init_process_group`` in a fresh namespace of the agent's store when torchrun's
+    agent hosts the workers' store (see above); returns False, initialising nothing, otherwise. Reads
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``kwargs`` go to ``init_process_group``."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return False
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    namespace = _fresh_namespace(base, rank, world, timeout)
+    store = torch.distributed.PrefixStore(f"{_PREFIX}/{namespace}/", base)
+    torch.distributed.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
+    )
+    return True
 
 
 def _fresh_namespace(store: Any, rank: int, world: int, timeout: timedelta) -> str:
