@@ -7,6 +7,7 @@ one by hand. Run on one CUDA GPU (single process, world 1)::
 
     python benchmarks/oom_gpu.py                      # GPT-2 medium-ish, seq 2048, global batch 128
     python benchmarks/oom_gpu.py --layers 12 --hidden 768 --heads 12 --seq 1024   # smaller card
+    python benchmarks/oom_gpu.py --no-predict-peak    # the 'auto' run without the peak predictor
 
 Writes ``benchmarks/results/oom_gpu/results.json`` and ``summary.md`` (a markdown table). Without a GPU,
 ``--simulate-budget N`` replaces the real OOM by ``ds_adabatch.testing.simulated_memory_limit(N)`` on a
@@ -75,7 +76,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 def ds_config(args: argparse.Namespace, max_micro: int | str, recover: bool) -> dict:
     memory: dict = {"recover_from_oom": recover}
     if max_micro == "auto":
-        memory.update(micro_batch_ceiling=args.global_batch, grow_after_steps=args.grow_after)
+        memory.update(
+            micro_batch_ceiling=args.global_batch,
+            grow_after_steps=args.grow_after,
+            predict_peak=not args.no_predict_peak,
+        )
     return {
         # torch_adam: torch's fused AdamW, no DeepSpeed op to compile first.
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
@@ -146,6 +151,11 @@ def main() -> None:
     p.add_argument("--sweep", default="8,12,16,20,24,28,32,40,48", help="fixed micro-batches to try")
     p.add_argument("--sweep-steps", type=int, default=6, help="steps per fixed micro-batch (first 2 warm-up)")
     p.add_argument("--simulate-budget", type=int, default=None, help="CPU smoke test: simulated budget")
+    p.add_argument(
+        "--no-predict-peak",
+        action="store_true",
+        help="the 'auto' run without memory.predict_peak (compare its OOMs with the default run's)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "oom_gpu"))
     args = p.parse_args()
     if args.simulate_budget is not None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .data import SampleLengths, TokenBudgetSampler
     from .runtime import AdaptiveBatchEngine, UnrecoverableOutOfMemory, initialize
     from .runtime.comm import finish
+    from .runtime.process_group import init_distributed
 
 _LAZY = {
     "AdaBatchConfig": "ds_adabatch.config",
@@ -36,6 +37,7 @@ _LAZY = {
     "SampleLengths": "ds_adabatch.data",
     "TokenBudgetSampler": "ds_adabatch.data",
     "finish": "ds_adabatch.runtime.comm",
+    "init_distributed": "ds_adabatch.runtime.process_group",
 }
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "__version__",
     "compatible_batch_sizes",
     "finish",
+    "init_distributed",
     "initialize",
     "load_ds_config",
     "plan_batch",

@@ -13,6 +13,11 @@ recovery of ``"adabatch".memory`` can be exercised on any machine::
     # token-budget steps: a forward over more than 1024 tokens (padding included) fails
     with simulated_memory_limit(max_tokens_per_forward=1024):
         engine.train_batch()
+
+    # a simulated *memory*: a pass needs 1 kB plus 100 B per sample of a 1650 B device (6 samples fit);
+    # it also feeds the runtime's peak-memory predictor, as an accelerator's allocator counters would
+    with simulated_memory_limit(device_memory_bytes=1650, fixed_bytes=1000, bytes_per_sample=100):
+        engine.train_batch()
 """
 
 from __future__ import annotations
@@ -22,15 +27,26 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory_limit"]
+__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory", "simulated_memory_limit"]
 
 _installed = 0  # simulated limits installed in this process
+_memories: list[SimulatedMemoryLimit] = []  # installed limits with a simulated memory, newest last
 
 
 def simulated_limit_installed() -> bool:
     """Whether a :func:`simulated_memory_limit` is installed in this process (it arms the
     out-of-memory agreement on the CPU, where no real out-of-memory error can be recovered)."""
     return _installed > 0
+
+
+def simulated_memory() -> SimulatedMemoryLimit | None:
+    """The newest installed :func:`simulated_memory_limit` with a simulated memory
+    (``device_memory_bytes``) that applies to this rank, else None. The runtime reads its counters in
+    place of the accelerator's (:mod:`ds_adabatch.runtime.memory_model`)."""
+    for limit in reversed(_memories):
+        if limit._active_here():
+            return limit
+    return None
 
 
 def _first_batched(value: Any) -> torch.Tensor | None:
@@ -70,6 +86,9 @@ class SimulatedMemoryLimit:
             at any time.
         max_tokens_per_forward: the budget in tokens per forward pass: the number of elements of the
             forward's first tensor (samples x padded length for token ids; None: no bound).
+        device_memory_bytes, fixed_bytes, bytes_per_sample, bytes_per_token: the simulated memory (None:
+            none): a pass needs ``fixed + per sample x samples + per token x tokens`` bytes and fails
+            when that exceeds ``device_memory_bytes``; change them at any time.
         raised: how many simulated out-of-memory errors this process raised so far.
         calls: outermost forward calls seen on this rank since install (failed ones included).
     """
@@ -78,14 +97,19 @@ class SimulatedMemoryLimit:
         self,
         max_samples_per_forward: int | None,
         ranks: Iterable[int] | None,
-        phase: Literal["forward", "backward"],
+        phase: Literal["forward", "mid_forward", "backward"],
         fail_calls: Iterable[int] = (),
         max_tokens_per_forward: int | None = None,
+        memory: tuple[int | None, int, int, int] = (None, 0, 0, 0),
     ) -> None:
-        if phase not in ("forward", "backward"):
-            raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
-        if max_samples_per_forward is None and max_tokens_per_forward is None:
-            raise ValueError("give max_samples_per_forward, max_tokens_per_forward or both")
+        if phase not in ("forward", "mid_forward", "backward"):
+            raise ValueError(f"phase must be 'forward', 'mid_forward' or 'backward', got {phase!r}")
+        if max_samples_per_forward is None and max_tokens_per_forward is None and memory[0] is None:
+            raise ValueError(
+                "give max_samples_per_forward, max_tokens_per_forward, device_memory_bytes or more"
+            )
+        if any(v < 0 for v in memory[1:]) or (memory[0] is not None and memory[0] < 1):
+            raise ValueError(f"simulated memory sizes must be >= 0 bytes (device >= 1), got {memory}")
         self.max_samples_per_forward = (
             None if max_samples_per_forward is None else int(max_samples_per_forward)
         )
@@ -93,8 +117,11 @@ class SimulatedMemoryLimit:
         self.ranks = None if ranks is None else {int(r) for r in ranks}
         self.phase = phase
         self.fail_calls = {int(c) for c in fail_calls}
+        self.device_memory_bytes, self.fixed_bytes, self.bytes_per_sample, self.bytes_per_token = memory
         self.raised = 0
         self.calls = 0
+        self._peak = 0  # the simulated allocator's peak since its last reset (bytes)
+        self._leaves = 0  # leaf modules this forward reached
         self._depth = 0
         self._samples: int | None = None
         self._tokens: int | None = None
@@ -110,11 +137,16 @@ class SimulatedMemoryLimit:
 
     def _oom(self, samples: int, tokens: int | None, where: str) -> torch.OutOfMemoryError:
         self.raised += 1
+        need = self.pass_bytes(samples, tokens or 0)
         return torch.OutOfMemoryError(
             f"simulated out of memory in {where}: {samples} samples ({tokens} tokens) per forward "
             f"exceed the budget of {self.max_samples_per_forward} samples / "
-            f"{self.max_tokens_per_forward} tokens"
+            f"{self.max_tokens_per_forward} tokens / {self.device_memory_bytes} bytes ({need} needed)"
         )
+
+    def pass_bytes(self, samples: int, tokens: int) -> int:
+        """The simulated peak of a pass over ``samples`` samples of ``tokens`` tokens (bytes)."""
+        return self.fixed_bytes + self.bytes_per_sample * samples + self.bytes_per_token * tokens
 
     def _over(self, samples: int | None, tokens: int | None) -> bool:
         if samples is None:
@@ -122,9 +154,30 @@ class SimulatedMemoryLimit:
         if self.calls in self.fail_calls:
             return True
         limit, token_limit = self.max_samples_per_forward, self.max_tokens_per_forward
-        return (limit is not None and samples > limit) or (
-            token_limit is not None and tokens is not None and tokens > token_limit
-        )
+        need = self.pass_bytes(samples, tokens or 0)
+        if (
+            (limit is not None and samples > limit)
+            or (token_limit is not None and tokens is not None and tokens > token_limit)
+            or (self.device_memory_bytes is not None and need > self.device_memory_bytes)
+        ):
+            return True
+        self._peak = max(self._peak, need)  # the pass fits: the allocator reaches its peak
+        return False
+
+    # -- the simulated allocator's counters (what the runtime reads on an accelerator) -------------
+    def memory_allocated(self) -> int:
+        """Bytes held between passes: the fixed part."""
+        return self.fixed_bytes
+
+    def max_memory_allocated(self) -> int:
+        """The largest pass peak since :meth:`reset_peak_memory_stats` (at least the fixed part)."""
+        return max(self._peak, self.fixed_bytes)
+
+    def reset_peak_memory_stats(self) -> None:
+        self._peak = 0
+
+    def total_memory(self) -> int | None:
+        return self.device_memory_bytes
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
@@ -134,23 +187,37 @@ class SimulatedMemoryLimit:
             self.calls += 1
             self._samples = self._tokens = None
             self._checked = False
+            self._leaves = 0
         if self._samples is None:
             # The batch size is the first positional tensor of the outermost call, or (when that call
             # takes keyword arguments only, like model(**batch)) of the first module call below it.
             first = _first_batched(args)
             if first is not None:
                 self._samples, self._tokens = int(first.shape[0]), int(first.numel())
+        if next(module.children(), None) is not None:
+            return
+        self._leaves += 1
         # A forward-phase error is raised where the model starts computing, as a real one would be:
         # at its first leaf module (e.g. the embedding), after the hooks of the modules around it
         # (ZeRO-3's start-of-forward hook communicates in the first steps), before that leaf runs.
-        if self.phase == "forward" and not self._checked and next(module.children(), None) is None:
-            self._checked = True
-            if self._over(self._samples, self._tokens):
-                raise self._oom(self._samples or 0, self._tokens, "forward")
+        # "mid_forward" raises at the second leaf, after the first one ran (and, under ZeRO-3 with
+        # partitioned parameters, after its parameters were gathered).
+        at = {"forward": 1, "mid_forward": 2}.get(self.phase)
+        if self._leaves == at and not self._checked:
+            self._check("forward" if at == 1 else "the middle of the forward")
+
+    def _check(self, where: str) -> None:
+        self._checked = True
+        if self._over(self._samples, self._tokens):
+            raise self._oom(self._samples or 0, self._tokens, where)
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._depth -= 1
-        if self._depth != 0 or self.phase != "backward" or not self._active_here():
+        if self._depth != 0 or not self._active_here():
+            return
+        if self.phase == "mid_forward" and not self._checked:
+            self._check("the end of the forward")  # a model with a single leaf module
+        if self.phase != "backward":
             return
         samples, tokens = self._samples, self._tokens
         out = _first_grad_tensor(output)
@@ -168,6 +235,8 @@ class SimulatedMemoryLimit:
         hooks = torch.nn.modules.module
         if not self._handles:
             _installed += 1
+            if self.device_memory_bytes is not None:
+                _memories.append(self)
         self._handles = [
             hooks.register_module_forward_pre_hook(self._pre),
             # always_call: the depth count stays right when a forward (or this pre-hook) raises.
@@ -180,6 +249,8 @@ class SimulatedMemoryLimit:
         global _installed
         if self._handles:
             _installed -= 1
+            if self in _memories:
+                _memories.remove(self)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -196,12 +267,17 @@ def simulated_memory_limit(
     max_samples_per_forward: int | None = None,
     ranks: Iterable[int] | None = None,
     *,
-    phase: Literal["forward", "backward"] = "forward",
+    phase: Literal["forward", "mid_forward", "backward"] = "forward",
     fail_calls: Iterable[int] = (),
     max_tokens_per_forward: int | None = None,
+    device_memory_bytes: int | None = None,
+    fixed_bytes: int = 0,
+    bytes_per_sample: int = 0,
+    bytes_per_token: int = 0,
 ) -> SimulatedMemoryLimit:
     """Make forward passes over more than ``max_samples_per_forward`` samples (or more than
-    ``max_tokens_per_forward`` tokens) run out of memory.
+    ``max_tokens_per_forward`` tokens, or needing more simulated memory than ``device_memory_bytes``)
+    run out of memory.
 
     The check applies to the outermost module call (your model, or the DeepSpeed engine wrapping it):
     the leading dimension of its first positional tensor (or, for ``model(**batch)``, of the first
@@ -209,15 +285,27 @@ def simulated_memory_limit(
     tensor's number of elements the number of tokens (samples x padded length for ``input_ids``; a
     model fed packed rows counts the row). ``phase="forward"`` raises
     ``torch.OutOfMemoryError`` when the forward reaches its first leaf module (one without submodules,
-    e.g. the embedding), before that module runs; ``phase="backward"`` lets the forward run and
+    e.g. the embedding), before that module runs; ``phase="mid_forward"`` when it reaches its second
+    leaf module, after the first one ran (under ZeRO-3 with partitioned parameters that is after a
+    parameter gather: not recoverable inside the step); ``phase="backward"`` lets the forward run and
     raises when backward reaches the model's output (its first tensor that requires grad, e.g. a
     Hugging Face output's ``loss``): the start of backward, before any gradient is reduced. Only the ranks in ``ranks`` (``torch.distributed`` ranks; None: every rank) raise.
     ``fail_calls`` also fails the n-th outermost forward on such a rank (1-based, counted from install),
     whatever its size: an OOM in the middle of an accumulation, after other micro-batches were summed.
+
+    A simulated *memory* (``device_memory_bytes``): a pass over ``s`` samples of ``t`` tokens needs
+    ``fixed_bytes + bytes_per_sample * s + bytes_per_token * t`` bytes and fails when that exceeds
+    ``device_memory_bytes``. On those ranks the runtime's peak-memory predictor (``"adabatch".memory.
+    predict_peak``) reads the simulated allocator (``memory_allocated``: the fixed part;
+    ``max_memory_allocated``: the largest pass since the last reset; ``total_memory``) instead of the
+    accelerator's, so it learns and plans as it would on a GPU.
 
     Use it as a context manager, or call ``install()`` / ``remove()``; it hooks every ``nn.Module``
     of the process while installed. Install it on **every** rank (``ranks`` chooses which raise): on
     the CPU the runtime's out-of-memory agreement runs only while a simulated limit is installed, and
     every rank must take part in it.
     """
-    return SimulatedMemoryLimit(max_samples_per_forward, ranks, phase, fail_calls, max_tokens_per_forward)
+    memory = (device_memory_bytes, int(fixed_bytes), int(bytes_per_sample), int(bytes_per_token))
+    return SimulatedMemoryLimit(
+        max_samples_per_forward, ranks, phase, fail_calls, max_tokens_per_forward, memory=memory
+    )

@@ -9,6 +9,12 @@ Rank 0 shows a progress bar (global batch, LR, loss, samples/s). At the end the 
 ``metrics.jsonl`` (one line per optimizer step) and ``metrics.png`` (loss, global batch and LR against
 samples). ``--save-dir`` / ``--resume`` checkpoint and resume through ``engine.save_checkpoint`` /
 ``engine.load_checkpoint``.
+
+Exit status: 0 when done; 2 for a bad config; 75 when a rank ran out of memory where the step could not
+be re-planned (``UnrecoverableOutOfMemory``): that rank recorded the lower micro-batch limit next to the
+checkpoints, and a restart with the same command line (``torchrun --max-restarts``) resumes from the last
+complete checkpoint below it. The other ranks then fail in their next collective and the launcher
+stops them.
 """
 
 from __future__ import annotations
@@ -122,26 +128,32 @@ def main(argv: list[str] | None = None) -> int:
     saved_step = None
     started = time.perf_counter()
     first_samples = engine.global_samples
-    while engine.global_samples < args.samples:
-        if args.max_steps is not None and engine.global_steps >= args.max_steps:
-            break
-        before = engine.global_samples
-        loss = float(engine.train_batch())
-        if ledger:
-            with open(ledger, "a", encoding="utf-8") as f:
-                f.write(json.dumps(ledger_line(engine, loss)) + "\n")
-        if bar is not None:
-            rate = (engine.global_samples - first_samples) / max(time.perf_counter() - started, 1e-9)
-            bar.update(engine.global_samples - before)
-            bar.set_postfix(
-                batch=engine.plan.global_batch_size,
-                lr=f"{engine.get_lr()[0]:.2e}",
-                loss=f"{loss:.3f}",
-                sps=f"{rate:.0f}",
-            )
-        if args.save_dir and args.save_every and engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir, keep_last=args.keep_last)
-            saved_step = engine.global_steps
+    try:
+        while engine.global_samples < args.samples:
+            if args.max_steps is not None and engine.global_steps >= args.max_steps:
+                break
+            before = engine.global_samples
+            loss = float(engine.train_batch())
+            if ledger:
+                with open(ledger, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(ledger_line(engine, loss)) + "\n")
+            if bar is not None:
+                rate = (engine.global_samples - first_samples) / max(time.perf_counter() - started, 1e-9)
+                bar.update(engine.global_samples - before)
+                bar.set_postfix(
+                    batch=engine.plan.global_batch_size,
+                    lr=f"{engine.get_lr()[0]:.2e}",
+                    loss=f"{loss:.3f}",
+                    sps=f"{rate:.0f}",
+                )
+            if args.save_dir and args.save_every and engine.global_steps % args.save_every == 0:
+                engine.save_checkpoint(args.save_dir, keep_last=args.keep_last)
+                saved_step = engine.global_steps
+    except ds_adabatch.UnrecoverableOutOfMemory as exc:
+        # This rank cannot go on, and the others may be inside a collective it will never join: end
+        # now with the status that says whether a restart resumes below the size that failed.
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     if bar is not None:
         bar.close()
     if args.save_dir and engine.global_steps and saved_step != engine.global_steps:
@@ -163,6 +175,8 @@ def ledger_line(engine, loss: float) -> dict:
         "step": engine.global_steps,
         "samples": engine.global_samples,
         "world_size": engine.world_size,
+        "micro_batch_per_gpu": engine.plan.micro_batch_per_gpu,
+        "gradient_accumulation_steps": engine.plan.gradient_accumulation_steps,
         "indices": engine.last_step_batch.global_batch.all_indices(),
         "loss": loss,
         "time": time.time(),

@@ -30,6 +30,7 @@ STAGE = 2
 MICRO, GAS = 4, 2
 STEPS = 8  # measured steps per case, after 2 warm-up steps
 EVERY = 4  # log.every_steps in the cases
+AGREEMENT: dict[str, int] = {}  # messages one out-of-memory agreement sends and receives on this rank
 
 
 class HostReads:
@@ -122,6 +123,7 @@ def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> lis
     if armed:  # a budget nothing exceeds: the agreement runs, nothing fails
         with simulated_memory_limit(10**9):
             counts = run(engine.train_batch)
+        AGREEMENT["messages"] = engine.memory_recovery.agreement.host.messages
     else:
         counts = run(engine.train_batch)
     engine.close()
@@ -176,6 +178,7 @@ def main() -> None:
             "every_steps": EVERY,
             "first_step": 2,
             "gas": GAS,
+            "agreement_messages": AGREEMENT["messages"],
             "cases": {
                 name: [[c - p[0], r - p[1]] for (c, r), p in zip(counts, plain)]
                 for name, counts in cases.items()

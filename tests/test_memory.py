@@ -7,7 +7,9 @@ import torch
 
 from ds_adabatch.config import ConfigError, load_ds_config
 from ds_adabatch.runtime.memory import MicroBatchMemory
-from ds_adabatch.testing import simulated_memory_limit
+from ds_adabatch.runtime.memory_model import PeakMemoryModel
+from ds_adabatch.runtime.restart_record import new_record, read_records, remove_records, write_record
+from ds_adabatch.testing import simulated_memory, simulated_memory_limit
 
 
 def _run(memory: MicroBatchMemory, budget: int, steps: int, per_rank: int = 16) -> list[int]:
@@ -127,6 +129,19 @@ def test_config_auto_and_memory_section():
         ),
         ({"max_micro_batch_per_gpu": 4, "memory": {"backoff_factor": 0.5}}, "adabatch.memory.backoff_factor"),
         ({"max_micro_batch_per_gpu": 4, "memory": {"grow_after": 5}}, "adabatch.memory.grow_after"),
+        (
+            {"max_micro_batch_per_gpu": 4, "memory": {"recover_from_oom": False, "predict_peak": True}},
+            "adabatch.memory.predict_peak",
+        ),
+        (
+            {"max_micro_batch_per_gpu": 4, "memory": {"predict_peak": False, "peak_margin": 0.2}},
+            "adabatch.memory.peak_margin",
+        ),
+        ({"max_micro_batch_per_gpu": 4, "memory": {"peak_margin": 1.0}}, "adabatch.memory.peak_margin"),
+        (
+            {"max_micro_batch_per_gpu": 4, "memory": {"device_memory_bytes": 0}},
+            "adabatch.memory.device_memory_bytes",
+        ),
     ],
 )
 def test_config_errors_name_the_memory_key(section, path):
@@ -159,3 +174,95 @@ def test_simulated_memory_limit_forward_backward_and_calls():
         assert budget.calls == 3 and budget.raised == 1
     with simulated_memory_limit(1, ranks=[1]):  # this process is rank 0
         model(x)
+
+
+def test_the_default_memory_section_predicts_with_a_ten_percent_margin():
+    memory = load_ds_config(_section(max_micro_batch_per_gpu=4)).adabatch.memory
+    assert memory.predict_peak and memory.peak_margin == 0.1 and memory.device_memory_bytes is None
+    # predict_peak left at its default does not conflict with recovery switched off
+    off = load_ds_config(_section(max_micro_batch_per_gpu=4, memory={"recover_from_oom": False}))
+    assert not off.adabatch.memory.recover_from_oom
+
+
+def test_peak_model_one_size_is_a_line_through_the_origin_then_a_fit_above_every_point():
+    model = PeakMemoryModel()
+    assert model.largest_fitting(None, 10_000) is None, "nothing observed: no bound"
+    model.observe(None, 4, resident=1000, peak=1400)  # 100 B per sample
+    assert model.predict(None, 8) == 1800
+    assert model.largest_fitting(None, 1650) == 6
+    # A second size: activations 50 + 100 x; the line is raised through the highest residual.
+    model.observe(None, 2, resident=1000, peak=1250)
+    model.observe(None, 4, resident=1000, peak=1450)
+    c, b = model.line(None)
+    assert b == pytest.approx(100) and c == pytest.approx(50)
+    assert model.largest_fitting(None, 1650) == 6 and model.largest_fitting(None, 1649) == 5
+    # The resident part follows the last pass (the optimizer allocated its state, a cache was freed).
+    model.observe(None, 4, resident=1200, peak=1650)
+    assert model.largest_fitting(None, 1650) == 4
+    # Keys are separate models (e.g. sequence lengths).
+    model.observe(2048, 1, resident=1000, peak=1500)
+    assert model.largest_fitting(2048, 2000) == 2 and model.largest_fitting(None, 1650) == 4
+
+
+def test_a_predicted_bound_caps_the_limit_and_growth_without_a_probe_above_it():
+    memory = MicroBatchMemory(16, 16, grow_after_steps=1)
+    memory.on_oom(16)  # -> 8
+    memory.set_cap(6)
+    assert memory.limit == 6, "the planner reads the learned limit capped by the prediction"
+    for _ in range(5):
+        memory.on_clean_step(6)
+    assert memory.limit == 6, "growth stops at the predicted bound"
+    memory.set_cap(None)
+    memory.on_clean_step(8)
+    assert memory.limit > 8, "without a bound the policy grows again"
+    state = memory.state_dict()
+    assert "cap" not in state["keys"]["None"], "the prediction is re-learned, not checkpointed"
+
+
+def test_an_imposed_failure_lowers_the_limit_over_a_later_checkpoint_and_is_never_probed_again():
+    saved = MicroBatchMemory(8, 8, grow_after_steps=1)
+    checkpoint = saved.state_dict()  # limit 8: written before the process that failed at 8
+    memory = MicroBatchMemory(8, 8, grow_after_steps=1)
+    memory.impose(None, 8)
+    assert memory.limit == 4
+    memory.load_state_dict(checkpoint)
+    assert memory.limit == 4, "a checkpoint loaded after the record does not undo it"
+    for _ in range(20):
+        memory.on_clean_step(memory.limit)
+    assert memory.limit == 7, "growth goes up to just below the size that ended a process, never to it"
+    fresh = MicroBatchMemory(8, 8, grow_after_steps=1)
+    fresh.load_state_dict(memory.state_dict())
+    assert fresh.limit == 7, "the bound travels in checkpoints written afterwards"
+
+
+def test_restart_records_round_trip_and_bad_files_are_skipped(tmp_path):
+    first = write_record(str(tmp_path), new_record(2048, 8, rank=1, where="in micro-batch 0 of step 3"))
+    (tmp_path / "adabatch_oom_rank0.json").write_text("{not json")
+    records = read_records(str(tmp_path))
+    assert [(p, r.key, r.failed, r.rank) for p, r in records] == [(first, "2048", 8, 1)]
+    remove_records([first, first])
+    assert read_records(str(tmp_path)) == []
+
+
+def test_simulated_memory_counters_and_the_mid_forward_phase():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    seen = []
+    model[0].register_forward_hook(lambda *a: seen.append("first layer ran"))
+    x = torch.randn(8, 3)
+    with simulated_memory_limit(device_memory_bytes=1650, fixed_bytes=1000, bytes_per_sample=100) as mem:
+        assert simulated_memory() is mem and mem.total_memory() == 1650
+        mem.reset_peak_memory_stats()
+        model(x[:4])
+        assert mem.memory_allocated() == 1000 and mem.max_memory_allocated() == 1400
+        with pytest.raises(torch.OutOfMemoryError, match="1800 needed"):
+            model(x)
+        assert mem.max_memory_allocated() == 1400, "a pass that failed leaves no peak"
+        assert seen == ["first layer ran"], "phase 'forward' fails before the first layer runs"
+    assert simulated_memory() is None
+    budget = simulated_memory_limit(4, phase="mid_forward")
+    with budget, pytest.raises(torch.OutOfMemoryError, match="middle of the forward"):
+        model(x)
+    assert seen == ["first layer ran"] * 2, "phase 'mid_forward' fails after the first layer ran"
+    assert budget.raised == 1
+    with pytest.raises(ValueError, match="mid_forward"):
+        simulated_memory_limit(4, phase="later")

@@ -85,13 +85,16 @@ def test_a_measured_step_carries_the_losses(counts):
 
 
 def test_armed_oom_recovery_adds_one_agreement_per_reducing_pass(counts):
-    # ZeRO-2 reduces gradients in every micro-batch's backward: armed recovery joins one small
-    # all-reduce of host flags (a gloo group of its own on a GPU: no device sync) before each, and
-    # reads them once, GAS per step; nothing else changes.
+    # ZeRO-2 reduces gradients in every micro-batch's backward: armed recovery joins one agreement of
+    # host integers (a gloo group of its own: no device sync) before each, GAS per step. On 2 ranks an
+    # agreement is one round of recursive doubling: one send and one receive, and one host read of
+    # the result; nothing else changes.
     armed = counts["cases"]["armed out-of-memory recovery (a GPU's default)"]
     steady = counts["cases"]["constant schedule, sample normalisation"]
-    gas = counts["gas"]
+    gas, messages = counts["gas"], counts["agreement_messages"]
+    assert messages == 2, f"an agreement on 2 ranks is one send and one receive, got {messages} messages"
     extra = [(a[0] - s[0], a[1] - s[1]) for a, s in zip(armed, steady)]
-    assert extra == [(gas, gas)] * len(extra), (
-        f"armed recovery must add exactly GAS ({gas}) all-reduces and host reads per step: {extra}"
+    assert extra == [(gas * messages, gas)] * len(extra), (
+        f"armed recovery must add exactly GAS ({gas}) agreements of {messages} messages and one host read "
+        f"each per step: {extra}"
     )

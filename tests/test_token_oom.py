@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ds_adabatch.data.packing import micro_batch_cost, pack_step
 from ds_adabatch.data.tokens import SampleLengths, TokenBudgetSampler
+from ds_adabatch.runtime.agreement import HostAgreement
 from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.oom import OomAgreement, UnrecoverableOutOfMemory
 from ds_adabatch.runtime.recovery import replan_token_step_after_oom
@@ -114,6 +115,7 @@ def test_the_agreement_carries_the_failed_pass_index() -> None:
     agreement = OomAgreement.__new__(OomAgreement)
     agreement.rank, agreement.world_size, agreement._agreed, agreement.agreements = 0, 1, False, 0
     agreement.failed_passes = {}
+    agreement.host, agreement.local_verdict = HostAgreement(0, 1), None
     assert agreement.report_oom("here", 3) == [0] and agreement.failed_passes == {0: 3}
     agreement.begin_pass()
     assert agreement.report_oom("here") == [0] and agreement.failed_passes == {0: None}

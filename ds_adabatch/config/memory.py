@@ -4,7 +4,8 @@ With ``"max_micro_batch_per_gpu": "auto"`` the runtime learns the largest micro-
 starts at ``initial_micro_batch_per_gpu`` (or the ceiling), halves on an out-of-memory error inside a
 step, and tries a larger one again after ``grow_after_steps`` clean steps. With an integer
 ``max_micro_batch_per_gpu`` that integer is the ceiling and ``recover_from_oom`` still turns an
-out-of-memory error into a smaller micro-batch for the same step.
+out-of-memory error into a smaller micro-batch for the same step. ``predict_peak`` keeps the limit below
+the sizes each rank's allocator statistics predict not to fit, so growth never probes them.
 """
 
 from __future__ import annotations
@@ -70,11 +71,60 @@ class MemoryConfig(BaseModel):
             "tried again by this factor (a dimensionless multiplier of grow_after_steps)."
         ),
     )
+    predict_peak: bool = Field(
+        True,
+        description=(
+            "Learn each rank's peak memory per forward/backward pass against its size (samples per "
+            "pass, or tokens per pass with micro_batch_tokens; one model per set_memory_key key) from "
+            "the accelerator's allocator statistics, read on the host, and never plan or grow to a "
+            "micro-batch whose predicted peak exceeds (1 - peak_margin) x device_memory_bytes. Agreed "
+            "as the minimum over ranks inside the out-of-memory agreement (needs recover_from_oom); "
+            "active where that agreement runs: on accelerators, or on the CPU under a simulated memory "
+            "(ds_adabatch.testing.simulated_memory_limit(device_memory_bytes=...))."
+        ),
+    )
+    peak_margin: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Fraction of device_memory_bytes kept free of predicted peaks (a dimensionless fraction: "
+            "0.1 plans up to 90%), for what the allocator's statistics do not count: fragmentation of "
+            "its cache, the CUDA context, other processes."
+        ),
+    )
+    device_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Memory of one device that predicted peaks are compared against, in bytes; null: the "
+            "accelerator's total memory (DeepSpeed's get_accelerator().total_memory())."
+        ),
+    )
 
 
 def memory_problems(max_micro: int | str, memory: MemoryConfig) -> list[ConfigProblem]:
     """Problems between ``max_micro_batch_per_gpu`` and the ``memory`` section (paths relative to it)."""
     problems: list[ConfigProblem] = []
+    if "predict_peak" in memory.model_fields_set and memory.predict_peak and not memory.recover_from_oom:
+        problems.append(
+            ConfigProblem(
+                "memory.predict_peak",
+                "needs recover_from_oom true (the prediction is agreed inside the out-of-memory "
+                "agreement): set recover_from_oom to true, or remove predict_peak",
+                True,
+            )
+        )
+    if not memory.predict_peak:
+        for key in ("peak_margin", "device_memory_bytes"):
+            if key in memory.model_fields_set:
+                problems.append(
+                    ConfigProblem(
+                        f"memory.{key}",
+                        "only applies with predict_peak true: remove it, or set predict_peak to true",
+                        getattr(memory, key),
+                    )
+                )
     auto = max_micro == AUTO
     if not auto:
         for key in ("initial_micro_batch_per_gpu", "micro_batch_ceiling"):

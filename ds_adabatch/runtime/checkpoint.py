@@ -138,6 +138,7 @@ class CheckpointMixin:
             elastic_ckpt.mark_complete(save_dir, info, update_latest=save_latest)
             if keep_last is not None:
                 elastic_ckpt.prune_checkpoints(save_dir, keep_last)
+        self.memory_recovery.checkpoint_saved(save_dir)  # out-of-memory records it now holds go
         comm.barrier()
         return result
 
@@ -153,6 +154,7 @@ class CheckpointMixin:
         ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
         """
         self.resolve_losses()  # nothing pending may be folded into the loaded state later
+        self.memory_recovery.use_checkpoint_dir(load_dir)  # limits an exited process recorded there
         ds = self.deepspeed
         if tag is None:
             tag = elastic_ckpt.latest_complete_tag(load_dir)

@@ -79,7 +79,10 @@ def finish(exit_code: int = 0) -> None:
     """End a finished training process cleanly: the last call of a rank's script. It does not return.
 
     Waits for every rank (a barrier), destroys every process group, flushes ``logging`` and the standard
-    streams, then ends the process with ``exit_code`` *without* the interpreter's teardown. A gloo
+    streams, then ends the process with ``exit_code`` *without* the interpreter's teardown. A non-zero
+    ``exit_code`` ends this rank without waiting for the others (they may be inside a collective it will
+    never join, e.g. after ``UnrecoverableOutOfMemory``: ``finish(exc.exit_code)``); the launcher then
+    stops them, and ``torchrun --max-restarts`` starts the job again. A gloo
     process group (DeepSpeed's CPU accelerator, and the flag group of out-of-memory recovery on GPUs)
     can abort a rank that already finished its work while the interpreter shuts down ("terminate called
     without an active exception", SIGABRT), even after ``destroy_process_group()``; a launcher reports
@@ -89,7 +92,7 @@ def finish(exit_code: int = 0) -> None:
     metrics writers (``engine.close()``) and experiment trackers before calling it. Call it on every rank.
     """
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    if exit_code == 0 and dist.is_available() and dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .lr import BatchCoupledLR, CurrentBaseLR
+from .process_group import init_distributed
 from .token_setup import token_budget_sampler
 from .weights import make_token_counter
 
@@ -236,21 +236,10 @@ def _check_deepspeed_sections(loaded: Any) -> None:
 
 
 def _init_distributed(deepspeed, dist, kwargs) -> None:
-    if dist.is_initialized():
+    if dist.is_initialized() or kwargs.get("dist_init_required", True) is False:
         return
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        # A plain `python train.py` (no launcher) is a world of one; without these variables
-        # DeepSpeed would try MPI discovery.
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if kwargs.get("dist_init_required", True) is not False:
-        deepspeed.init_distributed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Restart-safe under torchrun --max-restarts, a world of one without a launcher (process_group.py).
+    init_distributed()
 
 
 def _configure_logging(rank: int) -> None:

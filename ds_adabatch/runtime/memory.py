@@ -14,6 +14,12 @@ Policy, per key:
   failure is known above it, else to the middle of the gap below the smallest failing size, and finally
   to that size itself; when a size that failed runs clean (memory was freed, or the budget rose) every
   recorded failure is forgotten and growth doubles again.
+- A predicted bound (:meth:`MicroBatchMemory.set_cap`, the agreed verdict of the peak-memory predictor
+  of :mod:`ds_adabatch.runtime.memory_model`) caps the limit the planner reads and every growth target:
+  a size predicted not to fit is never tried. It is re-learned by every run, not checkpointed.
+- A limit learned by a process that then had to exit (:meth:`MicroBatchMemory.impose`, read from the
+  records :mod:`ds_adabatch.runtime.restart_record` leaves next to the checkpoints) lowers the limit
+  and counts as a failure at the size that failed, also over a checkpoint loaded afterwards.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class _KeyState:
     good: int | None = None  # largest limit that completed a step without an OOM
     failures: dict[int, int] = field(default_factory=dict)  # micro-batch size -> OOMs there, not cleared
     clean_steps: int = 0  # steps completed at the current limit since it last changed
+    cap: int | None = None  # the agreed predicted bound (not checkpointed: re-learned by every run)
+    never_above: int | None = None  # below a size that ended an earlier process (see impose)
 
     @property
     def failed_at(self) -> int | None:
@@ -41,6 +49,7 @@ class _KeyState:
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(vars(self))
+        out.pop("cap")
         out["failures"] = [[size, count] for size, count in sorted(self.failures.items())]
         return out
 
@@ -83,6 +92,7 @@ class MicroBatchMemory:
         self.backoff_factor = backoff_factor
         self.key: Hashable = None
         self._states: dict[Hashable, _KeyState] = {}
+        self._imposed: list[tuple[Hashable, int]] = []  # (key, failing size) learned by an earlier process
 
     # -- reading --------------------------------------------------------------------------------
     def _state(self) -> _KeyState:
@@ -93,8 +103,15 @@ class MicroBatchMemory:
 
     @property
     def limit(self) -> int:
-        """The micro-batch bound (samples per forward pass) to plan the next step with."""
-        return self._state().limit
+        """The micro-batch bound (samples per forward pass) to plan the next step with: the learned
+        limit, capped by the agreed prediction."""
+        state = self._state()
+        bound = _bound(state)
+        return state.limit if bound is None else max(1, min(state.limit, bound))
+
+    def set_cap(self, cap: int | None) -> None:
+        """The agreed predicted bound for the current key (None: none): sizes above it are not planned."""
+        self._state().cap = None if cap is None else max(1, int(cap))
 
     def limits(self) -> dict[Hashable, int]:
         """The learned limit of every shape key seen so far."""
@@ -128,7 +145,7 @@ class MicroBatchMemory:
     def on_clean_step(self, micro: int) -> MemoryDecision | None:
         """A step finished without an OOM at (largest) micro-batch ``micro``; maybe grow the limit."""
         state = self._state()
-        state.good = max(state.good or 0, state.limit)
+        state.good = max(state.good or 0, self.limit)
         if any(size <= micro for size in state.failures):
             # A size that failed ran clean: the budget rose or memory was freed, so every recorded
             # failure is stale and growth doubles again.
@@ -149,6 +166,14 @@ class MicroBatchMemory:
         return MemoryDecision(old, target, f"{why} after {wait} clean steps")
 
     def _grow_target(self, state: _KeyState) -> int | None:
+        target = self._policy_target(state)
+        bound = _bound(state)
+        if target is None or bound is None or target <= bound:
+            return target
+        # Predicted not to fit (or it ended a process): grow only as far as allowed, no probe above.
+        return bound if bound > state.limit else None
+
+    def _policy_target(self, state: _KeyState) -> int | None:
         if self.grow_after_steps is None or state.limit >= self.ceiling:
             return None
         if state.failed_at is None or state.failed_at > self.ceiling:
@@ -158,6 +183,26 @@ class MicroBatchMemory:
         if state.failed_at == state.limit + 1:
             return state.failed_at
         return (state.limit + state.failed_at + 1) // 2
+
+    # -- limits learned by a process that had to exit -------------------------------------------
+    def impose(self, key: Hashable, failed: int) -> None:
+        """An earlier process ran out of memory at size ``failed`` under ``key`` and could not recover:
+        plan below it, as :meth:`on_oom` would have, also over a checkpoint loaded later, and never try
+        ``failed`` or more again under that key (a probe there would end the process again)."""
+        self._imposed.append((key, int(failed)))
+        self._apply_imposed([(key, int(failed))])
+
+    def _apply_imposed(self, imposed: list[tuple[Hashable, int]]) -> None:
+        current = self.key
+        for key, failed in imposed:
+            self.key = key
+            state = self._state()
+            if failed > 1 and state.limit >= failed:
+                self.on_oom(failed)
+            elif failed > 1:
+                state.failures[failed] = state.failures.get(failed, 0) + 1
+            state.never_above = max(1, min(failed - 1, state.never_above or failed))
+        self.key = current
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -178,16 +223,23 @@ class MicroBatchMemory:
         by_repr = {repr(key): key for key in self._states}
         restored: dict[Hashable, _KeyState] = {}
         for text, values in state["keys"].items():
-            key = by_repr.get(text, _parse_key(text))
+            key = by_repr.get(text, parse_key(text))
             values = dict(values)
             values["limit"] = min(int(values["limit"]), self.ceiling)
             values["failures"] = {int(size): int(count) for size, count in values["failures"]}
             restored[key] = _KeyState(**values)
         self._states = restored
-        self.key = _parse_key(state["key"])
+        self.key = parse_key(state["key"])
+        self._apply_imposed(self._imposed)  # what an earlier process learned after this checkpoint
 
 
-def _parse_key(text: str) -> Hashable:
+def _bound(state: _KeyState) -> int | None:
+    """The tighter of the predicted bound and the bound below a size that ended a process."""
+    bounds = [b for b in (state.cap, state.never_above) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def parse_key(text: str) -> Hashable:
     """Keys are ``None``, ints or strings (what ``set_memory_key`` documents); others stay as text."""
     import ast
 

@@ -3,10 +3,14 @@
 Why an agreement point, and where (DeepSpeed 0.19.8). A rank that raises ``torch.OutOfMemoryError``
 stops issuing collectives; any other rank already inside one (a gradient reduce, a ZeRO-3 parameter
 gather) would wait forever. So before the **first collective DeepSpeed issues in each forward/backward
-pass**, every rank joins one small all-reduce (a vector with one entry per rank): a rank that is still
-healthy says 0; a rank that has just caught an OOM jumps straight to it and says 1. If anyone said 1,
+pass**, every rank joins one small reduction of host integers (:mod:`ds_adabatch.runtime.agreement`:
+recursive doubling, ``log2(world)`` message rounds of 16 bytes): a rank that is still healthy says 0; a
+rank that has just caught an OOM jumps straight to it and says 1. If the sum is not 0, every rank then
+learns which ranks failed, and in which micro-batch, from a second exchange of one flag per rank, and
 the healthy ranks raise :class:`PeerOutOfMemory` from inside DeepSpeed *before* its collective, so no
-rank is ever left in a collective the failed rank will not join. The first collective of a pass is:
+rank is ever left in a collective the failed rank will not join. The same reduction carries the
+smallest micro-batch limit the ranks' memory predictors allow (its minimum), so the predictor's verdict
+is agreed without a collective of its own. The first collective of a pass is:
 
 - ZeRO-0: ``DeepSpeedEngine.allreduce_gradients`` at the accumulation boundary (none before it);
 - ZeRO-1/2 (and ZeRO-2 CPU offload): ``DeepSpeedZeroOptimizer.reduce_ipg_grads``, called when a
@@ -16,10 +20,11 @@ rank is ever left in a collective the failed rank will not join. The first colle
 
 An OOM on a rank that has already passed its agreement point in that pass cannot be recovered (the
 others may be inside a later collective): it raises :class:`UnrecoverableOutOfMemory`, which names
-where it happened. When nothing fails the cost is that one small all-reduce per pass that has a
-collective (ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch); in a world of one rank
-it costs nothing. The flags are host facts (an exception was caught or not), so on a GPU they travel
-over a CPU (gloo) process group of their own: the agreement never synchronises the GPU.
+where it happened. When nothing fails the cost is that one reduction per pass that has a collective
+(ZeRO-0/1: once per optimizer step; ZeRO-2/3: once per micro-batch); in a world of one rank it costs
+nothing. The flags are host facts (an exception was caught or not), so they travel over a gloo process
+group of their own (:func:`~ds_adabatch.runtime.agreement.host_group`): the agreement never
+synchronises a GPU.
 
 Where it is armed: only where an out-of-memory error can be raised and survived, i.e. on an
 accelerator (CUDA, ...). DeepSpeed's CPU accelerator allocates from host memory, where exhaustion ends
@@ -31,13 +36,19 @@ step stays free of collectives, unless :func:`ds_adabatch.testing.simulated_memo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..testing import simulated_limit_installed
+from .agreement import HostAgreement, host_group
+
+NO_VERDICT = 1 << 62
+"""The predictor verdict of a rank that predicts nothing (the neutral value of the minimum)."""
 
 __all__ = [
+    "NO_VERDICT",
     "OomAgreement",
     "PeerOutOfMemory",
     "UnrecoverableOutOfMemory",
@@ -55,7 +66,18 @@ class PeerOutOfMemory(RuntimeError):
 
 
 class UnrecoverableOutOfMemory(RuntimeError):
-    """An out-of-memory error that cannot be turned into a smaller micro-batch (the message says why)."""
+    """An out-of-memory error that cannot be turned into a smaller micro-batch (the message says why).
+
+    Attributes:
+        exit_code: the status to end the process with (``ds_adabatch.finish(exc.exit_code)``): 75 when
+            the failing rank recorded a lower limit next to the checkpoints, so that a restart
+            (``torchrun --max-restarts``) resumes below it; 1 when a restart cannot help (a micro-batch
+            of one sample does not fit, or no checkpoint folder is known).
+        record: the path of that record, or None.
+    """
+
+    exit_code: int = 1
+    record: str | None = None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -75,16 +97,23 @@ class OomAgreement:
     """
 
     def __init__(self, ds_engine: Any, *, rank: int, world_size: int, device: Any) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            # Every rank takes part (with model parallelism too: any rank's collective can hang).
+            rank, world_size = dist.get_rank(), dist.get_world_size()
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.enabled = True
         self._can_raise = torch.device(device).type != "cpu"
-        self._group = _host_group(world_size)
+        self.host = HostAgreement(rank, world_size, host_group())
         self._agreed = False
         # The last agreement's failed ranks and the micro-batch each failed in (None: not known).
         self.failed_passes: dict[int, int | None] = {}
-        self.agreements = 0  # number of agreement collectives issued (tests and benchmarks read it)
+        self.agreements = 0  # number of agreements issued (tests and benchmarks read it)
+        # This rank's memory-predictor verdict (a micro-batch limit) and the minimum over ranks agreed last.
+        self.local_verdict: Callable[[], int] | None = None
+        self.agreed_verdict = NO_VERDICT
         self._install(ds_engine)
 
     @property
@@ -106,18 +135,18 @@ class OomAgreement:
     def _exchange(self, failed: bool, pass_index: int | None = None) -> list[int]:
         self._agreed = True
         self.agreements += 1
-        # A failed rank's flag is 1, or 2 + the index of the micro-batch that failed when it knows it.
+        verdict = self.local_verdict() if self.local_verdict is not None else NO_VERDICT
+        # A constant payload whatever the world size: whether any rank failed, and the smallest verdict
+        # (the maximum of its negation: one operation for both elements keeps each round cheap).
+        anyone, neg_verdict = self.host.reduce([int(failed), -verdict], ["max", "max"])
+        self.agreed_verdict = -neg_verdict
+        if not anyone:
+            self.failed_passes = {}
+            return []
+        # Someone failed (every rank knows it now): which ranks, and where. A failed rank's flag is 1,
+        # or 2 + the index of the micro-batch that failed when it knows it.
         flag = 0.0 if not failed else 1.0 if pass_index is None else 2.0 + pass_index
-        if self.world_size == 1:
-            # Nobody to tell and nobody to wait for: no collective and no host read.
-            values = [flag]
-        else:
-            flags = torch.zeros(self.world_size, dtype=torch.float32)  # host memory: no GPU involved
-            flags[self.rank] = flag
-            dist = torch.distributed
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(flags, group=self._group)
-            values = flags.tolist()
+        values = self.host.gather_flags(flag)
         self.failed_passes = {r: (None if v < 2 else int(v) - 2) for r, v in enumerate(values) if v > 0}
         return list(self.failed_passes)
 
@@ -273,14 +302,3 @@ def _bf16_zero1(opt: Any, stage: int) -> bool:
     DeepSpeed 0.19.8 runs it on its BF16_Optimizer, which reduces gradients like plain data parallel
     (``allreduce_gradients``) and keeps fp32 accumulators (``clear_hp_grads``), not ZeRO-1's buckets."""
     return stage == 1 and not hasattr(opt, "reduce_ipg_grads") and hasattr(opt, "clear_hp_grads")
-
-
-def _host_group(world_size: int) -> Any:
-    """A gloo process group for host-side flags when the default group is not gloo (NCCL); ``None``
-    (the default group) otherwise. Created on every rank, as ``new_group`` requires."""
-    dist = torch.distributed
-    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")

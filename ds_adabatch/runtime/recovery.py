@@ -14,6 +14,11 @@ Nothing else moves during a retry: the optimizer, the LR scheduler, the step and
 and the data cursor advance once, when the step finally completes. With recovery off (``memory.
 recover_from_oom: false`` and an integer ``max_micro_batch_per_gpu``) :meth:`run` calls the attempt
 once and an OOM propagates untouched.
+
+Around it: the peak-memory predictor (:mod:`ds_adabatch.runtime.memory_model`) reads the allocator at
+every pass and its agreed verdict caps the next step's limit; an OOM that cannot be re-planned is
+recorded next to the checkpoints before it propagates (:mod:`ds_adabatch.runtime.restart_record`), and
+``load_checkpoint`` imposes such records on the learned limits.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from typing import Any, TypeVar
 import torch
 
 from ..plan import BatchPlan, plan_batch
+from . import restart_record
 from .memory import MicroBatchMemory
+from .memory_model import PeakPredictor
 from .oom import (
+    NO_VERDICT,
     OomAgreement,
     PeerOutOfMemory,
     UnrecoverableOutOfMemory,
@@ -56,13 +64,28 @@ class OomRecovery:
         self.deepspeed = ds_engine
         self.memory = memory if memory is not None else memory_for(config)
         self.agreement: OomAgreement | None = None
+        self.predictor: PeakPredictor | None = None
+        self.rank = rank
         if config.memory.recover_from_oom:
             self.agreement = OomAgreement(
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
+            # It also tells a record which size failed, so it runs with predict_peak off too.
+            self.predictor = PeakPredictor(
+                ds_engine.module,
+                device=ds_engine.device,
+                unit="tokens" if config.token_budget else "samples",
+                margin=config.memory.peak_margin,
+                device_memory_bytes=config.memory.device_memory_bytes,
+                key=lambda: self.memory.key,
+                measure=config.memory.predict_peak,
+            )
+            if config.memory.predict_peak:
+                self.agreement.local_verdict = self._local_verdict
         self.where = ""
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
+        self.records = restart_record.RestartRecords(rank)
 
     @property
     def armed(self) -> bool:
@@ -75,6 +98,8 @@ class OomRecovery:
             self.where = where
             self.pass_index = index
             self.agreement.begin_pass()
+            if self.armed:
+                self.predictor.begin_pass()
 
     def failed_passes(self, ranks: list[int]) -> dict[int, int | None]:
         """The pass each of ``ranks`` ran out of memory in at the last agreement (None: unknown)."""
@@ -89,7 +114,12 @@ class OomRecovery:
         while True:
             ok, value, ranks = self._try(attempt)
             if ok:
+                if self.agreement.local_verdict is not None:
+                    # Identical on every rank: the minimum over ranks, agreed in this step's passes.
+                    agreed = self.agreement.agreed_verdict
+                    self.memory.set_cap(None if agreed == NO_VERDICT else agreed)
                 return value  # type: ignore[return-value]
+            self.predictor.discard_pass()
             self.ooms += 1
             # Outside the except block: the exception's traceback (and the activations its frames
             # hold) is gone, so the cache can really be freed.
@@ -111,9 +141,30 @@ class OomRecovery:
             # Raises UnrecoverableOutOfMemory (chained to exc) when this pass already agreed.
             try:
                 ranks = self.agreement.report_oom(self.where, self.pass_index)
-            except Exception as unrecoverable:
+            except UnrecoverableOutOfMemory as unrecoverable:
+                self._record(unrecoverable)
                 raise unrecoverable from exc
             return False, None, ranks
+
+    def _local_verdict(self) -> int:
+        verdict = self.predictor.verdict() if self.predictor is not None else None
+        return NO_VERDICT if verdict is None else verdict
+
+    # -- unrecoverable errors: recorded for the next start (restart_record.py) -------------------
+    def _record(self, error: UnrecoverableOutOfMemory) -> None:
+        size = self.predictor.pass_size if self.predictor is not None else None
+        # The optimizer step, or a size never read: the limit in force is what failed.
+        self.records.record(error, self.memory.key, size or self.memory.limit, where=self.where)
+
+    def use_checkpoint_dir(self, folder: str) -> None:
+        """``load_checkpoint(folder)`` is starting: impose the records an earlier process left there, and
+        record there from now on. On every rank."""
+        unit = self.predictor.unit if self.predictor is not None else "samples"
+        self.records.impose(folder, self.memory, unit)
+
+    def checkpoint_saved(self, folder: str) -> None:
+        """A complete checkpoint in ``folder`` now holds what the imposed records taught. On every rank."""
+        self.records.saved(folder)
 
     def _snapshot(self) -> dict[str, Any]:
         state: dict[str, Any] = {"micro_steps": self.deepspeed.micro_steps, "cpu": torch.get_rng_state()}

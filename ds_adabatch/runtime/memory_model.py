@@ -1,0 +1,183 @@
+"""Each rank's peak memory per pass as a function of its micro-batch, learned from the allocator.
+
+A grow-back probe of the learned micro-batch limit (:mod:`ds_adabatch.runtime.memory`) costs a
+recovered out-of-memory error whenever the size it tries does not fit. The predictor avoids those: it
+reads the allocator's own counters on the host around every forward/backward pass (DeepSpeed's
+accelerator API, 0.19.8: ``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``;
+on CUDA these read the caching allocator's statistics and never synchronise the device) and models
+
+    peak(x) = resident + c + b * x
+
+where ``resident`` is what the allocator holds when a pass starts (parameters, gradients, optimizer
+state: read at every pass, so it follows the optimizer's first allocation or a freed cache), ``x`` the
+pass's size in the limit's unit (samples per pass, or tokens per pass, padding included, with
+``micro_batch_tokens``), and ``c + b * x`` the activations. One observed size gives the line through
+the origin (``c = 0``, ``b`` its bytes per unit: never below the true line at larger sizes when
+``c >= 0``); two or more give the least-squares line over each size's largest observation, raised until
+no observation lies above it. A model is kept per memory key (``engine.set_memory_key``). Peaks of
+passes that ran out of memory (here or on another rank) are dropped: they stopped early.
+
+The verdict is the largest size whose predicted peak stays within ``(1 - peak_margin) x`` the device's
+memory (``memory.device_memory_bytes``, else the accelerator's ``total_memory``). It is a bound on
+growth, agreed as the minimum over ranks inside the out-of-memory agreement (no collective of its own)
+and applied to the next step's plan: a probe above it is never tried.
+
+A pass's size is read from the wrapped model's input (a forward pre-hook, no device access): the leading
+dimension of its first tensor (samples), or that tensor's number of elements (tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from ..testing import _first_batched, simulated_memory
+
+__all__ = ["PeakMemoryModel", "PeakPredictor"]
+
+
+class PeakMemoryModel:
+    """Pure bookkeeping: observations ``(size, resident bytes, peak bytes)`` per key, and the verdict."""
+
+    def __init__(self) -> None:
+        self._activations: dict[Hashable, dict[int, int]] = {}  # key -> size -> largest peak - resident
+        self._resident: dict[Hashable, int] = {}
+
+    def observe(self, key: Hashable, size: int, resident: int, peak: int) -> None:
+        if size < 1:
+            return
+        sizes = self._activations.setdefault(key, {})
+        sizes[size] = max(sizes.get(size, 0), max(peak - resident, 0))
+        self._resident[key] = resident
+
+    def line(self, key: Hashable) -> tuple[float, float] | None:
+        """``(c, b)`` of the activations ``c + b * size`` for ``key``; None before any observation."""
+        sizes = self._activations.get(key)
+        if not sizes:
+            return None
+        if len(sizes) == 1:
+            ((size, act),) = sizes.items()
+            return 0.0, act / size
+        xs, ys = list(sizes), list(sizes.values())
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var, 0.0)
+        # Raised through the highest observation above it: never below what was seen.
+        intercept = max(y - slope * x for x, y in zip(xs, ys))
+        return intercept, slope
+
+    def predict(self, key: Hashable, size: int) -> float | None:
+        """Predicted peak bytes of a pass of ``size`` under ``key`` (None: nothing observed yet)."""
+        fit = self.line(key)
+        return None if fit is None else self._resident[key] + fit[0] + fit[1] * size
+
+    def largest_fitting(self, key: Hashable, budget: float) -> int | None:
+        """The largest size whose predicted peak is at most ``budget`` bytes (at least 1); None when
+        nothing is known or every size fits (activations do not grow with the size)."""
+        fit = self.line(key)
+        if fit is None or fit[1] <= 0:
+            return None
+        room = budget - self._resident[key] - fit[0]
+        return max(1, math.floor(room / fit[1] + 1e-9))
+
+
+class PeakPredictor:
+    """Reads the allocator around the passes of one engine and keeps a :class:`PeakMemoryModel`.
+
+    ``begin_pass()`` before each pass (it closes the one before: that pass's peak includes everything
+    up to now, so the optimizer step belongs to its step's last pass); ``discard_pass()`` when the open
+    pass ran out of memory; ``verdict()`` is this rank's bound for the agreement.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        device: Any,
+        unit: str,
+        margin: float,
+        device_memory_bytes: int | None,
+        key: Any,
+        measure: bool = True,
+    ) -> None:
+        self.model = PeakMemoryModel()
+        self.measure = measure  # False: only the size of each pass is kept (for out-of-memory records)
+        self.unit = unit  # "samples" or "tokens"
+        self.margin = margin
+        self.device_memory_bytes = device_memory_bytes
+        self._on_accelerator = torch.device(device).type != "cpu"
+        self._key = key  # a callable returning the current memory key
+        self._open: tuple[Hashable, int] | None = None  # (key, resident bytes) of the running pass
+        self._size: int | None = None
+        self.reads = 0  # allocator reads so far (benchmarks report them)
+        # with_kwargs: model(**batch) passes its tensors as keyword arguments.
+        self._hook = module.register_forward_pre_hook(self._record_size, with_kwargs=True)
+
+    def _record_size(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._size is None:
+            first = _first_batched(list(args) + list(kwargs.values()))
+            if first is not None:
+                self._size = int(first.shape[0]) if self.unit == "samples" else int(first.numel())
+
+    def _counters(self) -> Any:
+        """The simulated allocator when one is installed here, else the accelerator's (None on the CPU)."""
+        if not self.measure:
+            return None
+        simulated = simulated_memory()
+        if simulated is not None:
+            return simulated
+        if not self._on_accelerator:
+            return None
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator()
+
+    def begin_pass(self) -> None:
+        counters = self._counters()
+        if counters is None:
+            self._open, self._size = None, None
+            return
+        self._close(counters)
+        self.reads += 2
+        resident = int(counters.memory_allocated())
+        counters.reset_peak_memory_stats()
+        self._open, self._size = (self._key(), resident), None
+
+    @property
+    def pass_size(self) -> int | None:
+        """The size of the pass that ran (or is running) last, in the limit's unit."""
+        return self._size
+
+    def discard_pass(self) -> None:
+        """The open pass ran out of memory (on this rank or another): its peak stopped early."""
+        self._open = None
+
+    def _close(self, counters: Any) -> None:
+        if self._open is None or not self._size:
+            return
+        key, resident = self._open
+        self.reads += 1
+        self.model.observe(key, self._size, resident, int(counters.max_memory_allocated()))
+        self._open = None
+
+    def capacity(self) -> int | None:
+        if self.device_memory_bytes is not None:
+            return self.device_memory_bytes
+        counters = self._counters()
+        if counters is None:
+            return None
+        total = counters.total_memory()
+        return None if total is None else int(total)
+
+    def verdict(self) -> int | None:
+        """The largest pass size (the limit's unit) predicted to fit on this rank; None: no bound known."""
+        capacity = self.capacity()
+        if capacity is None:
+            return None
+        return self.model.largest_fitting(self._key(), capacity * (1.0 - self.margin))
+
+    def close(self) -> None:
+        self._hook.remove()

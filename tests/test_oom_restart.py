@@ -1,0 +1,65 @@
+"""An out-of-memory error that ends the process does not end the job: ZeRO-3 through a torchrun restart.
+
+One launch, ``torchrun --nproc-per-node 2 --max-restarts 1`` of ``tests/oom_restart_worker.py``: rank 1
+runs out of memory mid-forward after a ZeRO-3 parameter gather (not recoverable inside the step), records
+the lower limit next to the checkpoints and exits with code 75; torchrun starts both ranks again, their
+process group forms (restart-safe store namespace), the job resumes from its last complete checkpoint,
+plans below the micro-batch that failed and finishes the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _util import free_port
+
+pytestmark = pytest.mark.multirank
+
+HERE = Path(__file__).parent
+
+
+def _launch(out: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for _ in range(2):  # the free port can be taken before torchrun binds it: retry once
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
+        cmd += [f"--master-port={free_port()}", str(HERE / "oom_restart_worker.py"), str(out)]
+        proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+        if "address already in use" not in (proc.stdout + proc.stderr).lower():
+            break
+    (out / "launch.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path):
+    proc = _launch(tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the job did not finish through the restart:\n{log[-5000:]}"
+    assert "UnrecoverableOutOfMemory: out of memory on rank 1 in micro-batch 0 of step 4" in log, log[-5000:]
+    assert "exitcode: 75" in log, "the failing rank must exit with the documented code 75"
+    assert "connectFullMesh" not in log, "the restarted ranks must form their process group"
+    assert "could not recover at 8 samples per pass" in log, "the next start reads the record"
+
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    before = [r for r in rows if r["restart"] == 0]
+    after = [r for r in rows if r["restart"] == 1]
+    assert before and after, f"one step before and after the restart at least: {rows}"
+    resumed_from = after[0]["step"] - 1
+    assert resumed_from == 4 and before[-1]["step"] == 4, "resumed from the last complete checkpoint"
+    final = [r for r in before if r["step"] <= resumed_from] + after
+    assert [r["step"] for r in final] == list(range(1, 9))
+    seen = [i for r in final for i in r["indices"]]
+    assert sorted(seen) == list(range(96)), (
+        "every sample of the epoch exactly once, counting from the checkpoint"
+    )
+    assert final[-1]["samples"] == 96
+    # Step 5 (batch 16) failed at micro 8 on rank 1; after the restart it runs at micro 4 x GAS 2.
+    assert all(r["micro"] < 8 and r["limit"] < 8 for r in after), after
+    assert after[0]["micro"] * after[0]["gas"] * 2 == 16, "the same global batch"
+    assert not list((tmp_path / "ckpt").glob("adabatch_oom_rank*.json")), (
+        "the record goes once a complete checkpoint holds what it taught"
+    )
