@@ -4,8 +4,8 @@
 #   bash scripts/image.sh build [--base REF] [--ca FILE] [--wheels DIR] [--build-arg K=V ...]
 #   bash scripts/image.sh tag [build options]      # the image the checkout's content maps to
 #   bash scripts/image.sh run [--nproc N] [--data DIR] [--name NAME] [--image REF] [train_lm.py options...]
-#   bash scripts/image.sh cluster [--nodes N] [--nproc N] [--data DIR] [--name NAME] [--image REF]
-#                                 [train_lm.py options...]
+#   bash scripts/image.sh cluster [--nodes N] [--nproc N] [--data DIR] [--name NAME] [--subnet A.B.C]
+#                                 [--manifest YAML] [--image REF] [train_lm.py options...]
 #
 # build   docker/Dockerfile with podman, tagged localhost/ds_adabatch:<content hash> and :latest. The
 #         hash covers every file the image copies, the base image and the build arguments: a second
@@ -25,9 +25,12 @@
 #         (--out). The options after these are the main job's, appended to its default command line.
 # cluster docker/pytorchjob.yaml's Worker pods as containers, one per network namespace of
 #         scripts/netns-cluster.sh (needs root): the training operator's PET_* environment, the pods'
-#         hostnames, the manifest's command line with the given options appended, DIR on /data in
-#         every pod. Ends when every container has; exits with worker 0's status. `podman kill
-#         NAME-worker-1` from another shell is the loss of node 1. Default NAME: dsab.
+#         hostnames, the manifest's command line with the given options appended, DIR (default
+#         runs/cluster) as the claimed volume in every pod; --nodes pods (default: its replicas) of
+#         --nproc processes (default: its nprocPerNode). Ends when every container has; exits with worker
+#         0's status. `podman kill NAME-worker-1` from another shell is the loss of node 1. Defaults:
+#         NAME dsab, the nodes at A.B.C.1.. with A.B.C 10.213.0, YAML docker/pytorchjob.yaml. Needs
+#         pyyaml in $PYTHON (default python3).
 # run and cluster build the image first when the checkout's content has none (or use --image REF).
 #
 # PODMAN_RUNTIME=crun|runc picks the OCI runtime; by default runc where the machine mounts cgroups in
@@ -41,6 +44,11 @@ BASE_DEFAULT=localhost/bookworm-base
 die() {
   echo "image.sh: $*" >&2
   exit 1
+}
+
+value() { # the value of option $1, or a clear error
+  [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"
+  printf '%s' "$2"
 }
 
 command -v podman >/dev/null 2>&1 || die "podman is not installed (Debian: apt-get install podman)"
@@ -107,10 +115,10 @@ resolve() {
   if [ -n "$links" ] && [ -d "$links" ]; then wheels="$links"; fi
   while [ $# -gt 0 ]; do
     case "$1" in
-      --base) base="$2"; shift 2 ;;
-      --ca) ca="$2"; shift 2 ;;
-      --wheels) wheels="$2"; shift 2 ;;
-      --build-arg) build_args+=(--build-arg "$2"); shift 2 ;;
+      --base) base="$(value "$@")"; shift 2 ;;
+      --ca) ca="$(value "$@")"; shift 2 ;;
+      --wheels) wheels="$(value "$@")"; shift 2 ;;
+      --build-arg) build_args+=(--build-arg "$(value "$@")"); shift 2 ;;
       *) die "build: unknown option $1" ;;
     esac
   done
@@ -146,54 +154,59 @@ build() {
   "${PODMAN[@]}" tag "$IMAGE" "$REPO:latest"
 }
 
-cmd="${1:-}"
-[ $# -gt 0 ] && shift
-case "$cmd" in
-  build)
-    build "$@"
-    echo "$IMAGE"
-    ;;
-  tag)
-    resolve "$@"
-    echo "$IMAGE"
-    ;;
-  run)
-    nprocs=2 data="$ROOT/runs/container" IMAGE="" name=()
-    while [ $# -gt 0 ]; do
-      case "$1" in
-        --nproc) nprocs="$2"; shift 2 ;;
-        --name) name=(--name "$2"); shift 2 ;;
-        --data) data="$2"; shift 2 ;;
-        --image) IMAGE="$2"; shift 2 ;;
-        --) shift; break ;;
-        *) break ;;
-      esac
-    done
-    [ -n "$IMAGE" ] || build
-    mkdir -p "$data"
-    # One node needs no network: the ranks meet over the container's loopback.
-    exec "${PODMAN[@]}" run --rm "${name[@]}" --network none "${LIMITS[@]}" -e GLOO_SOCKET_IFNAME=lo \
-      -v "$(cd "$data" && pwd):/data" "$IMAGE" \
-      torchrun --nproc-per-node "$nprocs" runners/train_lm.py --config ds_configs/lm_ramp.json \
-      --out /data/train_lm "$@"
-    ;;
-  cluster)
-    IMAGE="" pass=()
-    while [ $# -gt 0 ]; do
-      case "$1" in
-        --image) IMAGE="$2"; shift 2 ;;
-        --nodes | --nproc | --data | --name | --subnet | --manifest) pass+=("$1" "$2"); shift 2 ;;
-        --) shift; break ;;
-        *) break ;;
-      esac
-    done
-    [ -n "$IMAGE" ] || build
-    [ "$(id -u)" = 0 ] || die "cluster needs root (network namespaces)"
-    exec "${PYTHON:-python3}" "$ROOT/docker/podman_pytorchjob.py" --image "$IMAGE" \
-      --podman "${PODMAN[*]}" --run-opt="${LIMITS[*]}" "${pass[@]}" -- "$@"
-    ;;
-  *)
-    sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
-    exit 2
-    ;;
-esac
+main() {
+  cmd="${1:-}"
+  [ $# -gt 0 ] && shift
+  case "$cmd" in
+    build)
+      build "$@"
+      echo "$IMAGE"
+      ;;
+    tag)
+      resolve "$@"
+      echo "$IMAGE"
+      ;;
+    run)
+      nprocs=2 data="$ROOT/runs/container" IMAGE="" name=()
+      while [ $# -gt 0 ]; do
+        case "$1" in
+          --nproc) nprocs="$(value "$@")"; shift 2 ;;
+          --name) name=(--name "$(value "$@")"); shift 2 ;;
+          --data) data="$(value "$@")"; shift 2 ;;
+          --image) IMAGE="$(value "$@")"; shift 2 ;;
+          --) shift; break ;;
+          *) break ;;
+        esac
+      done
+      [ -n "$IMAGE" ] || build
+      mkdir -p "$data"
+      # One node needs no network: the ranks meet over the container's loopback.
+      exec "${PODMAN[@]}" run --rm "${name[@]}" --network none "${LIMITS[@]}" -e GLOO_SOCKET_IFNAME=lo \
+        -v "$(cd "$data" && pwd):/data" "$IMAGE" \
+        torchrun --nproc-per-node "$nprocs" runners/train_lm.py --config ds_configs/lm_ramp.json \
+        --out /data/train_lm "$@"
+      ;;
+    cluster)
+      IMAGE="" pass=()
+      while [ $# -gt 0 ]; do
+        case "$1" in
+          --image) IMAGE="$(value "$@")"; shift 2 ;;
+          --nodes | --nproc | --data | --name | --subnet | --manifest) pass+=("$1" "$(value "$@")"); shift 2 ;;
+          --) shift; break ;;
+          *) break ;;
+        esac
+      done
+      [ -n "$IMAGE" ] || build
+      [ "$(id -u)" = 0 ] || die "cluster needs root (network namespaces)"
+      exec "${PYTHON:-python3}" "$ROOT/docker/podman_pytorchjob.py" --image "$IMAGE" \
+        --podman "${PODMAN[*]}" --run-opt="${LIMITS[*]}" "${pass[@]}" -- "$@"
+      ;;
+    *)
+      awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}" >&2
+      exit 2
+      ;;
+  esac
+}
+
+# One line, parsed whole before it runs: editing this file while a build runs cannot derail it.
+main "$@"; exit $?

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 2400  # the whole run: about 40 steps of a batch ramping 8 -> 64 over 256 samples
 SMALL_MODEL = ["--layers", "1", "--width", "64", "--context", "32", "--max-bytes", "200000"]
+
+
+def why_no_netns() -> str | None:
+    """Why network-namespace nodes cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "the network-namespace cluster needs root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "the network-namespace cluster needs iproute2's `ip` (apt-get install iproute2)"
+    return None
 
 
 def small_config(folder: Path, stage: int) -> Path:
@@ -70,3 +83,17 @@ def check_resumed_exactly_once(
     assert len(seen) == len(set(seen)), "a sample was trained twice within the epoch"
     assert final[-1]["samples"] == len(seen) >= samples, "samples lost"
     return final, after
+
+
+def wait_for_two_node_steps(
+    ledger: Path, proc: subprocess.Popen, log: Path, timeout: float, steps: int = 6
+) -> None:
+    """Until the ledger has ``steps`` steps trained by 2 ranks; fails if ``proc`` (node A) ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_ledger(ledger) if ledger.exists() else []
+        if sum(r["world_size"] == 2 for r in rows) >= steps:
+            return
+        assert proc.poll() is None, log.read_text()[-6000:]
+        time.sleep(0.05)
+    raise AssertionError(f"the 2-node elastic job never made {steps} steps:\n" + log.read_text()[-6000:])

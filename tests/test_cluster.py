@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from _cluster_checks import (
     read_ledger,
     same_steps,
     small_config,
+    wait_for_two_node_steps,
+    why_no_netns,
 )
 from _util import torchrun
 
@@ -39,18 +40,10 @@ STATIC_SAMPLES = 400
 PORT = 29500  # each namespace has its own ports: no race with anything else on the machine
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "the network-namespace cluster needs root (ip netns add)"
-    if shutil.which("ip") is None:
-        return "the network-namespace cluster needs iproute2's `ip` (apt-get install iproute2)"
-    return None
-
-
 pytestmark = [
     pytest.mark.multirank,
     pytest.mark.slow,
-    pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""),
+    pytest.mark.skipif(why_no_netns() is not None, reason=why_no_netns() or ""),
 ]
 
 
@@ -179,17 +172,7 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
         launcher += ["--rdzv-conf", f"{conf},is_host={'true' if k == 0 else 'false'}"]
         procs.append(cluster.launch(k, launcher, args, tmp_path / f"node{k}.log"))
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            rows = read_ledger(ledger) if ledger.exists() else []
-            if sum(r["world_size"] == 2 for r in rows) >= 6:
-                break
-            assert procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-4000:]
-            time.sleep(0.05)
-        else:
-            pytest.fail(
-                "the 2-node elastic job never made 6 steps:\n" + (tmp_path / "node0.log").read_text()[-4000:]
-            )
+        wait_for_two_node_steps(ledger, procs[0], tmp_path / "node0.log", timeout=240)
         killed_at = time.time()
         cluster.kill_node(1)
         codes = _wait(procs[:1], 300)

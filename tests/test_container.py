@@ -32,6 +32,8 @@ from _cluster_checks import (
     read_ledger,
     same_steps,
     small_config,
+    wait_for_two_node_steps,
+    why_no_netns,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +49,6 @@ def _why_not() -> str | None:
     base_missing = subprocess.run(["podman", "image", "exists", "localhost/bookworm-base"]).returncode != 0
     if base_missing and (os.geteuid() != 0 or shutil.which("debootstrap") is None):
         return "the Debian base image is missing and building it needs root and debootstrap"
-    return None
-
-
-def _why_no_cluster() -> str | None:
-    if os.geteuid() != 0:
-        return "the one-container-per-namespace cluster needs root (ip netns add)"
-    if shutil.which("ip") is None:
-        return "the one-container-per-namespace cluster needs iproute2's `ip`"
     return None
 
 
@@ -143,7 +137,7 @@ def test_main_job_runs_in_the_container(reference):
     assert (out / "metrics.jsonl").is_file() and (out / "metrics.png").is_file()
 
 
-@pytest.mark.skipif(_why_no_cluster() is not None, reason=_why_no_cluster() or "")
+@pytest.mark.skipif(why_no_netns() is not None, reason=why_no_netns() or "")
 def test_pytorchjob_loses_a_node_and_resumes_exactly_once(image, reference, tmp_path):
     data = tmp_path / "volume"
     data.mkdir()
@@ -162,15 +156,7 @@ def test_pytorchjob_loses_a_node_and_resumes_exactly_once(image, reference, tmp_
     )
     ledger = data / "run" / "ledger.jsonl"
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while time.monotonic() < deadline:
-            rows = read_ledger(ledger) if ledger.exists() else []
-            if sum(r["world_size"] == 2 for r in rows) >= 6:
-                break
-            assert proc.poll() is None, log.read_text()[-6000:]
-            time.sleep(0.05)
-        else:
-            pytest.fail("the 2-container elastic job never made 6 steps:\n" + log.read_text()[-6000:])
+        wait_for_two_node_steps(ledger, proc, log, timeout=RUN_TIMEOUT)
         killed = time.monotonic()
         subprocess.run(["podman", "kill", f"{name}-worker-1"], capture_output=True, timeout=60)
         code = proc.wait(timeout=RUN_TIMEOUT)
