@@ -117,6 +117,7 @@ class PodmanCluster:
         self.job, self.image, self.nodes, self.name = job, image, nodes, name
         self.data, self.subnet, self.podman, self.run_opts = data, subnet, podman, run_opts
         self.procs: list[subprocess.Popen] = []
+        self.relays: list[threading.Thread] = []
 
     def container(self, k: int) -> str:
         return f"{self.name}-worker-{k}"
@@ -174,11 +175,16 @@ class PodmanCluster:
             proc = subprocess.Popen(
                 self.podman_run(k, env, job_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
-            threading.Thread(target=_relay, args=(proc, f"[worker-{k}] "), daemon=True).start()
+            relay = threading.Thread(target=_relay, args=(proc, f"[worker-{k}] "), daemon=True)
+            relay.start()
             self.procs.append(proc)
+            self.relays.append(relay)
 
     def wait(self) -> list[int]:
-        return [proc.wait() for proc in self.procs]
+        codes = [proc.wait() for proc in self.procs]
+        for relay in self.relays:  # every line of every pod is out before the summary
+            relay.join(timeout=10)
+        return codes
 
     def down(self) -> None:
         """Remove the containers and the namespaces, whatever state they are in."""
@@ -210,10 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("job_args", nargs="*", help="options appended to the manifest's command line")
     args = p.parse_args(argv)
 
-    job = load_job(args.manifest)
+    try:
+        job = load_job(args.manifest)
+        spec = job["spec"]
+        high = spec["elasticPolicy"].get(
+            "maxReplicas", spec["pytorchReplicaSpecs"]["Worker"].get("replicas", 1)
+        )
+        nodes = args.nodes or spec["pytorchReplicaSpecs"]["Worker"].get("replicas", 1)
+        if not 1 <= nodes <= min(high, 250):
+            raise ValueError(f"--nodes {nodes}: the manifest's job takes 1 to {high} pods (maxReplicas)")
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return 2
     if args.nproc is not None:
-        job["spec"]["nprocPerNode"] = str(args.nproc)
-    nodes = args.nodes or job["spec"]["pytorchReplicaSpecs"]["Worker"].get("replicas", 1)
+        spec["nprocPerNode"] = str(args.nproc)
     cluster = PodmanCluster(
         job,
         image=args.image,
@@ -233,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         cluster.up()
+    except subprocess.CalledProcessError:
+        # Namespaces of that name that exist already belong to another run: nothing is removed.
+        print(f"error: scripts/netns-cluster.sh could not make {args.name}-n* (above)", file=sys.stderr)
+        return 1
+    try:
         cluster.start(env, args.job_args)
         codes = cluster.wait()
     finally:
