@@ -9,8 +9,8 @@
 #
 # build   docker/Dockerfile with podman, tagged localhost/ds_adabatch:<content hash> and :latest. The
 #         hash covers every file the image copies, the base image and the build arguments: a second
-#         build of unchanged inputs reuses the image (prints "up to date"); a new build drops the
-#         tags of earlier contents.
+#         build of unchanged inputs reuses the image (prints "up to date"); a new build removes the
+#         images of earlier contents (their tags, then the project's images left without one).
 #   --base REF     base image. Default localhost/bookworm-base, built here when missing from Debian's
 #                  packages (debootstrap --variant=minbase bookworm + podman import; needs root and
 #                  debootstrap), so no image registry is needed. With a registry: --base python:3.11-slim.
@@ -151,12 +151,15 @@ build() {
     # network (and firewall rules) for it.
     "${PODMAN[@]}" build --network host "${LIMITS[@]}" "${BUILD_OPTS[@]}" -f "$ROOT/docker/Dockerfile" \
       -t "$IMAGE" "$ROOT" >&2
-    # Earlier contents are superseded: drop their tags (layers this image shares stay; an image a
-    # container still runs stays too), so that repeated builds do not fill the disk.
+    "${PODMAN[@]}" tag "$IMAGE" "$REPO:latest"
+    # Earlier contents are superseded (latest has moved): untag them, then remove the images of this
+    # project left without a name (its label; layers this image shares stay, and so does an image a
+    # container still runs), so that repeated builds do not fill the disk.
     local old
     for old in $("${PODMAN[@]}" images --format '{{.Repository}}:{{.Tag}}' --filter "reference=$REPO"); do
-      [ "$old" = "$IMAGE" ] || [ "$old" = "$REPO:latest" ] || "${PODMAN[@]}" rmi "$old" >/dev/null 2>&1 || true
+      [ "$old" = "$IMAGE" ] || [ "$old" = "$REPO:latest" ] || "${PODMAN[@]}" untag "$old" "$old" >/dev/null 2>&1 || true
     done
+    "${PODMAN[@]}" image prune -f --filter label=ds_adabatch.content >/dev/null 2>&1 || true
   fi
   "${PODMAN[@]}" tag "$IMAGE" "$REPO:latest"
 }
