@@ -14,10 +14,7 @@ Needs root and iproute2's ``ip``; skipped with the reason otherwise (CI runs as 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,28 +22,28 @@ import time
 from pathlib import Path
 
 import pytest
+from _cluster_checks import (
+    check_resumed_exactly_once,
+    job_args,
+    read_ledger,
+    same_steps,
+    small_config,
+    wait_for_two_node_steps,
+    why_no_netns,
+)
 from _util import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netns-cluster.sh"
 JOB = ROOT / "runners" / "train_lm.py"
-SAMPLES = 2400
 STATIC_SAMPLES = 400
 PORT = 29500  # each namespace has its own ports: no race with anything else on the machine
-
-
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "the network-namespace cluster needs root (ip netns add)"
-    if shutil.which("ip") is None:
-        return "the network-namespace cluster needs iproute2's `ip` (apt-get install iproute2)"
-    return None
 
 
 pytestmark = [
     pytest.mark.multirank,
     pytest.mark.slow,
-    pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""),
+    pytest.mark.skipif(why_no_netns() is not None, reason=why_no_netns() or ""),
 ]
 
 
@@ -60,7 +57,7 @@ class Cluster:
     def addr(self, k: int) -> str:
         return f"{self.subnet}.{k + 1}"
 
-    def launch(self, k: int, launcher_args: list[str], job_args: list[str], log: Path) -> subprocess.Popen:
+    def launch(self, k: int, launcher_args: list[str], job_argv: list[str], log: Path) -> subprocess.Popen:
         """``python LAUNCHER_ARGS train_lm.py JOB_ARGS`` on node ``k`` (its own session, output to ``log``)."""
         env = dict(
             os.environ,
@@ -70,7 +67,7 @@ class Cluster:
             GLOO_SOCKET_IFNAME="eth0",  # the node's own interface, not the host's
             PYTHONPATH=str(ROOT),
         )
-        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, *launcher_args, str(JOB), *job_args]
+        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, *launcher_args, str(JOB), *job_argv]
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -109,52 +106,22 @@ def cluster():
         subprocess.run(["bash", str(SCRIPT), "down", name], capture_output=True, timeout=60)
 
 
-def _config(tmp: Path, stage: int) -> Path:
-    config = json.loads((ROOT / "ds_configs" / "lm_ramp.json").read_text())
-    config["adabatch"]["schedule"]["ramp_samples"] = 256
-    config["zero_optimization"] = {"stage": stage}
-    path = tmp / f"lm_z{stage}.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
-def _job_args(cfg: Path, out: Path) -> list[str]:
-    small = ["--layers", "1", "--width", "64", "--context", "32", "--max-bytes", "200000"]
-    return ["--config", str(cfg), "--samples", str(SAMPLES), *small, "--out", str(out), "--no-progress"] + [
-        "--ledger",
-        str(out / "ledger.jsonl"),
-    ]
-
-
-def _ledger(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """One node, two ranks over loopback: the run every multi-node run must reproduce."""
     tmp = tmp_path_factory.mktemp("single_node")
     out = tmp / "run"
     out.mkdir()
-    proc = torchrun(JOB, *_job_args(_config(tmp, 2), out), nproc=2, cwd=ROOT, timeout=300)
+    proc = torchrun(JOB, *job_args(str(small_config(tmp, 2)), str(out)), nproc=2, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return _ledger(out / "ledger.jsonl")
-
-
-def _same_steps(got: list[dict], want: list[dict], rel: float) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want[: len(got)]]
-    for a, b in zip(got, want):
-        assert a["indices"] == b["indices"], f"step {a['step']}: different samples"
-        assert math.isclose(a["loss"], b["loss"], rel_tol=rel), (
-            f"step {a['step']}: {a['loss']} vs {b['loss']}"
-        )
+    return read_ledger(out / "ledger.jsonl")
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path, launcher):
     out = tmp_path / "run"
     out.mkdir()
-    args = _job_args(_config(tmp_path, 2), out)
+    args = job_args(str(small_config(tmp_path, 2)), str(out))
     args[args.index("--samples") + 1] = str(STATIC_SAMPLES)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
@@ -179,17 +146,17 @@ def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path, launcher)
         procs.append(cluster.launch(k, argv, args, tmp_path / f"node{k}.log"))
     codes = _wait(procs, 300)
     assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-4000:]
-    got = _ledger(out / "ledger.jsonl")
+    got = read_ledger(out / "ledger.jsonl")
     assert all(r["world_size"] == 2 for r in got)
     assert got[-1]["samples"] >= STATIC_SAMPLES and len(got) < len(reference)
-    _same_steps(got, reference, rel=1e-5)
+    same_steps(got, reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     out.mkdir()
-    args = _job_args(_config(tmp_path, stage), out)
+    args = job_args(str(small_config(tmp_path, stage)), str(out))
     args += ["--save-dir", str(ckpt), "--resume", str(ckpt), "--save-every", "4", "--keep-last", "2"]
     ledger = out / "ledger.jsonl"
     procs = []
@@ -205,17 +172,7 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
         launcher += ["--rdzv-conf", f"{conf},is_host={'true' if k == 0 else 'false'}"]
         procs.append(cluster.launch(k, launcher, args, tmp_path / f"node{k}.log"))
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            rows = _ledger(ledger) if ledger.exists() else []
-            if sum(r["world_size"] == 2 for r in rows) >= 6:
-                break
-            assert procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-4000:]
-            time.sleep(0.05)
-        else:
-            pytest.fail(
-                "the 2-node elastic job never made 6 steps:\n" + (tmp_path / "node0.log").read_text()[-4000:]
-            )
+        wait_for_two_node_steps(ledger, procs[0], tmp_path / "node0.log", timeout=240)
         killed_at = time.time()
         cluster.kill_node(1)
         codes = _wait(procs[:1], 300)
@@ -225,21 +182,10 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
     log = (tmp_path / "node0.log").read_text()
     assert codes == [0], log[-4000:]
 
-    rows = _ledger(ledger)
-    before = [r for r in rows if r["restart"] == 0]
-    after = [r for r in rows if r["restart"] > 0]
-    assert after and all(r["world_size"] == 1 for r in after), "node A went on alone after the loss"
+    final, after = check_resumed_exactly_once(read_ledger(ledger), save_every=4)
     resumed_from = after[0]["step"] - 1
-    assert resumed_from % 4 == 0 and resumed_from >= 4, f"resumed after step {resumed_from}: not a checkpoint"
-    assert resumed_from <= before[-1]["step"]
-    # The trajectory that counts: the first run up to the checkpoint, then the resumed run.
-    final = [r for r in before if r["step"] <= resumed_from] + after
-    assert [r["step"] for r in final] == list(range(1, len(final) + 1))
-    seen = [i for r in final for i in r["indices"]]
-    assert len(seen) == len(set(seen)), "a sample was trained twice within the epoch"
-    assert final[-1]["samples"] == len(seen) >= SAMPLES, "samples lost"
     # Same samples step for step as the undisturbed run; losses continue from the checkpoint's state.
-    _same_steps(final, reference, rel=2e-3)
+    same_steps(final, reference, rel=2e-3)
     if stage > 0:
         assert (ckpt / f"global_step{resumed_from}_universal").is_dir() or "universal" in log
     print(

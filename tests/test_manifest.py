@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,36 @@ def test_pytorchjob_runs_the_main_job_with_elastic_resume():
     assert any(args.save_dir.startswith(m + "/") for m in mounts), (
         "checkpoints must live on the shared volume"
     )
+
+
+def _pod_runner():
+    """docker/podman_pytorchjob.py: the operator's environment and a pod's command line, from the manifest."""
+    spec = importlib.util.spec_from_file_location(
+        "podman_pytorchjob", ROOT / "docker" / "podman_pytorchjob.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchrun_takes_its_settings_from_the_operators_environment(monkeypatch):
+    """The pod's bare ``torchrun`` command becomes the elastic launch the manifest describes."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    runner = _pod_runner()
+    job = runner.load_job(ROOT / "docker" / "pytorchjob.yaml")
+    env = runner.operator_env(job)
+    assert env["PET_NNODES"] == "1:4" and env["PYTHONUNBUFFERED"] == "1"
+    for key in [k for k in os.environ if k.startswith("PET_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it for the whole session
+    command = runner.pod_command(job)
+    assert command[0] == "torchrun"
+    config, script, script_args = config_from_args(parse_args(command[1:]))
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 4, 8)
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "ds-adabatch-lm-worker-0:23456"
+    assert config.max_restarts == 10 and config.rdzv_configs["last_call_timeout"] == "10"
+    # torchrun starts ``python -u SCRIPT ARGS``: the manifest's script and arguments, untouched.
+    assert script == sys.executable and script_args[-(len(command) - 1) :] == command[1:]

@@ -1,0 +1,99 @@
+"""What the multi-node tests share: the small main job they run and the checks of its per-sample ledger.
+
+Used by tests/test_cluster.py (network namespaces, processes) and tests/test_container.py (the same in
+containers): the job, the config and every check on the ledger are the same for both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = 2400  # the whole run: about 40 steps of a batch ramping 8 -> 64 over 256 samples
+SMALL_MODEL = ["--layers", "1", "--width", "64", "--context", "32", "--max-bytes", "200000"]
+
+
+def why_no_netns() -> str | None:
+    """Why network-namespace nodes cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "the network-namespace cluster needs root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "the network-namespace cluster needs iproute2's `ip` (apt-get install iproute2)"
+    return None
+
+
+def small_config(folder: Path, stage: int) -> Path:
+    """The main job's config (ds_configs/lm_ramp.json) at ZeRO ``stage``, ramp over 256 samples."""
+    config = json.loads((ROOT / "ds_configs" / "lm_ramp.json").read_text())
+    config["adabatch"]["schedule"]["ramp_samples"] = 256
+    config["zero_optimization"] = {"stage": stage}
+    path = folder / f"lm_z{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def job_args(config: str, out: str, samples: int = SAMPLES) -> list[str]:
+    """Options of runners/train_lm.py for a small run writing its ledger to ``out``/ledger.jsonl."""
+    return ["--config", config, "--samples", str(samples), *SMALL_MODEL, "--out", out, "--no-progress"] + [
+        "--ledger",
+        f"{out}/ledger.jsonl",
+    ]
+
+
+def read_ledger(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def same_steps(got: list[dict], want: list[dict], rel: float) -> None:
+    """``got`` trains, step for step, the samples of ``want`` with losses within ``rel``."""
+    assert [r["step"] for r in got] == [r["step"] for r in want[: len(got)]]
+    for a, b in zip(got, want):
+        assert a["indices"] == b["indices"], f"step {a['step']}: different samples"
+        assert math.isclose(a["loss"], b["loss"], rel_tol=rel), (
+            f"step {a['step']}: {a['loss']} vs {b['loss']}"
+        )
+
+
+def check_resumed_exactly_once(
+    rows: list[dict], save_every: int, samples: int = SAMPLES
+) -> tuple[list, list]:
+    """The ledger of a run that lost a node and went on alone after a worker restart.
+
+    Checks that the restarted run went on with one rank, resumed right after a checkpoint step, and that
+    the trajectory that counts (the first run up to that checkpoint, then the resumed run) trained every
+    sample at most once and ``samples`` of them in all. Returns (that trajectory, the resumed steps).
+    """
+    before = [r for r in rows if r["restart"] == 0]
+    after = [r for r in rows if r["restart"] > 0]
+    assert after and all(r["world_size"] == 1 for r in after), "node A went on alone after the loss"
+    resumed_from = after[0]["step"] - 1
+    assert resumed_from % save_every == 0 and resumed_from >= save_every, (
+        f"resumed after step {resumed_from}: not a checkpoint"
+    )
+    assert resumed_from <= before[-1]["step"]
+    final = [r for r in before if r["step"] <= resumed_from] + after
+    assert [r["step"] for r in final] == list(range(1, len(final) + 1))
+    seen = [i for r in final for i in r["indices"]]
+    assert len(seen) == len(set(seen)), "a sample was trained twice within the epoch"
+    assert final[-1]["samples"] == len(seen) >= samples, "samples lost"
+    return final, after
+
+
+def wait_for_two_node_steps(
+    ledger: Path, proc: subprocess.Popen, log: Path, timeout: float, steps: int = 6
+) -> None:
+    """Until the ledger has ``steps`` steps trained by 2 ranks; fails if ``proc`` (node A) ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_ledger(ledger) if ledger.exists() else []
+        if sum(r["world_size"] == 2 for r in rows) >= steps:
+            return
+        assert proc.poll() is None, log.read_text()[-6000:]
+        time.sleep(0.05)
+    raise AssertionError(f"the 2-node elastic job never made {steps} steps:\n" + log.read_text()[-6000:])
