@@ -114,8 +114,10 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         sync.complete()
         if probe_sums is not None:
             sync.defer(probe_sums[0], self._noise_callback(total_samples, probe_sums[1]))
-        loss, resolved = self._record_step(step, started, lr_used)
-        sync.defer([loss_sum], lambda sums: resolved(float(sums[0]) / total))
+        loss, resolved, norm = self._record_step(step, started, lr_used)
+        sync.defer(
+            [loss_sum], lambda sums: resolved(float(sums[0]) / total, None if norm is None else float(norm))
+        )
         if self.global_steps % self._every_steps == 0:
             sync.reduce()
         elif probe_sums is not None and not self.counts_tokens:

@@ -71,7 +71,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         self._by_token = self.config.loss_normalization == "token"
         self._input_dtype = _compute_dtype(ds_engine)
         self._input_shapes: tuple | None = None
-        self._pending: list[tuple[torch.Tensor, Any]] = []
+        self._pending: list[tuple[torch.Tensor, Any, Any]] = []  # (loss, grad norm, resolve)
 
     # ---------------------------------------------------------------------------------------------
     # Layout
@@ -125,31 +125,32 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
             lr_used = self.lr_coupling.get_lr()[0]
         plan = self.plan
         total_samples = plan.global_batch_size
-        items = [self._prepare(m.batch, plan) for m in step_batch.micro_batches] if self._feeds else []
-        counts = [m.num_samples for m in step_batch.micro_batches]
+        micro = step_batch.micro_batches
+        counts = [m.num_samples for m in micro]
         tokens = 0
         total = total_samples
         if self.counts_tokens:
-            # Target tokens are counted on the last stage's labels; one collective sums the replicas.
-            mine = [self._count_tokens(b) if n else 0 for b, n in zip(items, counts)] if self._last else []
+            # Target tokens are counted on the last stage's labels (real rows only); one collective
+            # sums the replicas.
+            mine = [self._count_tokens(m.batch) if m.num_samples else 0 for m in micro] if self._last else []
             summed = self._sync.reduce([float(sum(mine)) if self.counts_here else 0.0])
             tokens = int(summed[0])
             if self._by_token:
                 counts, total = mine, tokens
         if total <= 0:
             raise ValueError("the global batch has no samples (or no target tokens) to train on")
+        items = [self._prepare(m.batch, plan) for m in micro] if self._feeds else []
         if self._last:
             factor = plan.gradient_accumulation_steps * self.world_size / total
-            rows = [m.num_samples for m in step_batch.micro_batches]
-            self._weighted_loss.expect([(r, c * factor) for r, c in zip(rows, counts)])
+            self._weighted_loss.expect([(m.num_samples, c * factor) for m, c in zip(micro, counts)])
         # DeepSpeed steps the LR scheduler inside the optimizer step: in "samples" mode it must
         # already see the samples this step consumes.
         self.lr_coupling.set_samples(self.global_samples + total_samples)
         step = self.global_steps
         agg = self.deepspeed.train_batch(data_iter=iter(items) if self._feeds else None)
         self._finish_step(total_samples, tokens)
-        loss, resolved = self._record_step(step, started, lr_used)
-        self._pending.append((agg, resolved))
+        loss, resolved, norm = self._record_step(step, started, lr_used)
+        self._pending.append((agg, norm, resolved))
         if self.global_steps % self._every_steps == 0:
             self.resolve_losses()
         return loss
@@ -181,6 +182,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
             )
 
     def _count_tokens(self, batch: Any) -> int:
+        check_pipeline_batch(batch)
         return int(self.token_count_fn(batch))
 
     def resolve_losses(self) -> None:
@@ -193,9 +195,15 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        values = torch.stack([t.reshape(()).to(torch.float64) for t, _ in pending]).tolist()
-        for value, (_, resolved) in zip(values, pending):
-            resolved(value)
+        # Every pending loss and grad norm in one host read.
+        tensors = [t for loss, norm, _ in pending for t in (loss, norm) if isinstance(t, torch.Tensor)]
+        values = iter(torch.stack([t.reshape(()).to(torch.float64) for t in tensors]).tolist())
+        for _, norm, resolved in pending:
+            mean = next(values)
+            grad_norm = (
+                next(values) if isinstance(norm, torch.Tensor) else None if norm is None else float(norm)
+            )
+            resolved(mean, grad_norm)
 
 
 def _compute_dtype(ds_engine: Any) -> torch.dtype | None:

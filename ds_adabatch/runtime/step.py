@@ -377,8 +377,10 @@ class AdaptiveEngineBase(CheckpointMixin):
 
     def _record_step(
         self, step: int, started: float, lr_used: float
-    ) -> tuple[StepLoss, Callable[[float], None]]:
-        """The step's record and loss; the returned function completes both with the global mean loss."""
+    ) -> tuple[StepLoss, Callable[[float, float | None], None], Any]:
+        """The step's record and loss, and the norm DeepSpeed computed in it (a device tensor under ZeRO
+        1-3, None or a number otherwise): the returned function completes record and loss with the
+        global mean loss and that norm once both have been read."""
         plan = self.plan
         record = StepMetrics(
             step=self.global_steps,
@@ -396,14 +398,12 @@ class AdaptiveEngineBase(CheckpointMixin):
             extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
         )
         loss = StepLoss(step, self.resolve_losses)
-        # The norm DeepSpeed computed in this step (a device tensor under ZeRO 1-3): read it later.
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
-            norm = norm.detach().clone()
+            norm = norm.detach().clone()  # DeepSpeed reuses its buffer: keep this step's value
 
-        def resolved(mean: float) -> None:
+        def resolved(mean: float, grad_norm: float | None) -> None:
             loss.set_value(mean)
-            grad_norm = None if norm is None else float(norm)
             record.loss = mean
             record.grad_norm = grad_norm if grad_norm is None or math.isfinite(grad_norm) else None
             record.noise_scale = self.noise.noise_scale
@@ -413,7 +413,7 @@ class AdaptiveEngineBase(CheckpointMixin):
 
         # The step's record now; its loss and grad norm are filled in when resolved.
         self.last_metrics = record
-        return loss, resolved
+        return loss, resolved, norm
 
     def _sampler(self) -> Any:
         return getattr(self.dataloader, "sampler", None)
