@@ -47,6 +47,8 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
     once per optimizer step on every rank of every stage.
     """
 
+    _plan_unit = "replica"  # plans count data-parallel replicas, each spread over the stages
+
     def __init__(self, ds_engine: Any, *, loss_fn: Any, **kwargs: Any) -> None:
         grid = ds_engine.grid
         last = ds_engine.is_last_stage()

@@ -50,6 +50,8 @@ logger = logging.getLogger("ds_adabatch")
 class AdaptiveEngineBase(CheckpointMixin):
     """The state and step machinery of an adaptive-batch engine (see the module docstring).
 
+    Subclasses run the passes of a step (``train_batch``) and may override :meth:`_apply_shape`.
+
     Args:
         ds_engine: the DeepSpeed engine to drive.
         loaded_config: the validated config, planned for ``world_size``.
@@ -62,6 +64,8 @@ class AdaptiveEngineBase(CheckpointMixin):
         recovers_from_oom: False where the passes cannot be recovered (the pipeline's): no agreement
             is installed, whatever ``memory.recover_from_oom`` says.
     """
+
+    _plan_unit = "rank"  # what a plan's world size counts, in log lines
 
     def __init__(
         self,
@@ -332,7 +336,12 @@ class AdaptiveEngineBase(CheckpointMixin):
         )
         self.history.append(event)
         if self.rank == 0:
-            logger.info(line or format_plan_change(old, plan, self.global_steps, new_mult / old_mult, reason))
+            logger.info(
+                line
+                or format_plan_change(
+                    old, plan, self.global_steps, new_mult / old_mult, reason, unit=self._plan_unit
+                )
+            )
 
     def _apply_shape(self, plan: BatchPlan) -> None:
         """DeepSpeed's batch keys and what caches them (the pipeline engine adds its activation shapes)."""
