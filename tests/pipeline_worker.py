@@ -343,7 +343,10 @@ def run_checkpoint(out_dir: str, dp: int, zero: int) -> None:
             "lr_scaling": {"rule": "sqrt"},
             "lr_schedule_unit": "samples",
         },
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 8}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 8, "warmup_type": "linear"},
+        },
         # DeepSpeed's universal conversion reads Adam's moments (exp_avg, exp_avg_sq).
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
     }
@@ -352,9 +355,12 @@ def run_checkpoint(out_dir: str, dp: int, zero: int) -> None:
 
     def run(engine, n):
         for _ in range(n):
+            samples_before = engine.global_samples
             loss = float(engine.train_batch())
             steps.append(
                 {
+                    "samples_before": samples_before,
+                    "multiplier": engine.last_metrics.lr_multiplier,
                     "loss": loss,
                     "plan": [engine.plan.global_batch_size, engine.plan.gradient_accumulation_steps],
                     "indices": engine.last_step_batch.global_batch.all_indices(),

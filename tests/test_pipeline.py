@@ -135,6 +135,17 @@ def test_same_world_resume_is_bit_identical(results, zero):
     assert len({s["plan"][0] for s in r["full"]}) > 2, "the ramp must have changed the batch"
 
 
+def test_lr_scaling_and_samples_based_schedule(results):
+    # WarmupLR (0 -> 0.01 over 8 scheduler steps, DeepSpeed counts from iteration -1) advanced once per
+    # 4 samples (the reference batch: the ramp's start), times sqrt(B / 4) for the step's batch B.
+    steps = read_result(results, "ckpt_z1_dp1")["full"]
+    for s in steps:
+        batch = s["plan"][0]
+        base = 0.01 * min(1.0, max(0, s["samples_before"] // 4 - 1) / 8)
+        assert s["multiplier"] == pytest.approx((batch / 4) ** 0.5, rel=1e-12)
+        assert s["lr"] == pytest.approx(base * (batch / 4) ** 0.5, rel=1e-9, abs=1e-12), s
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_resume_on_another_data_parallel_size(results, zero):
     # 2 stages x 1 replica saved; 2 stages x 2 replicas resume (ZeRO 1 through DeepSpeed's universal
