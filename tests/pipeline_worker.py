@@ -160,27 +160,36 @@ def rank_info(engine) -> dict:
     }
 
 
+def run_plans(engine, sequence: list[int]) -> tuple[list, list, list, list]:
+    """Each requested global batch for one step: the global batches' indices, the plans, the returned
+    losses and this process's micro-batches' indices."""
+    batches, plans, losses, mine = [], [], [], []
+    for b in sequence:
+        engine.set_global_batch_size(b)
+        losses.append(float(engine.train_batch()))
+        step = engine.last_step_batch
+        plan = engine.plan
+        batches.append(step.global_batch.all_indices())
+        plans.append([plan.global_batch_size, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps])
+        mine.append([list(m.indices) for m in step.micro_batches])
+    return batches, plans, losses, mine
+
+
 def run_sequence(out_dir: str, name: str, dp: int, zero: int, bf16: bool, *, loss_fn=mean_mse) -> None:
     """The layout's sequence of batches; final parameters and per-step losses against the reference."""
     data = Regression(n=N_SAMPLES)
     engine, *_ = ds_adabatch.initialize(pipeline_module(dp, loss_fn=loss_fn), ds_config(zero, bf16), data)
-    batches, plans, losses, mine = [], [], [], []
-    for b in SEQUENCES[dp]:
-        engine.set_global_batch_size(b)
-        losses.append(float(engine.train_batch()))
-        step = engine.last_step_batch
-        batches.append(step.global_batch.all_indices())
-        plans.append(
-            [
-                engine.plan.global_batch_size,
-                engine.plan.micro_batch_per_gpu,
-                engine.plan.gradient_accumulation_steps,
-            ]
-        )
-        mine.append([list(m.indices) for m in step.micro_batches])
+    batches, plans, losses, mine = run_plans(engine, SEQUENCES[dp])
     ref, ref_losses = reference_layers(batches, data)
+    # DeepSpeed's own eval_batch still works on the trained pipeline (the plain loss, no weights).
+    rows, gas = engine.plan.micro_batch_per_gpu, engine.plan.gradient_accumulation_steps
+    x, y = data.x[:rows], data.y[:rows]
+    x_in = x.to(torch.bfloat16) if bf16 else x
+    eval_loss = float(engine.eval_batch(iter([(x_in, y)] * gas)))
     record = {
         **rank_info(engine),
+        "eval_loss": eval_loss,
+        "ref_eval_loss": float(((ref(x.double()) - y.double()) ** 2).mean()),
         "err": stage_error(engine, ref),
         "losses": losses,
         "micro_indices": mine,
@@ -555,20 +564,7 @@ def run_tensor(out_dir: str, grid: TensorGrid, zero: int, bf16: bool) -> None:
     data = Regression(n=N_SAMPLES)
     model = TensorParallelMLP(grid)
     engine, *_ = ds_adabatch.initialize(model, ds_config(zero, bf16), data, loss_fn=tensor_loss, mpu=grid)
-    batches, plans, losses, mine = [], [], [], []
-    for b in SEQUENCES[grid.dp]:
-        engine.set_global_batch_size(b)
-        losses.append(float(engine.train_batch()))
-        step = engine.last_step_batch
-        batches.append(step.global_batch.all_indices())
-        plans.append(
-            [
-                engine.plan.global_batch_size,
-                engine.plan.micro_batch_per_gpu,
-                engine.plan.gradient_accumulation_steps,
-            ]
-        )
-        mine.append([list(m.indices) for m in step.micro_batches])
+    batches, plans, losses, mine = run_plans(engine, SEQUENCES[grid.dp])
     ref, ref_losses = reference_layers(batches, data, build=mlp3)
     got = local_params(engine).double()
     want = model.reference_slices(ref)

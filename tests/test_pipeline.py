@@ -103,6 +103,15 @@ def test_reasons_and_deepspeed_sample_count(results):
     )
 
 
+@pytest.mark.parametrize("name", ["pipe2x1_z0_fp32", "pipe2x2_z1_fp32"])
+def test_deepspeed_eval_batch_still_works(results, name):
+    for rank in read_result(results, name)["ranks"]:
+        assert rank["eval_loss"] == pytest.approx(rank["ref_eval_loss"], rel=1e-5), (
+            f"{name}: eval_batch on rank {rank['rank']} gave {rank['eval_loss']}, the trained reference "
+            f"{rank['ref_eval_loss']}"
+        )
+
+
 def test_per_sample_loss_fn(results):
     # The loss_fn returns one loss per row instead of the mean: the same exact update.
     _check_exact(read_result(results, "pipe2x1_per_sample"), "pipe2x1_per_sample")

@@ -57,6 +57,9 @@ def test_weighted_loss_refuses_what_it_cannot_weigh():
     loss = WeightedPipelineLoss(lambda o, t: torch.zeros(2, 2), by_token=False)
     with pytest.raises(RuntimeError, match="outside an adaptive step"):
         loss(torch.zeros(2, 1), torch.zeros(2, 1))
+    per_row = WeightedPipelineLoss(lambda o, t: (o - t).flatten(), by_token=False)
+    with torch.no_grad():  # DeepSpeed's eval_batch: the user's loss, per-row losses averaged
+        assert per_row(torch.tensor([[1.0], [3.0]]), torch.zeros(2, 1)).item() == 2.0
     loss.expect([(2, 1.0)])
     with pytest.raises(TypeError, match="must return a tensor"):
         loss(torch.zeros(2, 1), torch.zeros(2, 1))

@@ -77,6 +77,13 @@ def _take(value: Any, rows: int) -> Any:
     return value
 
 
+def _mean(out: Any) -> Any:
+    """The micro-batch's mean loss from what a loss_fn returns (a mean, per-row losses, (loss, tokens))."""
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.mean() if isinstance(out, torch.Tensor) and out.dim() == 1 else out
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
@@ -105,6 +112,8 @@ class WeightedPipelineLoss:
 
     def __call__(self, outputs: Any, labels: Any) -> torch.Tensor:
         if not self._queue:
+            if not torch.is_grad_enabled():  # DeepSpeed's eval_batch (under no_grad): the plain mean
+                return _mean(self.user_loss(outputs, labels))
             raise RuntimeError(
                 "the pipeline's loss_fn ran outside an adaptive step: call engine.train_batch(), not "
                 "the DeepSpeed engine's own train_batch"
