@@ -37,7 +37,8 @@ def pipeline(spec, dynamic: bool) -> PipelineModule:
 
 
 def plain_loop(data, spec, dynamic: bool):
-    """The loop users write: a DistributedSampler over the replicas, a DataLoader, train_batch(iterator)."""
+    """The loop users write: a DistributedSampler over the replicas, a DataLoader, train_batch(iterator)
+    of the step's micro-batches."""
     model = pipeline(spec, dynamic)
     grid = model.mpu()
     replicas = grid.get_data_parallel_world_size()
@@ -49,7 +50,14 @@ def plain_loop(data, spec, dynamic: bool):
     )
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO, sampler=sampler, collate_fn=shifted_windows)
     batches = iter(deepspeed.utils.RepeatingLoader(loader))
-    return engine, lambda: engine.train_batch(batches)
+
+    def step():
+        # The step's micro-batches are loaded before the schedule runs, as train_batch() loads them:
+        # loading inside the schedule would put it on the pipeline's critical path and time that instead.
+        micro = [next(batches) for _ in range(GAS)]
+        return engine.train_batch(iter(micro))
+
+    return engine, step
 
 
 def adaptive_loop(data, spec, dynamic: bool):
