@@ -1,7 +1,7 @@
 """ds_adabatch: change a DeepSpeed job's global batch size while it runs, exactly.
 
-The light layers (config, planner, schedules, data) import without DeepSpeed; ``initialize`` and
-``AdaptiveBatchEngine`` import DeepSpeed on first use, so ``import ds_adabatch`` stays fast and never
+The light layers (config, planner, schedules, data) import without DeepSpeed; ``initialize``,
+``AdaptiveBatchEngine`` and ``AdaptivePipelineEngine`` import DeepSpeed on first use, so ``import ds_adabatch`` stays fast and never
 imports transformers.
 """
 
@@ -23,7 +23,7 @@ from .plan import (
 if TYPE_CHECKING:  # pragma: no cover
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
     from .data import SampleLengths, TokenBudgetSampler
-    from .runtime import AdaptiveBatchEngine, UnrecoverableOutOfMemory, initialize
+    from .runtime import AdaptiveBatchEngine, AdaptivePipelineEngine, UnrecoverableOutOfMemory, initialize
     from .runtime.comm import finish
     from .runtime.process_group import init_distributed
 
@@ -32,6 +32,7 @@ _LAZY = {
     "LoadedConfig": "ds_adabatch.config",
     "load_ds_config": "ds_adabatch.config",
     "AdaptiveBatchEngine": "ds_adabatch.runtime",
+    "AdaptivePipelineEngine": "ds_adabatch.runtime",
     "initialize": "ds_adabatch.runtime",
     "UnrecoverableOutOfMemory": "ds_adabatch.runtime",
     "SampleLengths": "ds_adabatch.data",
@@ -43,6 +44,7 @@ _LAZY = {
 __all__ = [
     "AdaBatchConfig",
     "AdaptiveBatchEngine",
+    "AdaptivePipelineEngine",
     "BatchPlan",
     "CompatibleBatchSize",
     "ConfigError",

@@ -1,4 +1,6 @@
-"""Counts the collectives and host reads of one optimizer step, ours against a hand-written DeepSpeed loop.
+"""Counts the collectives and host reads of one optimizer step, ours against a hand-written DeepSpeed loop
+(the data-parallel engine against forward/backward/step, the pipeline engine against
+``PipelineEngine.train_batch``, 2 stages on the same 2 processes).
 
 Usage: torchrun --nproc-per-node 2 tests/collectives_worker.py OUT_DIR  (run by tests/test_step_collectives.py)
 
@@ -130,6 +132,54 @@ def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> lis
     return counts
 
 
+def pipe_model():
+    # The worker's model as 2 pipeline stages over the 2 processes (1 data-parallel replica).
+    from deepspeed.pipe import PipelineModule
+
+    layers = list(make_model().children())
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=mse_rows, partition_method="uniform")
+
+
+def mse_rows(outputs, labels):
+    return ((outputs - labels) ** 2).mean()
+
+
+def plain_pipeline_loop() -> list[tuple[int, int]]:
+    """The loop users write around DeepSpeed's PipelineEngine: train_batch(data_iter), GAS micro-batches."""
+    cfg = base_config()
+    cfg.pop("adabatch")
+    cfg["zero_optimization"]["stage"] = 1
+    cfg.update(
+        train_batch_size=MICRO * GAS, train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=GAS
+    )
+    model = pipe_model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = Regression(n=4096)
+    batches = iter([(data.x[i : i + MICRO], data.y[i : i + MICRO]) for i in range(0, len(data), MICRO)])
+    return run(lambda: engine.train_batch(batches))
+
+
+def adaptive_pipeline(*, token: bool = False) -> list[tuple[int, int]]:
+    section = {
+        "schedule": {"type": "constant", "value": MICRO * GAS},
+        "max_micro_batch_per_gpu": MICRO,
+        "log": {"every_steps": EVERY},
+    }
+    if token:
+        section["loss_normalization"] = "token"
+    cfg = base_config(section)
+    cfg["zero_optimization"]["stage"] = 1
+    engine, *_ = ds_adabatch.initialize(
+        pipe_model(),
+        cfg,
+        Regression(n=4096),
+        token_count_fn=(lambda b: int(b[0].shape[0]) * 3) if token else None,
+    )
+    counts = run(engine.train_batch)
+    engine.close()
+    return counts
+
+
 def run(step) -> list[tuple[int, int]]:
     for _ in range(2):
         step()
@@ -172,6 +222,11 @@ def main() -> None:
             }
         ),
     }
+    pipe_plain = plain_pipeline_loop()
+    pipe_cases = {
+        "pipeline, constant schedule": adaptive_pipeline(),
+        'pipeline, loss_normalization "token"': adaptive_pipeline(token=True),
+    }
     if dist.get_rank() == 0:
         result = {
             "plain": plain,
@@ -182,6 +237,11 @@ def main() -> None:
             "cases": {
                 name: [[c - p[0], r - p[1]] for (c, r), p in zip(counts, plain)]
                 for name, counts in cases.items()
+            },
+            "pipeline_plain": pipe_plain,
+            "pipeline": {
+                name: [[c - p[0], r - p[1]] for (c, r), p in zip(counts, pipe_plain)]
+                for name, counts in pipe_cases.items()
             },
         }
         with open(os.path.join(out_dir, "counts.json"), "w") as f:

@@ -98,3 +98,23 @@ def test_armed_oom_recovery_adds_one_agreement_per_reducing_pass(counts):
         f"armed recovery must add exactly GAS ({gas}) agreements of {messages} messages and one host read "
         f"each per step: {extra}"
     )
+
+
+def test_a_steady_pipeline_step_adds_nothing_to_pipeline_engine_train_batch(counts):
+    # 2 stages x 1 replica, ZeRO 1: DeepSpeed's own step sends activations and gradients between the
+    # stages, reduces and broadcasts the loss; ours must issue exactly that. A step that resolves the
+    # pending losses reads DeepSpeed's aggregated loss (already the global mean): one host read, no
+    # collective.
+    plain = counts["pipeline_plain"]
+    assert len({c for c, _ in plain}) == 1 and plain[0][0] > 0, f"the hand-written pipeline loop: {plain}"
+    every, first = counts["every_steps"], counts["first_step"]
+    for i, (c, r) in enumerate(counts["pipeline"]["pipeline, constant schedule"]):
+        flush = (first + i + 1) % every == 0
+        assert (c, r) == ((0, 1) if flush else (0, 0)), (
+            f"pipeline step {first + i}: added {c} collective(s) and {r} host read(s) to PipelineEngine.train_batch"
+        )
+
+
+def test_a_pipeline_token_step_adds_one_all_reduce(counts):
+    extra = [c for c, _ in counts["pipeline"]['pipeline, loss_normalization "token"']]
+    assert extra == [1] * len(extra), f"the step's token count is one all-reduce per step: {extra}"

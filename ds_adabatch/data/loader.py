@@ -239,8 +239,12 @@ class ElasticDataLoader:
         self._check_plan(plan)
         return plan if self._sampler is None else self._sampler.peek_plan(plan)
 
-    def next_step(self, plan: BatchPlan) -> StepBatch:
+    def next_step(self, plan: BatchPlan, *, load: bool = True) -> StepBatch:
         """Take the next global batch for ``plan`` and return this rank's collated micro-batches.
+
+        ``load=False`` (map-style datasets only) advances past the batch without reading a sample: the
+        micro-batches carry their indices and sizes and ``batch=None`` (a pipeline stage that feeds
+        nothing keeps its cursor, epoch and checkpoint state in step with the stages that load).
 
         Raises:
             ValueError: the plan's world size is not the loader's, or the sampler refuses the plan.
@@ -250,8 +254,19 @@ class ElasticDataLoader:
         if self._closed:
             raise RuntimeError("this ElasticDataLoader is closed; build a new one to keep loading")
         if self._sampler is None:
+            if not load:
+                raise ValueError("an IterableDataset cannot be advanced without reading it (load=False)")
             return self._next_from_stream(plan)
         batch = self._sampler.peek_batch(plan)
+        if not load:
+            self._sampler.commit(batch)
+            return StepBatch(
+                tuple(self._micro_batches(batch, [None] * batch.gradient_accumulation_steps)),
+                batch.plan,
+                self._rank,
+                batch.epoch,
+                batch,
+            )
         sampler = self._sampler
         collated = self._steps.load(
             *self._work(batch), ahead=lambda: self._work(sampler.peek_batch(plan, after=batch))

@@ -141,8 +141,10 @@ class TokenBudgetLoader:
         """``plan`` itself: a token step's plan already is the one :meth:`next_step` uses."""
         return plan
 
-    def next_step(self, plan: BatchPlan) -> StepBatch:
+    def next_step(self, plan: BatchPlan, *, load: bool = True) -> StepBatch:
         """Collate this rank's micro-batches of the step :meth:`plan_for_tokens` formed, and commit it.
+
+        ``load=False`` commits the step without reading a sample (micro-batches with ``batch=None``).
 
         Raises:
             RuntimeError: the loader is closed, no step was formed for ``plan`` at the current position,
@@ -158,6 +160,13 @@ class TokenBudgetLoader:
                 "plan_for_tokens(target) first (the engine's next_plan() does)"
             )
         self._ahead = None
+        if not load:
+            self._sampler.commit(step)
+            self._peeked = None
+            micro = tuple(
+                MicroBatch(None, indices, len(indices)) for indices in step.micro_batches(self._rank)
+            )
+            return StepBatch(micro, plan, self._rank, step.epoch, step)  # type: ignore[arg-type]
         try:
             collated = self._steps.load(*self._work(step), ahead=lambda: self._form_ahead(step))
         except BaseException:

@@ -1,4 +1,4 @@
-"""The DeepSpeed runtime: ``initialize`` and ``AdaptiveBatchEngine``."""
+"""The DeepSpeed runtime: ``initialize``, ``AdaptiveBatchEngine`` and ``AdaptivePipelineEngine``."""
 
 from .engine import AdaptiveBatchEngine
 from .initialize import initialize
@@ -6,10 +6,12 @@ from .lr import BatchCoupledLR
 from .memory import MicroBatchMemory
 from .metrics import PlanChange, StepMetrics
 from .oom import UnrecoverableOutOfMemory
+from .pipeline import AdaptivePipelineEngine
 from .step_loss import StepLoss
 
 __all__ = [
     "AdaptiveBatchEngine",
+    "AdaptivePipelineEngine",
     "BatchCoupledLR",
     "MicroBatchMemory",
     "PlanChange",

@@ -1,4 +1,4 @@
-"""Checkpoints of an :class:`~ds_adabatch.runtime.AdaptiveBatchEngine`: DeepSpeed's plus the adabatch state.
+"""Checkpoints of an adaptive engine (data-parallel or pipeline): DeepSpeed's plus the adabatch state.
 
 The adabatch state (plan, schedule state, sampler cursor, exact sample and token counts, history, LR
 coupling, signals) travels inside DeepSpeed's ``client_state`` under the key ``"ds_adabatch"``; each
@@ -37,6 +37,9 @@ class CheckpointMixin:
         return {
             "version": _STATE_VERSION,
             "world_size": self.world_size,
+            # Processes of the whole job (data-parallel ranks x pipeline stages x tensor ranks): the
+            # per-process RNG files are restored only where the layout is the same.
+            "processes": _processes(),
             "global_batch": self.plan.global_batch_size,
             "scheduled_batch": self._scheduled_batch,
             "plan": self.plan.to_dict(),
@@ -197,9 +200,17 @@ class CheckpointMixin:
             )
         self.load_adabatch_state_dict(state)
         rng_file = os.path.join(os.path.dirname(path), f"adabatch_rng_rank{self.rank}.pt")
-        if state["world_size"] == self.world_size and os.path.exists(rng_file):
+        same_layout = state["world_size"] == self.world_size and (
+            state.get("processes", state["world_size"]) == _processes()
+        )
+        if same_layout and os.path.exists(rng_file):
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return path, client_state
+
+
+def _processes() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rng_state() -> dict[str, Any]:

@@ -14,9 +14,11 @@ from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .lr import BatchCoupledLR, CurrentBaseLR
+from .parallel_layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
+from .pipeline import AdaptivePipelineEngine
 from .process_group import init_distributed
 from .token_setup import token_budget_sampler
-from .weights import make_token_counter
+from .weights import make_token_counter, pipeline_token_count
 
 __all__ = ["initialize"]
 
@@ -37,39 +39,50 @@ def initialize(
     lengths: Any = None,
     length_fn: Callable[[Any], int] | None = None,
     **deepspeed_kwargs: Any,
-) -> tuple[AdaptiveBatchEngine, Any, Any, Any]:
+) -> tuple[AdaptiveBatchEngine | AdaptivePipelineEngine, Any, Any, Any]:
     """Build a DeepSpeed engine whose global batch follows the config's ``"adabatch"`` section.
 
     Drop-in for ``deepspeed.initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+    The engine is an :class:`AdaptiveBatchEngine`, or for a ``PipelineModule`` an
+    :class:`AdaptivePipelineEngine`; plans are made for the data-parallel size either way (the world
+    divided by pipeline stages and tensor ranks).
 
     Args:
-        model: the ``torch.nn.Module`` to train (pipeline parallelism is not supported).
+        model: the ``torch.nn.Module`` to train, or a DeepSpeed ``PipelineModule`` (build it after
+            ``deepspeed.init_distributed()``, as DeepSpeed requires; ZeRO 0 or 1).
         config: path to, or dict of, a full ds_config with an ``"adabatch"`` section. DeepSpeed's
             batch keys are filled from the initial plan (leave them out or ``"auto"``).
         training_data: a map-style dataset (every sample exactly once per epoch, in an order fixed by
             ``adabatch.data.seed``) or an ``IterableDataset`` (each rank draws from its own iterator).
-            ``None``: pass micro-batches to ``train_batch(data_iter)`` yourself.
+            ``None``: pass micro-batches to ``train_batch(data_iter)`` yourself. A pipeline needs a
+            map-style dataset whose ``collate_fn`` returns ``(inputs, labels)``.
         model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize``.
         collate_fn: turns a list of samples into a micro-batch (default: torch's default collate).
         loss_fn: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the micro-batch's samples (or
             target tokens with ``loss_normalization: "token"``; it may then return
-            ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models).
+            ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models). For a
+            ``PipelineModule``: ``loss_fn(outputs, labels)``, the module's own by default, returning
+            the mean over the rows it is given (or one loss per row); the engine weights it.
         token_count_fn: ``token_count_fn(batch) -> int`` target tokens of a micro-batch for
             ``loss_normalization: "token"``; default counts ``labels != -100`` (shifted by one for
-            ``*ForCausalLM`` models, whose loss is over shifted labels).
+            ``*ForCausalLM`` models, whose loss is over shifted labels; unshifted ``labels`` of a
+            pipeline's ``(inputs, labels)``).
         lengths: with ``adabatch.micro_batch_tokens``, every sample's length in tokens (a sequence or
             array of ``len(training_data)`` integers), in the unit the budget and a ``unit: "tokens"``
             schedule count; checked against the budget before any process group starts.
         length_fn: instead of ``lengths``, ``length_fn(sample) -> int``, evaluated the first time a
             step reaches the sample and cached (nothing is measured at start-up).
-        **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``mpu``, ``dist_init_required``, ...).
+        **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``mpu`` for tensor parallelism,
+            ``dist_init_required``, ...).
 
     Raises:
-        ConfigError: the ds_config or its ``"adabatch"`` section is invalid — raised before any
-            process group is created when the problem does not depend on the world size.
+        ConfigError: the ds_config or its ``"adabatch"`` section is invalid, or asks for what the
+            parallel layout cannot do — raised before DeepSpeed builds anything, and before any process
+            group is created when the problem does not depend on the world size.
     """
     loaded = load_ds_config(config)
     _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
+    pipelined = is_pipeline_module(model)
     # Lengths are validated (and an over-long sample named) before any process group starts.
     token_sampler = token_budget_sampler(loaded.adabatch, training_data, lengths, length_fn)
 
@@ -80,41 +93,20 @@ def initialize(
         _check_deepspeed_sections(loaded)
 
     _init_distributed(deepspeed, dist, deepspeed_kwargs)
-    mpu = deepspeed_kwargs.get("mpu")
-    world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
-    rank = mpu.get_data_parallel_rank() if mpu is not None else dist.get_rank()
+    layout = parallel_layout(model, deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank())
+    if pipelined:
+        pipeline_problems(model, loaded, training_data, loss_fn, deepspeed_kwargs, layout)
+    else:
+        problems = model_parallel_problems(loaded, layout)
+        if problems:
+            raise ConfigError(problems, loaded.source)
+    world, rank = layout.data_parallel_size, layout.data_parallel_rank
     loaded = loaded.with_world_size(world)
     cfg = loaded.adabatch
-    _configure_logging(rank)
+    _configure_logging(dist.get_rank())
 
     controller = BatchSizeController(cfg, world_size=world)
-    dataloader = None
-    if token_sampler is not None:
-        dataloader = TokenBudgetLoader(
-            training_data,
-            token_sampler,
-            rank=rank,
-            world_size=world,
-            collate_fn=collate_fn,
-            num_workers=cfg.data.num_workers,
-        )
-    elif training_data is not None:
-        from ..data import ElasticDataLoader, ElasticSampler
-
-        is_iterable = isinstance(training_data, torch.utils.data.IterableDataset)
-        sampler = None
-        if not is_iterable:
-            sampler = ElasticSampler(
-                len(training_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last
-            )
-        dataloader = ElasticDataLoader(
-            training_data,
-            sampler,
-            rank=rank,
-            world_size=world,
-            collate_fn=collate_fn,
-            num_workers=cfg.data.num_workers,
-        )
+    dataloader = _build_loader(cfg, training_data, token_sampler, rank, world, collate_fn)
 
     ds_engine, _, _, ds_scheduler = deepspeed.initialize(
         model=model,
@@ -147,32 +139,66 @@ def initialize(
     keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
     needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
     if needs_tokens and token_count_fn is None:
-        token_count_fn = make_token_counter(model)
-    engine = AdaptiveBatchEngine(
-        ds_engine,
-        loaded_config=loaded,
-        controller=controller,
-        lr=coupled,
-        dataloader=dataloader,
-        loss_fn=loss_fn,
-        token_count_fn=token_count_fn,
-    )
+        token_count_fn = pipeline_token_count if pipelined else make_token_counter(model)
+    common = {
+        "loaded_config": loaded,
+        "controller": controller,
+        "lr": coupled,
+        "dataloader": dataloader,
+        "token_count_fn": token_count_fn,
+        "agreement_world": dist.get_world_size(),
+    }
+    if pipelined:
+        engine: AdaptiveBatchEngine | AdaptivePipelineEngine = AdaptivePipelineEngine(
+            ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
+        )
+    else:
+        engine = AdaptiveBatchEngine(
+            ds_engine,
+            loss_fn=loss_fn,
+            world_size=world,
+            # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
+            counts_here=layout.tensor_parallel_rank == 0,
+            **common,
+        )
     return engine, ds_engine.optimizer, dataloader, coupled
+
+
+def _build_loader(
+    cfg: Any, training_data: Any, token_sampler: Any, rank: int, world: int, collate_fn: Any
+) -> Any:
+    """This data-parallel rank's loader (every process of a replica builds the same one)."""
+    if token_sampler is not None:
+        return TokenBudgetLoader(
+            training_data,
+            token_sampler,
+            rank=rank,
+            world_size=world,
+            collate_fn=collate_fn,
+            num_workers=cfg.data.num_workers,
+        )
+    if training_data is None:
+        return None
+    from ..data import ElasticDataLoader, ElasticSampler
+
+    sampler = None
+    if not isinstance(training_data, torch.utils.data.IterableDataset):
+        sampler = ElasticSampler(
+            len(training_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last
+        )
+    return ElasticDataLoader(
+        training_data,
+        sampler,
+        rank=rank,
+        world_size=world,
+        collate_fn=collate_fn,
+        num_workers=cfg.data.num_workers,
+    )
 
 
 def _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    try:
-        from deepspeed.pipe import PipelineModule
-
-        if isinstance(model, PipelineModule):
-            raise TypeError(
-                "ds_adabatch does not support pipeline parallelism (PipelineModule): its engine "
-                "schedules micro-batches itself; use data parallelism with ZeRO 0-3"
-            )
-    except ImportError:  # pragma: no cover - deepspeed is a dependency
-        pass
     for name, fn in (("loss_fn", loss_fn), ("collate_fn", collate_fn), ("token_count_fn", token_count_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")

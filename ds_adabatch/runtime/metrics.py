@@ -74,9 +74,14 @@ class StepMetrics:
         return out
 
 
-def format_plan_change(old: BatchPlan, new: BatchPlan, step: int, lr_ratio: float, reason: str) -> str:
-    """``step 120: global batch 64 -> 128 (micro 8 x gas 4 -> micro 16 x gas 4 on 2 ranks), lr x1.41, ...``."""
-    ranks = "rank" if new.world_size == 1 else "ranks"
+def format_plan_change(
+    old: BatchPlan, new: BatchPlan, step: int, lr_ratio: float, reason: str, *, unit: str = "rank"
+) -> str:
+    """``step 120: global batch 64 -> 128 (micro 8 x gas 4 -> micro 16 x gas 4 on 2 ranks), lr x1.41, ...``.
+
+    ``unit`` names what the plan's world size counts (``"replica"`` for a pipeline's data-parallel replicas).
+    """
+    ranks = unit if new.world_size == 1 else unit + "s"
     return (
         f"step {step}: global batch {old.global_batch_size} -> {new.global_batch_size} "
         f"(micro {old.micro_batch_per_gpu} x gas {old.gradient_accumulation_steps} -> "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["default_token_count", "loss_weight", "make_token_counter"]
+__all__ = ["default_token_count", "loss_weight", "make_token_counter", "pipeline_token_count"]
 
 IGNORE_INDEX = -100
 
@@ -54,3 +54,12 @@ def make_token_counter(module: Any) -> Callable[[Any], int]:
         return default_token_count(batch, shifted=shifted)
 
     return count
+
+
+def pipeline_token_count(batch: Any) -> int:
+    """Target tokens of a pipeline micro-batch ``(inputs, labels)``: ``labels != -100`` (the first
+    labels tensor when labels are a tuple), unshifted: a pipeline's loss_fn gets labels as they are."""
+    labels = batch[1]
+    if isinstance(labels, (tuple, list)):
+        labels = labels[0]
+    return int((labels != IGNORE_INDEX).sum())

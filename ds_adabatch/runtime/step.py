@@ -1,0 +1,435 @@
+"""The optimizer step both adaptive engines share: decide, apply, account, record, checkpoint state.
+
+:class:`AdaptiveBatchEngine` (data parallelism, ZeRO 0-3, optional tensor parallelism through an
+``mpu``) and :class:`AdaptivePipelineEngine` (DeepSpeed's ``PipelineEngine``) are small classes over
+:class:`AdaptiveEngineBase`. Each runs the passes of one step its own way; everything around them is
+here::
+
+    decide    next_plan(): schedule(context) -> desired batch -> bounds/granularity -> plan
+              (identical everywhere from global values; a user function's answer is agreed)
+    apply     new plan? -> DeepSpeed batch keys, ZeRO optimizer GAS, throughput timer, LR multiplier
+    run       the engine's own passes (train_batch of the subclass)
+    account   _finish_step(): exact samples / tokens, DeepSpeed's sample count, the learned
+              micro-batch limit, the step's record and its StepLoss
+
+Per-rank sums (a step's loss, token counts) are counted once per data-parallel replica: a rank whose
+values repeat another's (tensor ranks other than 0; pipeline stages other than the last) contributes
+zeros to the step's all-reduce (``counts_here``).
+
+Everything not defined here is delegated to the wrapped DeepSpeed engine (``engine.module``,
+``engine.eval()``, ``engine.global_rank``, ...), which is also ``engine.deepspeed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..plan import BatchPlan, plan_batch
+from ..schedules import BatchSizeController, ScheduleContext
+from ..signals import EmaLoss, GradientNoiseEstimator
+from .adam_geometry import measured_geometry
+from .batch_shape import apply_plan_to_engine
+from .checkpoint import CheckpointMixin
+from .lr import BatchCoupledLR
+from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
+from .recovery import OomRecovery
+from .step_loss import StepLoss
+from .step_sync import StepSync
+
+__all__ = ["AdaptiveEngineBase"]
+
+logger = logging.getLogger("ds_adabatch")
+
+
+class AdaptiveEngineBase(CheckpointMixin):
+    """The state and step machinery of an adaptive-batch engine (see the module docstring).
+
+    Subclasses run the passes of a step (``train_batch``) and may override :meth:`_apply_shape`.
+
+    Args:
+        ds_engine: the DeepSpeed engine to drive.
+        loaded_config: the validated config, planned for ``world_size``.
+        controller, lr: the batch-size controller and the LR coupling installed on ``ds_engine``.
+        dataloader: the loader of this rank's data-parallel replica (None: no training data).
+        loss_fn, token_count_fn: as given to :func:`ds_adabatch.initialize`.
+        world_size: data-parallel ranks (replicas); plans are made for this many.
+        counts_here: whether this rank's per-rank sums count (one rank per replica).
+        agreement_world: processes joining the out-of-memory agreement (every process).
+        recovers_from_oom: False where the passes cannot be recovered (the pipeline's): no agreement
+            is installed, whatever ``memory.recover_from_oom`` says.
+    """
+
+    _plan_unit = "rank"  # what a plan's world size counts, in log lines
+
+    def __init__(
+        self,
+        ds_engine: Any,
+        *,
+        loaded_config: Any,
+        controller: BatchSizeController,
+        lr: BatchCoupledLR,
+        dataloader: Any = None,
+        loss_fn: Callable[..., Any] | None = None,
+        token_count_fn: Callable[[Any], int] | None = None,
+        world_size: int,
+        counts_here: bool = True,
+        agreement_world: int | None = None,
+        recovers_from_oom: bool = True,
+    ) -> None:
+        cfg = loaded_config.adabatch
+        # Attribute names are set through __dict__ so __getattr__ (delegation) never sees them missing.
+        self.__dict__["deepspeed"] = ds_engine
+        self.config = cfg
+        self.loaded_config = loaded_config
+        self.controller = controller
+        self.lr_coupling = lr
+        self.dataloader = dataloader
+        self.loss_fn = loss_fn
+        self.token_count_fn = token_count_fn
+        # Tokens are counted when the loss is normalised by them or a schedule is keyed on them. With
+        # token-budget steps (micro_batch_tokens) every rank knows the step's tokens from the lengths.
+        self.token_budget = cfg.token_budget
+        keyed_on_tokens = "tokens" in controller.schedule.requires and not self.token_budget
+        self.counts_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
+        self.world_size = world_size
+        self.rank = ds_engine.global_rank
+        self.counts_here = counts_here
+        self.plan: BatchPlan = loaded_config.plan
+        self.global_steps = 0
+        self.global_samples = 0
+        self.global_tokens = 0
+        self.history: list[PlanChange] = []
+        self._override: tuple[int, str] | None = None
+        self._override_agreed = False
+        self._decided_step: int | None = None  # the step whose plan next_plan() already applied
+        self._scheduled_batch = self.plan.global_batch_size
+        self._planned: tuple[int, int] | None = None  # (batch, micro-batch limit) self.plan solves
+        self.last_step_batch: Any = None
+        self.last_metrics: StepMetrics | None = None
+        self.last_loss: float | None = None
+        self.last_grad_norm: float | None = None
+        self.loss_ema = EmaLoss(beta=0.9)
+        self.noise = GradientNoiseEstimator(**self._noise_kwargs())
+        self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
+        self._every_steps = cfg.log.every_steps
+        self._sync = StepSync(ds_engine.device)
+        # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
+        # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
+        memory_cfg = cfg
+        if not recovers_from_oom:
+            memory_cfg = cfg.model_copy(
+                update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
+            )
+        self.memory_recovery = OomRecovery(
+            ds_engine, memory_cfg, rank=self.rank, world_size=agreement_world or world_size
+        )
+        self._memory_reason: str | None = None
+        self._step_ooms = 0
+        self._apply_plan(self.plan, reason="initial plan", record=False)
+
+    # ---------------------------------------------------------------------------------------------
+    # Delegation
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["deepspeed"], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.deepspeed(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.plan.describe()}, step {self.global_steps})"
+
+    # ---------------------------------------------------------------------------------------------
+    # Public state
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch: completed epochs plus the coverage of the current one.
+
+        With an ``IterableDataset`` (no known length) it counts completed passes over the iterator.
+        """
+        sampler = self._sampler()
+        if sampler is not None:
+            return sampler.fractional_epoch
+        return float(getattr(self.dataloader, "epoch", 0))
+
+    @property
+    def train_coverage(self) -> float:
+        """Fraction of the current epoch's samples consumed (1.0 right after an epoch's last batch).
+
+        0.0 with an ``IterableDataset`` or without training data (the epoch's size is unknown).
+        """
+        sampler = self._sampler()
+        return sampler.train_coverage if sampler is not None else 0.0
+
+    @property
+    def lr_multiplier(self) -> float:
+        return self.lr_coupling.multiplier
+
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch per GPU the next step may plan (samples): the integer
+        ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
+        the learned limit. With ``micro_batch_tokens`` it counts tokens per pass instead (padding
+        included): the budget the next step is cut with, ``micro_batch_tokens`` or lower after an
+        out-of-memory error."""
+        return self.memory_recovery.memory.limit
+
+    def set_memory_key(self, key: int | str | None) -> None:
+        """Plan from the next step with the micro-batch limit learned for ``key`` (e.g. the sequence
+        length of a length curriculum); a new key starts at the initial limit. Limits of every key
+        are kept in checkpoints. Call it on every rank with the same value."""
+        self.memory_recovery.memory.set_key(key)
+        self._decided_step = None
+
+    def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
+        """Override the schedule: from the next step on the global batch is ``n``.
+
+        ``None`` hands control back to the schedule. ``n`` must be plannable on this world size
+        (a multiple of it, unless ``allow_uneven``); it is not rounded or bounded. Call it on every
+        rank (the next step agrees on it in one small collective; rank 0's value is the one applied).
+
+        Raises:
+            PlanError: ``n`` cannot be split over this world size.
+        """
+        self._decided_step = None
+        if n is None:
+            self._override = None
+            return
+        if not self.token_budget:  # a token target is formed into a step, not split by plan_batch
+            plan_batch(
+                n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven
+            )
+        self._override = (int(n), reason)
+        self._override_agreed = False
+
+    def resolve_losses(self) -> None:
+        """Sum every pending step's loss (and queued measurements) over ranks now; call on every rank.
+
+        Afterwards every :class:`StepLoss` returned so far reads without a collective, and the JSONL and
+        monitor records of those steps are written.
+        """
+        self._sync.reduce()
+
+    # ---------------------------------------------------------------------------------------------
+    # Batch-size decisions
+    def _context(self) -> ScheduleContext:
+        noise = self.noise.noise_scale
+        lrs = self.lr_coupling.get_lr()
+        return ScheduleContext(
+            step=self.global_steps,
+            samples=self.global_samples,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
+            epoch=self.epoch,
+            # The scheduled batch, not a one-off epoch-tail remainder, is what the schedule steers.
+            global_batch=self._scheduled_batch,
+            world_size=self.world_size,
+            loss=self.last_loss,
+            loss_ema=self.loss_ema.value,
+            grad_norm=self.last_grad_norm,
+            noise_scale=noise,
+            noise_scale_error=self.noise.relative_error,
+            lr=lrs[0] if lrs else None,
+        )
+
+    def next_plan(self) -> BatchPlan:
+        """Decide (once) and apply the plan of the next optimizer step, and return it.
+
+        ``train_batch`` calls it itself. Call it first when you feed ``train_batch(data_iter)`` your
+        own micro-batches: the plan's ``gradient_accumulation_steps`` and ``micro_batch_sizes(rank)``
+        say how many micro-batches of which sizes this rank must supply. Call it on every rank.
+        """
+        if self._decided_step != self.global_steps:
+            self._decide_plan()
+            self._decided_step = self.global_steps
+        return self.plan
+
+    def _decide_plan(self) -> None:
+        # Batch shape must be identical on every rank. Schedules fed only global values (step,
+        # samples, tokens, all-reduced signals) decide identically everywhere with no collective;
+        # inputs that can differ between ranks (a user's function, set_global_batch_size) are agreed
+        # in one small collective: rank 0's value is the one applied.
+        step = self.global_steps
+        if self._override is not None:
+            batch, reason = self._override
+            if not self._override_agreed:
+                batch = self._agree([batch])[0]
+                self._override, self._override_agreed = (batch, reason), True
+        else:
+            controller = self.controller
+            evaluates = controller.evaluates_at(step)
+            if evaluates and "loss" in controller.schedule.requires:
+                self.resolve_losses()  # the rule reads the latest loss: it must be all-reduced
+            decision = controller.next_global_batch(self._context())
+            batch, reason = decision.global_batch, decision.reason
+            if evaluates and getattr(controller.schedule, "needs_agreement", False):
+                batch = self._agree_schedule(batch)
+        # A token-budget step's shape changes with its samples: only a new target is a plan change.
+        record = not self.token_budget or batch != self._scheduled_batch
+        self._scheduled_batch = batch
+        if not self.token_budget and self._planned == (batch, self.micro_batch_limit):
+            plan = self.plan  # the steady case: nothing to solve
+        else:
+            plan = self._plan_for(batch)
+        if plan != self.plan:
+            if self._memory_reason is not None and batch == self.plan.global_batch_size:
+                reason = self._memory_reason
+            self._apply_plan(plan, reason=reason, record=record)
+        self._memory_reason = None
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank, in one collective (with whatever StepSync has queued)."""
+        mine = [float(v) if self.rank == 0 else 0.0 for v in values]
+        return [int(round(float(v))) for v in self._sync.reduce(mine)]
+
+    def _agree_schedule(self, batch: int) -> int:
+        """Agree on a rank-dependent schedule's answer and on the state it keeps (rank 0's)."""
+        schedule = self.controller.schedule
+        state = list(schedule.shared_state())
+        agreed = self._agree([batch, *state])
+        schedule.load_shared_state(agreed[1:])
+        return agreed[0]
+
+    def _plan_for(self, batch: int) -> BatchPlan:
+        if self.token_budget:  # batch is a token target; the loader forms the step (data/tokens.py)
+            if self.dataloader is None:
+                raise ValueError(
+                    "token-budget steps need training_data and lengths in ds_adabatch.initialize"
+                )
+            # Cut with the learned token budget (micro_batch_tokens until an OOM lowers it).
+            self.dataloader.sampler.pass_budget = self.micro_batch_limit
+            return self.dataloader.plan_for_tokens(batch)
+        limit = self.micro_batch_limit
+        plan = plan_batch(batch, self.world_size, limit, allow_uneven=self.config.allow_uneven)
+        self._planned = (batch, limit)
+        return plan
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
+        """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
+        old = self.plan
+        self._apply_shape(plan)
+        old_mult = self.lr_coupling.multiplier
+        # With token-budget steps the LR follows the token target, not the step's varying sample count.
+        lr_batch = self._scheduled_batch if self.token_budget else plan.global_batch_size
+        new_mult = self.lr_coupling.set_global_batch(lr_batch)
+        self.plan = plan
+        if plan.global_batch_size != self._scheduled_batch:
+            self._planned = None  # an epoch tail or an OOM re-plan: the next decision solves again
+        if not record:
+            return
+        event = PlanChange(
+            step=self.global_steps,
+            samples=self.global_samples,
+            old_global_batch=old.global_batch_size,
+            new_global_batch=plan.global_batch_size,
+            old_micro_batch_per_gpu=old.micro_batch_per_gpu,
+            new_micro_batch_per_gpu=plan.micro_batch_per_gpu,
+            old_gradient_accumulation_steps=old.gradient_accumulation_steps,
+            new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            world_size=plan.world_size,
+            lr_multiplier=new_mult,
+            reason=reason,
+        )
+        self.history.append(event)
+        if self.rank == 0:
+            logger.info(
+                line
+                or format_plan_change(
+                    old, plan, self.global_steps, new_mult / old_mult, reason, unit=self._plan_unit
+                )
+            )
+
+    def _apply_shape(self, plan: BatchPlan) -> None:
+        """DeepSpeed's batch keys and what caches them (the pipeline engine adds its activation shapes)."""
+        apply_plan_to_engine(self.deepspeed, plan)
+
+    def _noise_kwargs(self) -> dict[str, Any]:
+        schedule = self.config.schedule
+        if schedule.type != "gradient_noise":
+            return {}
+        # The geometry is resolved against the optimizer now (a ConfigError for "adam" without a second
+        # moment), and an unset scale takes that geometry's default.
+        self._noise_geometry = measured_geometry(self.deepspeed, schedule.geometry)
+        use_geometry = getattr(self.controller.schedule, "use_geometry", None)
+        if use_geometry is not None:
+            use_geometry(self._noise_geometry)
+        return schedule.estimator_settings()
+
+    # ---------------------------------------------------------------------------------------------
+    # Bookkeeping
+    def _finish_step(self, total_samples: int, tokens: int) -> None:
+        """Count a completed step: exact samples and tokens, DeepSpeed's count, the learned limit."""
+        if self.token_budget:  # the step's tokens (lengths), known on every rank
+            tokens = self.last_step_batch.global_batch.tokens
+        self.global_steps += 1
+        self.global_samples += total_samples
+        self.global_tokens += tokens
+        # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
+        self.deepspeed.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+        # The learned limit counts samples per pass, or tokens per pass with a token budget.
+        largest = (
+            self.last_step_batch.global_batch.largest_pass
+            if self.token_budget
+            else self.plan.micro_batch_per_gpu
+        )
+        decision = self.memory_recovery.memory.on_clean_step(largest)
+        if decision is not None:
+            # Logged once, with the plan change it causes at the next decision.
+            self._memory_reason = (
+                f"micro-batch limit {decision.old_limit} -> {decision.new_limit} ({decision.reason})"
+            )
+
+    def _record_step(
+        self, step: int, started: float, lr_used: float
+    ) -> tuple[StepLoss, Callable[[float, float | None], None], Any]:
+        """The step's record and loss, and the norm DeepSpeed computed in it (a device tensor under ZeRO
+        1-3, None or a number otherwise): the returned function completes record and loss with the
+        global mean loss and that norm once both have been read."""
+        plan = self.plan
+        record = StepMetrics(
+            step=self.global_steps,
+            samples=self.global_samples,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
+            global_batch=plan.global_batch_size,
+            micro_batch_per_gpu=plan.micro_batch_per_gpu,
+            gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            lr=lr_used,
+            loss=float("nan"),
+            train_coverage=self.train_coverage,
+            epoch=self.epoch,
+            lr_multiplier=self.lr_coupling.multiplier,
+            step_time_s=time.perf_counter() - started,
+            extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
+        )
+        loss = StepLoss(step, self.resolve_losses)
+        norm = self.deepspeed.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().clone()  # DeepSpeed reuses its buffer: keep this step's value
+
+        def resolved(mean: float, grad_norm: float | None) -> None:
+            loss.set_value(mean)
+            record.loss = mean
+            record.grad_norm = grad_norm if grad_norm is None or math.isfinite(grad_norm) else None
+            record.noise_scale = self.noise.noise_scale
+            self.last_loss, self.last_grad_norm = mean, record.grad_norm
+            self.loss_ema.update(mean)
+            self.metrics.write(record)
+
+        # The step's record now; its loss and grad norm are filled in when resolved.
+        self.last_metrics = record
+        return loss, resolved, norm
+
+    def _sampler(self) -> Any:
+        return getattr(self.dataloader, "sampler", None)
+
+    def close(self) -> None:
+        """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics file."""
+        self.resolve_losses()
+        self.metrics.close()
+        if self.dataloader is not None and hasattr(self.dataloader, "close"):
+            self.dataloader.close()
