@@ -6,6 +6,9 @@ It comes from one place:
   holding it): with or without DeepSpeed;
 * else the ``"adabatch"`` section of the DeepSpeed config in ``TrainingArguments(deepspeed=...)``.
 
+Both may be given when they hold the same section (``adabatch_config=`` naming the DeepSpeed config
+file itself, so one script runs with and without ``--deepspeed``); two different sections are refused.
+
 It is validated as ``ds-adabatch validate`` validates it (the same models, messages and dotted paths),
 before any process group starts; what needs the world size is checked again when training starts. Under
 the Trainer every key is honoured, or refused with a sentence where it cannot be:
@@ -109,19 +112,19 @@ def read_trainer_section(
     Raises:
         ConfigError: the section is invalid, or holds a key the Trainer cannot honour here (each
             problem with its dotted path and what to change).
-        ValueError: a section both in ``adabatch_config=`` and in the DeepSpeed config.
+        ValueError: two different sections, in ``adabatch_config=`` and in the DeepSpeed config.
     """
     in_deepspeed = _has_section(deepspeed)
-    if adabatch_config is not None and in_deepspeed:
-        raise ValueError(
-            "AdaptiveBatchSizeTrainer got an adabatch section twice: in adabatch_config= and in the "
-            "DeepSpeed config of TrainingArguments(deepspeed=...); keep one of them"
-        )
     if adabatch_config is None and not in_deepspeed:
         return None
     stand_in = _STAND_IN if has_scheduler else None
     if adabatch_config is not None:
         loaded, source = load_adabatch_section(adabatch_config, schedule=stand_in), "adabatch_config="
+        if in_deepspeed and load_adabatch_section(deepspeed, schedule=stand_in).adabatch != loaded.adabatch:
+            raise ValueError(
+                "AdaptiveBatchSizeTrainer got two different adabatch sections: adabatch_config= and the "
+                "one in the DeepSpeed config of TrainingArguments(deepspeed=...); keep one of them"
+            )
     else:
         loaded, source = load_adabatch_section(deepspeed, schedule=stand_in), "the DeepSpeed config"
     schedule = loaded.adabatch.schedule

@@ -57,9 +57,8 @@ class RunEstimate:
     """Optimizer steps of a run, from the current step on."""
 
     steps_per_epoch: tuple[int, ...]
-    """Steps that draw from each epoch the run touches (the current one first)."""
-    ends_mid_epoch: bool = False
-    """Whether the run stops inside its last epoch (``max_steps``, fractional ``num_train_epochs``)."""
+    """Steps that draw from each epoch the run touches, the current one first (a whole epoch each, also
+    where the run stops inside it)."""
     total_steps: int
     """Steps the whole run takes, counting those already done."""
     epochs: int
@@ -74,8 +73,6 @@ class RunEstimate:
     def describe_steps_per_epoch(self, batch: int) -> str:
         """For the training banner: ``"65"``, ``"65 in epoch 1, then 33"``, or ``"changes with ..."``."""
         counts = self.steps_per_epoch
-        if self.ends_mid_epoch and len(counts) > 1:
-            counts = counts[:-1]  # the last epoch is cut short by the end of the run
         if not self.exact:
             return f"changes with the batch ({counts[0]:,} at the global batch of {batch:,})"
         if len(set(counts)) <= 1:
@@ -217,9 +214,10 @@ class StreamProgress:
         batch, k = self.scheduled_batch, step
         per_epoch: dict[int, int] = {}
         positions: list[tuple[int, int]] = []
+        total: int | None = None  # set where the run stops; the replay goes on to that epoch's end
         while len(positions) < _MAX_REPLAYED_STEPS:
-            if not self.epoch_based and k >= self.max_steps:
-                break
+            if total is None and not self.epoch_based and k >= self.max_steps:
+                total = k
             ctx = ScheduleContext(
                 step=k,
                 samples=consumed,
@@ -229,29 +227,40 @@ class StreamProgress:
             )
             batch = controller.next_global_batch(ctx).global_batch
             if pos == n:
+                if total is not None:
+                    break
                 epoch, pos = epoch + 1, 0
             if batch > n - pos and drop:
                 if batch > n:
                     return None  # the sampler refuses this; training reports it
+                if total is not None:
+                    break
                 epoch, pos = epoch + 1, 0
-            if self.epoch_based and (
-                epoch >= math.ceil(self.num_train_epochs) or epoch + pos / n >= self.num_train_epochs - 1e-9
+            if (
+                total is None
+                and self.epoch_based
+                and (
+                    epoch >= math.ceil(self.num_train_epochs)
+                    or epoch + pos / n >= self.num_train_epochs - 1e-9
+                )
             ):
-                break
+                total = k
+                if pos in (0, n):
+                    break
             take = min(batch, n - pos)
             pos, consumed, k = pos + take, consumed + take, k + 1
             per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
-            positions.append((epoch, pos))
+            if total is None:
+                positions.append((epoch, pos))
         else:
             return None
         counts = tuple(per_epoch[e] for e in sorted(per_epoch)) or (0,)
-        epochs = (max(per_epoch) + 1) if per_epoch else self.sampler.epoch + 1
+        epochs = (positions[-1][0] + 1) if positions else self.sampler.epoch + 1
         return RunEstimate(
             counts,
-            k,
+            k if total is None else total,
             epochs,
             exact=True,
-            ends_mid_epoch=bool(positions) and positions[-1][1] < n,
             positions=tuple(positions),
             first_step=step,
         )
