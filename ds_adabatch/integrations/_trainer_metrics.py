@@ -84,15 +84,16 @@ class TrainerStepLog:
             )
             self._last = {"record": record, "grad_norm": None}
         state.sync.defer([logged], self._resolver(record, self._last, step_tokens))
-        if self.active and completed % self.every_steps == 0:
-            state.sync.reduce()
 
-    def set_grad_norm(self, value: float | torch.Tensor | None) -> None:
-        """The latest step's gradient norm as the Trainer computed it (a tensor is read when written)."""
+    def end_of_step(self, completed: int, grad_norm: float | torch.Tensor | None) -> None:
+        """After the optimizer step: the step's gradient norm as the Trainer computed it (a tensor is read
+        when the record is written); every ``log.every_steps`` steps the pending records are resolved."""
         if self._last is not None and self._last["grad_norm"] is None:
-            if isinstance(value, torch.Tensor):
-                value = value.detach().clone()
-            self._last["grad_norm"] = value
+            if isinstance(grad_norm, torch.Tensor):
+                grad_norm = grad_norm.detach().clone()
+            self._last["grad_norm"] = grad_norm
+        if self.active and completed % self.every_steps == 0:
+            self.state.sync.reduce()  # nothing queued (resolved already at this step): no collective
 
     def _resolver(
         self,

@@ -477,7 +477,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
         # transformers 5.23 calls this after every optimizer step with the step's gradient norm.
         if self._step_log is not None:
-            self._step_log.set_grad_norm(grad_norm)
+            self._step_log.end_of_step(self.state.global_step, grad_norm)
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
