@@ -358,3 +358,21 @@ def test_token_budgets_work_without_deepspeed(tmp_path):
     assert trained == list(range(len(dataset))), "every sample once in the epoch"
     assert passes and max(passes) <= TOKEN_BUDGET, f"a pass held {max(passes)} padded tokens"
     assert trainer.state.log_history[-2]["train_tokens"] == sum(len(dataset[i]["input_ids"]) for i in trained)
+
+
+def test_the_sections_data_keys_win_over_training_arguments(tmp_path):
+    from hf_worker import IndexRegression
+
+    section = {
+        "schedule": {"type": "constant", "value": 4},
+        "max_micro_batch_per_gpu": 4,
+        "data": {"shuffle": False, "drop_last": True},
+    }
+    args = _args(tmp_path, num_train_epochs=1, dataloader_drop_last=False)
+    trainer, rec = _trainer(tmp_path, args=args, adabatch_config=section)
+    trainer.train()
+    trained = [i for s in rec.steps for m in s["indices"] for i in m]
+    assert trained == list(range(24)), f"data.shuffle false: the dataset's order, got {trained}"
+    trainer, rec = _trainer(tmp_path, args=args, adabatch_config=section, dataset=IndexRegression(22))
+    trainer.train()
+    assert sum(s["plan"][0] for s in rec.steps) == 20, "data.drop_last true: the 2-sample tail is skipped"

@@ -133,6 +133,7 @@ class AdaptiveBatchState(StreamProgress):
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._noise_cadence = NoiseCadence(schedule)
         self._decided: tuple[int, BatchPlan] | None = None
+        self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
         self._warn_if_micro_one(0, self.initial_plan)
         missing = controller.schedule.requires - _SUPPORTED_SIGNALS
@@ -189,10 +190,17 @@ class AdaptiveBatchState(StreamProgress):
         return self._peek(self._decided[1])
 
     def _peek(self, plan: BatchPlan) -> GlobalBatch | TokenStep:
-        """The global batch the next step draws under ``plan`` (a token step: the scheduled target's)."""
-        if self.token_budget:
-            return self.loader.peek_step(self.scheduled_batch)
-        return self.sampler.peek_batch(plan)
+        """The global batch the next step draws under ``plan`` (a token step: the scheduled target's).
+
+        Between two steps the epoch, the progress bar and the end-of-training check all ask for the same
+        batch; it is computed once (a peek derives the batch's sample order) while the cursor stands.
+        """
+        s = self.sampler
+        key = (s.epoch, s.position, s.samples_consumed, plan, self.scheduled_batch, self.memory.limit)
+        if self._peeked is None or self._peeked[0] != key:
+            found = self.loader.peek_step(self.scheduled_batch) if self.token_budget else s.peek_batch(plan)
+            self._peeked = (key, found)
+        return self._peeked[1]
 
     @property
     def samples_consumed(self) -> int:
