@@ -8,6 +8,7 @@ and why, the step-0 answer of a scheduler function, uneven splits, the JSONL of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -249,13 +250,25 @@ def test_the_jsonl_log_has_every_step_with_its_global_mean_loss(tmp_path):
 
 
 # -- logging through transformers ------------------------------------------------------------------------
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
+@contextlib.contextmanager
+def _transformers_lines():
+    """The messages transformers' library logger handles (what its handler prints), its verbosity
+    restored afterwards."""
+    from transformers.utils import logging as hf_logging
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, before = Lines(), hf_logging.get_verbosity()
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+        hf_logging.set_verbosity(before)
 
 
 def test_plan_changes_follow_transformers_verbosity(tmp_path):
@@ -265,26 +278,16 @@ def test_plan_changes_follow_transformers_verbosity(tmp_path):
         "schedule": {"type": "linear", "start": 2, "end": 6, "ramp_samples": 12},
         "max_micro_batch_per_gpu": 2,
     }
-    before = hf_logging.get_verbosity()
-    # Where transformers' own lines go: a handler on its library logger sees what its handler prints.
-    seen = _Lines()
-    logging.getLogger("transformers").addHandler(seen)
-    try:
-        for level, shown in ((hf_logging.INFO, True), (hf_logging.WARNING, False)):
-            seen.lines.clear()
+    for level, shown in ((hf_logging.INFO, True), (hf_logging.WARNING, False)):
+        with _transformers_lines() as lines:
             trainer, _ = _trainer(tmp_path, adabatch_config=section, args=_args(tmp_path, max_steps=3))
             hf_logging.set_verbosity(level)  # after the Trainer set its own (log_level passive)
             trainer.train()
-            text = "\n".join(seen.lines)
-            assert ("[ds_adabatch] step 1: global batch 2 -> " in text) is shown, (level, text[-2000:])
-            assert ("***** Running training *****" in text) is shown, "transformers' own INFO lines disagree"
-            # The warning about single-sample passes shows at both levels.
-            assert "[ds_adabatch] step 1: global batch 3 runs as micro-batches of 1 sample" in text, text[
-                -2000:
-            ]
-    finally:
-        logging.getLogger("transformers").removeHandler(seen)
-        hf_logging.set_verbosity(before)
+        text = "\n".join(lines)
+        assert ("[ds_adabatch] step 1: global batch 2 -> " in text) is shown, (level, text[-2000:])
+        assert ("***** Running training *****" in text) is shown, "transformers' own INFO lines disagree"
+        # The warning about single-sample passes shows at both levels.
+        assert "[ds_adabatch] step 1: global batch 3 runs as micro-batches of 1 sample" in text, text[-2000:]
 
 
 def test_a_user_configured_ds_adabatch_logger_is_left_alone():
@@ -303,24 +306,17 @@ def test_a_user_configured_ds_adabatch_logger_is_left_alone():
 
 # -- the banner -------------------------------------------------------------------------------------------
 def test_the_banner_and_state_give_replayed_steps_epochs_and_gas(tmp_path):
-    from transformers.utils import logging as hf_logging
 
     section = {
         "schedule": {"type": "linear", "start": 2, "end": 8, "ramp_samples": 24},
         "max_micro_batch_per_gpu": 2,
     }
-    before = hf_logging.get_verbosity()
-    seen = _Lines()
-    logging.getLogger("transformers").addHandler(seen)
-    try:
+    with _transformers_lines() as lines:
         trainer, rec = _trainer(
             tmp_path, adabatch_config=section, args=_args(tmp_path, max_steps=9, log_level="info")
         )
         trainer.train()
-    finally:
-        logging.getLogger("transformers").removeHandler(seen)
-        hf_logging.set_verbosity(before)
-    text = "\n".join(seen.lines)
+    text = "\n".join(lines)
     first_epoch = sum(1 for s in rec.steps if s["epoch"] <= 1.0 + 1e-9)
     epochs = math.ceil(rec.steps[-1]["epoch"] - 1e-9)
     assert f"Num update steps per epoch = {first_epoch} in the first epoch" in text, text
