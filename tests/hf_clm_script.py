@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScriptArguments:
     block_size: int = field(default=16, metadata={"help": "tokens per training sample"})
-    train_blocks: int = field(default=90, metadata={"help": "training samples (blocks)"})
-    eval_blocks: int = field(default=16, metadata={"help": "evaluation samples (blocks)"})
+    train_blocks: int = field(default=64, metadata={"help": "training samples (blocks)"})
+    eval_blocks: int = field(default=8, metadata={"help": "evaluation samples (blocks)"})
     adabatch_config: str = field(default=None, metadata={"help": "JSON file of the adabatch section"})
     grow_every: int = field(default=0, metadata={"help": "batch_size_scheduler: +1 per device every N steps"})
 

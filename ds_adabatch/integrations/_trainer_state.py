@@ -135,6 +135,8 @@ class AdaptiveBatchState(StreamProgress):
         self._decided: tuple[int, BatchPlan] | None = None
         self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
+        self._notes: tuple[int, list[tuple[int, str, int | None]]] = (0, [])
+        """What the decision of a step has to say (rank 0): logged when that step starts."""
         self._warn_if_micro_one(0, self.initial_plan)
         missing = controller.schedule.requires - _SUPPORTED_SIGNALS
         if missing:
@@ -355,14 +357,12 @@ class AdaptiveBatchState(StreamProgress):
         if evaluates and getattr(controller.schedule, "needs_agreement", False):
             batch = self._agree_schedule(batch)
         plan = self.plan_for(batch)
-        if batch != self.scheduled_batch and self.rank == 0:
-            logger.info(
-                "step %d: global batch %d -> %s (%s)",
-                step,
-                self.scheduled_batch,
-                plan.describe(),
-                decision.reason,
+        self._notes = (step, [])
+        if batch != self.scheduled_batch:
+            line = (
+                f"step {step}: global batch {self.scheduled_batch} -> {plan.describe()} ({decision.reason})"
             )
+            self._notes[1].append((logging.INFO, line, None))
         self._warn_if_micro_one(step, plan)
         self.scheduled_batch = batch
         self._decided = (step, plan)
@@ -390,24 +390,31 @@ class AdaptiveBatchState(StreamProgress):
             or plan.global_batch_size in self._warned_micro_one
         ):
             return
-        self._warned_micro_one.add(plan.global_batch_size)
-        if self.rank != 0:
-            return
         uneven = plan_batch(plan.global_batch_size, self.world_size, limit, allow_uneven=True)
-        logger.warning(
-            "step %d: global batch %d runs as micro-batches of 1 sample x %d accumulation steps on %d "
-            "rank(s): %d samples per rank do not split evenly into micro-batches of at most %d. Set "
-            '"allow_uneven": true in the adabatch section (micro-batches of %d, %d passes), or choose '
-            "global batches that split evenly (granularity)",
-            step,
-            plan.global_batch_size,
-            plan.gradient_accumulation_steps,
-            self.world_size,
-            per_rank,
-            limit,
-            uneven.micro_batch_per_gpu,
-            uneven.gradient_accumulation_steps,
+        line = (
+            f"step {step}: global batch {plan.global_batch_size} runs as micro-batches of 1 sample x "
+            f"{plan.gradient_accumulation_steps} accumulation steps on {self.world_size} rank(s): {per_rank} "
+            f"samples per rank do not split evenly into micro-batches of at most {limit}. Set "
+            f'"allow_uneven": true in the adabatch section (micro-batches of {uneven.micro_batch_per_gpu}, '
+            f"{uneven.gradient_accumulation_steps} passes), or choose global batches that split evenly "
+            "(granularity)"
         )
+        self._notes[1].append((logging.WARNING, line, plan.global_batch_size))
+
+    def step_started(self, step: int) -> None:
+        """Log (rank 0) what the decision of step ``step`` has to say, as the step starts: a plan change,
+        a warning. A decision taken for a step that never runs (training ended) says nothing."""
+        noted_step, notes = self._notes
+        if noted_step != step or not notes:
+            return
+        self._notes = (step, [])
+        for level, line, warned in notes:
+            if warned is not None:
+                if warned in self._warned_micro_one:
+                    continue
+                self._warned_micro_one.add(warned)
+            if self.rank == 0:
+                logger.log(level, "%s", line)
 
     def next_batch_epoch(self, step: int) -> int:
         """The epoch the next global batch (of step ``step``) is drawn from."""

@@ -378,6 +378,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if not isinstance(inputs, StepInputs):
             return super().training_step(model, inputs, num_items_in_batch)
         state = self._require_state()
+        state.step_started(self.state.global_step)  # its plan change and warnings, now that it runs
         recovery = self._oom_recovery()
         if recovery is None:
             return self._adaptive_step(model, inputs)
