@@ -468,6 +468,10 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         # Written before the Trainer's files: transformers 5.23 writes trainer_state.json last, the
         # marker of a complete checkpoint. The folder name follows its Trainer._save_checkpoint.
+        if self.batch_state is not None:
+            # Every rank saves (transformers 5.23): the pending steps' records are written and the
+            # checkpoint holds the latest loss, as ds_adabatch.runtime's save_checkpoint does.
+            self.batch_state.sync.reduce()
         if self.batch_state is not None and self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
