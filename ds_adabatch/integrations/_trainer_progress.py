@@ -73,13 +73,16 @@ class RunEstimate:
     def describe_steps_per_epoch(self, batch: int) -> str:
         """For the training banner: ``"65"``, ``"65 in epoch 1, then 33"``, or ``"changes with ..."``."""
         counts = self.steps_per_epoch
+        first = "in the first epoch" if self.first_step == 0 else "left in the current epoch"
         if not self.exact:
             return f"changes with the batch ({counts[0]:,} at the global batch of {batch:,})"
-        if len(set(counts)) <= 1:
+        if len(set(counts)) <= 1 and self.first_step == 0:
             return f"{counts[0]:,}" if counts else "0"
+        if len(counts) == 1:
+            return f"{counts[0]:,} {first} (estimated from the schedule)"
         later = sorted(set(counts[1:]))
         rest = f"{later[0]:,}" if len(later) == 1 else f"{later[0]:,} to {later[-1]:,}"
-        return f"{counts[0]:,} in the first epoch, then {rest} (estimated from the schedule)"
+        return f"{counts[0]:,} {first}, then {rest} (estimated from the schedule)"
 
 
 class StreamProgress:
