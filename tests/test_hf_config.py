@@ -202,30 +202,21 @@ def test_without_a_section_a_rank_splits_unevenly_rather_than_one_sample_per_pas
     assert [s["sizes"] for s in rec.steps] == [[3, 2], [3, 2]], [s["sizes"] for s in rec.steps]
 
 
-def test_a_section_without_allow_uneven_warns_before_a_step_of_single_samples(tmp_path, caplog):
-    args = _args(tmp_path, max_steps=1, per_device_train_batch_size=4)
+def test_a_section_without_allow_uneven_warns_before_a_step_of_single_samples(tmp_path):
+    args = _args(tmp_path, max_steps=2, per_device_train_batch_size=4)
     trainer, rec = _trainer(
         tmp_path,
         args=args,
         batch_size_scheduler=lambda step, batch: 5,
         adabatch_config={"max_micro_batch_per_gpu": 4},
     )
-    logger = logging.getLogger("ds_adabatch")
-    # The trainer hands ds_adabatch's records to transformers' handler (not propagated): capture them here.
-    logger.addHandler(caplog.handler)
-    try:
+    with _transformers_lines() as lines:
         trainer.train()
-    finally:
-        logger.removeHandler(caplog.handler)
-    assert _plans(rec) == [[5, 1, 5]]
-    # Each record is counted once (not its copy handed to transformers' logger, which is prefixed).
-    messages = [r.getMessage() for r in caplog.records if not r.getMessage().startswith("[ds_adabatch]")]
-    warned = [m for m in messages if "micro-batches of 1 sample" in m]
-    assert (
-        len(warned) == 1
-        and '"allow_uneven": true' in warned[0]
-        and "micro-batches of 3, 2 passes" in warned[0]
-    ), warned
+    assert _plans(rec) == [[5, 1, 5], [5, 1, 5]]
+    warned = [line for line in lines if "micro-batches of 1 sample" in line]
+    assert len(warned) == 1, f"one warning per global batch: {warned}"
+    assert warned[0].startswith("[ds_adabatch] step 0: global batch 5 runs as micro-batches of 1 sample")
+    assert '"allow_uneven": true' in warned[0] and "micro-batches of 3, 2 passes" in warned[0], warned[0]
 
 
 # -- adabatch.log.jsonl -------------------------------------------------------------------------------
@@ -290,16 +281,19 @@ def test_plan_changes_follow_transformers_verbosity(tmp_path):
         assert "[ds_adabatch] step 1: global batch 3 runs as micro-batches of 1 sample" in text, text[-2000:]
 
 
-def test_a_user_configured_ds_adabatch_logger_is_left_alone():
+def test_the_logger_is_routed_only_while_training_and_left_alone_when_configured():
     from ds_adabatch.integrations._trainer_logging import follow_transformers_logging
 
     logger = logging.getLogger("ds_adabatch")
     saved = (logger.handlers[:], logger.level, logger.propagate)
     try:
         logger.handlers, logger.level, logger.propagate = [], logging.NOTSET, True
+        with follow_transformers_logging():
+            assert len(logger.handlers) == 1 and not logger.propagate
+        assert logger.handlers == [] and logger.level == logging.NOTSET and logger.propagate, "not restored"
         logger.setLevel(logging.ERROR)
-        follow_transformers_logging()
-        assert logger.handlers == [] and logger.level == logging.ERROR and logger.propagate
+        with follow_transformers_logging():
+            assert logger.handlers == [] and logger.level == logging.ERROR and logger.propagate
     finally:
         logger.handlers, logger.level, logger.propagate = saved
 

