@@ -98,17 +98,20 @@ def run_case(out: str, backend: str, name: str, *, ours: bool, token: bool, **ex
 
 
 def cases(out: str, backend: str) -> dict[str, list[list[int]]]:
+    jsonl = {"schedule": {"type": "constant", "value": MICRO * GAS * 2}, "max_micro_batch_per_gpu": MICRO}
+    jsonl["log"] = {"jsonl": os.path.join(out, f"{backend}_steps.jsonl"), "every_steps": EVERY}
     if backend == "zero2":  # GPT-2: both normalise by target tokens (num_items_in_batch)
         return {
             "plain token": run_case(out, backend, "plain_token", ours=False, token=True),
             "ours token": run_case(out, backend, "ours_token", ours=True, token=True),
+            "ours token jsonl": run_case(
+                out, backend, "ours_jsonl", ours=True, token=True, adabatch_config=jsonl
+            ),
             "ours token scheduler": run_case(
                 out, backend, "ours_fn", ours=True, token=True, batch_size_scheduler=lambda step, batch: batch
             ),
         }
     # A model without **kwargs: both normalise by samples.
-    jsonl = {"schedule": {"type": "constant", "value": MICRO * GAS * 2}, "max_micro_batch_per_gpu": MICRO}
-    jsonl["log"] = {"jsonl": os.path.join(out, f"{backend}_steps.jsonl"), "every_steps": EVERY}
     return {
         "plain sample": run_case(out, backend, "plain_sample", ours=False, token=False),
         "ours sample": run_case(out, backend, "ours_sample", ours=True, token=False),

@@ -68,6 +68,11 @@ def test_a_jsonl_log_resolves_its_losses_once_every_every_steps(counts):
         )
 
 
+def test_a_jsonl_log_rides_on_the_token_count_at_no_extra_collective(counts):
+    extra = [c for _, c, _ in _extra(counts, "zero2", "ours token jsonl", "plain token")]
+    assert extra == [0] * len(extra), f"the losses should ride on each step's token all-reduce: {extra}"
+
+
 def test_a_scheduler_function_is_agreed_in_one_collective_per_step(counts):
     # A user's function may answer differently on different ranks: rank 0's answer is agreed, in one
     # small all-reduce at each evaluation (every step here), as ds_adabatch.runtime does.

@@ -46,6 +46,7 @@ class TrainerStepLog:
         self.active = log.jsonl is not None or self.writer.monitor is not None
         self._tokens = state.tokens
         self._last: dict[str, Any] | None = None
+        self._next_step_reduces = False
 
     def step_done(
         self,
@@ -64,6 +65,8 @@ class TrainerStepLog:
         or a device tensor already summed), None where tokens are not counted.
         """
         state = self.state
+        # A step that all-reduced its token count will do so again next step, carrying what is queued.
+        self._next_step_reduces = isinstance(step_tokens, torch.Tensor)
         if not (self.active or state.needs_loss):
             return
         record = None
@@ -87,13 +90,15 @@ class TrainerStepLog:
 
     def end_of_step(self, completed: int, grad_norm: float | torch.Tensor | None) -> None:
         """After the optimizer step: the step's gradient norm as the Trainer computed it (a tensor is read
-        when the record is written); every ``log.every_steps`` steps the pending records are resolved."""
+        when the record is written). Every ``log.every_steps`` steps the pending records are resolved in
+        one all-reduce, unless the steps all-reduce their token counts anyway: then the next step's
+        carries them (and :meth:`close` the last ones)."""
         if self._last is not None and self._last["grad_norm"] is None:
             if isinstance(grad_norm, torch.Tensor):
                 grad_norm = grad_norm.detach().clone()
             self._last["grad_norm"] = grad_norm
-        if self.active and completed % self.every_steps == 0:
-            self.state.sync.reduce()  # nothing queued (resolved already at this step): no collective
+        if self.active and completed % self.every_steps == 0 and not self._next_step_reduces:
+            self.state.sync.reduce()
 
     def _resolver(
         self,
