@@ -9,9 +9,12 @@ works (``--num_train_epochs``, ``--max_steps``, ``--dataloader_drop_last``, ``--
     torchrun --nproc-per-node 2 runners/hf_trainer_example.py
     torchrun --nproc-per-node 2 runners/hf_trainer_example.py --deepspeed ds_configs/hf_zero2.json
 
-With ``--use_config_schedule`` (and a ``--deepspeed`` config) the config's ``"adabatch"`` section drives
-the global batch instead of the scheduler function, e.g. the ``gradient_noise`` schedule of
-``ds_configs/hf_zero2_noise.json`` (its estimate is logged as ``noise_scale``).
+The function is the schedule; the ``"adabatch"`` section of a ``--deepspeed`` config (or of
+``--adabatch_config PATH``, with or without DeepSpeed) still sets the largest micro-batch, the bounds,
+``allow_uneven``, the logs, ... (its own ``schedule`` is set aside here, since a trainer takes one
+schedule). With ``--use_config_schedule`` the section's schedule drives the global batch instead of the
+function, e.g. the ``gradient_noise`` schedule of ``ds_configs/hf_zero2_noise.json`` (its estimate is
+logged as ``noise_scale``).
 
 With ``--micro_batch_tokens N`` (and a ``--deepspeed`` config) the samples are the source files' lines
 (1 to ``context`` bytes each), padded to the longest of each pass, and every pass holds at most N padded
@@ -59,7 +62,10 @@ class DemoArguments:
     samples: int = field(default=20, metadata={"help": "training windows (samples) in the dataset"})
     source_files: int = field(default=3, metadata={"help": "standard-library .py files to read"})
     use_config_schedule: bool = field(
-        default=False, metadata={"help": "let the --deepspeed config's adabatch section drive the batch"}
+        default=False, metadata={"help": "let the adabatch section's schedule drive the batch"}
+    )
+    adabatch_config: str = field(
+        default=None, metadata={"help": "JSON file of an adabatch section (instead of one in --deepspeed)"}
     )
     micro_batch_tokens: int = field(
         default=0,
@@ -106,6 +112,26 @@ def with_token_budget(args: TrainingArguments, tokens: int) -> TrainingArguments
     return dataclasses.replace(args, deepspeed={**config, "adabatch": section})
 
 
+def without_schedule(args: TrainingArguments, section: str | None) -> tuple[TrainingArguments, dict | None]:
+    """The arguments and adabatch section to run the function with: the section (from ``--adabatch_config``
+    or the ``--deepspeed`` config) without its schedule, and the DeepSpeed config without the section."""
+    found = None
+    if section is not None:
+        with open(section, encoding="utf-8") as f:
+            found = json.load(f)
+        found = found.get("adabatch", found)
+    config = args.deepspeed
+    if config and not isinstance(config, dict):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if config and "adabatch" in config:
+        found = config["adabatch"] if found is None else found
+        args = dataclasses.replace(args, deepspeed={k: v for k, v in config.items() if k != "adabatch"})
+    if found is None:
+        return args, None
+    return args, {k: v for k, v in found.items() if k != "schedule"}
+
+
 class LocalBatchPrinter(TrainerCallback):
     """Prints what this rank trained in each optimizer step, as the seed's demo does."""
 
@@ -150,11 +176,14 @@ def main() -> None:
         dataset = SourceLines(corpus.train, spec.context, limit=demo.samples)
         collator = pad_to_longest
     scheduler = None
+    section = demo.adabatch_config
     if not demo.use_config_schedule:
         scheduler = partial(custom_batch_size_scheduler, interval=demo.interval, increment=demo.increment)
+        training_args, section = without_schedule(training_args, section)
 
     trainer = AdaptiveBatchSizeTrainer(
         batch_size_scheduler=scheduler,
+        adabatch_config=section,
         model=build_model(spec, seed=training_args.seed),
         args=training_args,
         train_dataset=dataset,

@@ -1,7 +1,7 @@
 """The ``"adabatch"`` section of a ds_config: models, loading, and one error type for every problem."""
 
 from .errors import ConfigError, ConfigProblem
-from .loader import BATCH_KEYS, LoadedConfig, load_ds_config
+from .loader import BATCH_KEYS, LoadedConfig, load_adabatch_section, load_ds_config
 from .models import AdaBatchConfig, DataConfig, LogConfig, LrScalingConfig
 from .schedules import ScheduleConfig
 
@@ -15,5 +15,6 @@ __all__ = [
     "LogConfig",
     "LrScalingConfig",
     "ScheduleConfig",
+    "load_adabatch_section",
     "load_ds_config",
 ]

@@ -25,7 +25,7 @@ from ._pydantic import problems_from_validation_error
 from .errors import ConfigError, ConfigProblem
 from .models import AdaBatchConfig, endpoint_problems
 
-__all__ = ["BATCH_KEYS", "SECTION", "LoadedConfig", "load_ds_config"]
+__all__ = ["BATCH_KEYS", "SECTION", "LoadedConfig", "load_adabatch_section", "load_ds_config"]
 
 SECTION = "adabatch"
 """The top-level ds_config key that holds the :class:`AdaBatchConfig`."""
@@ -87,14 +87,51 @@ def load_ds_config(
     Raises:
         ConfigError: listing every problem found, each with its dotted path (``adabatch.schedule.start``).
     """
+    _check_world_size(world_size)
+    raw, name = _read(source)
+    return _validate(raw, name, world_size)
+
+
+def load_adabatch_section(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    world_size: int | None = None,
+    schedule: Mapping[str, Any] | None = None,
+) -> LoadedConfig:
+    """Load and validate an ``"adabatch"`` section given on its own (or a ds_config that holds one).
+
+    For callers that take the section without a DeepSpeed config (the Hugging Face Trainer's
+    ``adabatch_config=``). The checks, messages and dotted paths are those of :func:`load_ds_config`.
+
+    Args:
+        source: the section as a dict or the path of a JSON file holding it; a dict or file with a
+            top-level ``"adabatch"`` key is read as a whole ds_config instead.
+        world_size: as for :func:`load_ds_config`.
+        schedule: a schedule to validate the section with when it has none (the caller supplies the
+            schedule some other way, e.g. as a Python function); None: a missing schedule is a problem.
+
+    Raises:
+        ConfigError: listing every problem found, each with its dotted path.
+    """
+    _check_world_size(world_size)
+    raw, name = _read(source)
+    if isinstance(source, Mapping):
+        name = "adabatch section dict"
+    if isinstance(raw, Mapping) and SECTION not in raw:
+        raw = {SECTION: dict(raw)}
+    section = raw.get(SECTION) if isinstance(raw, Mapping) else None
+    if schedule is not None and isinstance(section, Mapping) and "schedule" not in section:
+        raw = {**raw, SECTION: {**section, "schedule": dict(schedule)}}
+    return _validate(raw, name, world_size)
+
+
+def _check_world_size(world_size: object) -> None:
     if world_size is not None and (
         isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
     ):
         raise ConfigError.single(
             "world_size", "must be an integer >= 1 (the number of data-parallel ranks)", world_size
         )
-    raw, name = _read(source)
-    return _validate(raw, name, world_size)
 
 
 def _read(source: object) -> tuple[object, str]:

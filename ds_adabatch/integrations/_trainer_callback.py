@@ -1,6 +1,7 @@
 """The callback that keeps the Trainer's epoch, step budget and progress bar true to the sample stream.
 
-It runs first among the Trainer's callbacks, so on every ``on_step_end``:
+It runs first among the Trainer's callbacks. At ``on_train_begin`` it says, right below transformers'
+training banner, what the run will do (first batch, schedule, steps); on every ``on_step_end``:
 
 * ``state.epoch`` is the fractional epoch of samples trained (not steps / steps-per-epoch);
 * the next step's plan is decided (a checkpoint saved at this step then holds that decision);
@@ -12,15 +13,20 @@ It runs first among the Trainer's callbacks, so on every ``on_step_end``:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from ._trainer_progress import describe_run
+
 if TYPE_CHECKING:  # pragma: no cover
     from .transformers import AdaptiveBatchSizeTrainer
 
 __all__ = ["AdaptiveBatchCallback"]
+
+logger = logging.getLogger("ds_adabatch")
 
 
 class AdaptiveBatchCallback(TrainerCallback):
@@ -41,10 +47,23 @@ class AdaptiveBatchCallback(TrainerCallback):
             state.max_steps = batch_state.step_budget(step)
             self._set_bar_total(state.max_steps)
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The banner has printed the first step's accumulation steps; the loop runs with 1 (one loader
+        # item is one optimizer step), and callbacks after this one (trackers saving the arguments) see 1.
+        self.trainer.args.gradient_accumulation_steps = 1
+        batch_state = self.trainer.batch_state
+        if batch_state is None:
+            return
+        plan = batch_state.plan_for_step(state.global_step)  # decided already, on every rank
+        if batch_state.rank == 0:
+            for line in describe_run(batch_state, state.global_step, plan):
+                logger.info("%s", line)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         bar = self._bar()
         if bar is not None:
             self._set_bar_total(bar.n)
+        self.trainer._finish_run()
         if self.trainer.batch_state is not None:
             self.trainer.batch_state.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ds_adabatch.plan import BatchPlan
@@ -82,11 +83,17 @@ def loss_shifts_labels(model: Any, trainer_flag: bool) -> bool:
 
 
 def count_target_tokens(batch: Mapping[str, Any], shifted: bool) -> int:
-    """Target tokens of a micro-batch, as transformers 5.23 ``Trainer._get_num_items_in_batch`` counts."""
+    """Target tokens of a micro-batch, as transformers 5.23 ``Trainer._get_num_items_in_batch`` counts.
+
+    Counted on the host: a collated batch is still on the CPU here (the step loader is not accelerate's,
+    whose batches are already on the device), so counting reads no device value.
+    """
     if "shift_labels" in batch:
         labels = batch["shift_labels"]
     elif shifted:
         labels = batch["labels"][..., 1:]
     else:
         labels = batch["labels"]
-    return int(labels.ne(IGNORE_INDEX).sum())
+    if isinstance(labels, torch.Tensor) and labels.device.type == "cpu":
+        return int(np.count_nonzero(labels.numpy() != IGNORE_INDEX))
+    return int((torch.as_tensor(labels) != IGNORE_INDEX).sum())

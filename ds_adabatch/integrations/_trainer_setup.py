@@ -2,15 +2,21 @@
 
 Where the global batch comes from:
 
-* a ``batch_size_scheduler(step, batch_size)``: a ``callable`` schedule counted per device, started at
-  ``per_device_train_batch_size x gradient_accumulation_steps``, with the largest micro-batch
-  ``per_device_train_batch_size`` (a growing batch adds accumulation steps, not memory);
-* else the ``"adabatch"`` section of the DeepSpeed config in ``TrainingArguments(deepspeed=...)``;
+* a ``batch_size_scheduler(step, batch_size)``: a ``callable`` schedule counted in samples per device
+  (per data-parallel rank) per optimizer step. It is asked for step 0 too, with ``batch_size`` =
+  ``per_device_train_batch_size x gradient_accumulation_steps``, and its answer is the first step's
+  batch; the largest micro-batch is ``per_device_train_batch_size`` (a growing batch adds accumulation
+  steps, not memory);
+* else the ``"adabatch"`` section (``adabatch_config=`` or the DeepSpeed config, see ``_trainer_config``);
 * else a constant ``per_device_train_batch_size x gradient_accumulation_steps x world size``.
 
-An ``"adabatch"`` section next to a scheduler still sets the bounds, granularity, largest micro-batch,
-LR coupling and loss normalisation. The sample order always follows ``TrainingArguments``
-(``data_seed`` or ``seed``, ``dataloader_drop_last``, ``dataloader_num_workers``).
+A section next to a scheduler sets the bounds, granularity, largest micro-batch, LR coupling, loss
+normalisation and logs. Without any section the trainer splits a rank's samples unevenly when an even
+split would need smaller micro-batches (5 samples with ``per_device_train_batch_size`` 4 run as 3 + 2,
+not 1 x 5); a section keeps its own ``allow_uneven`` (default false), and a step that would run at
+micro-batch 1 although a larger one fits is warned about. The sample order follows
+``TrainingArguments`` (``data_seed`` or ``seed``, ``dataloader_drop_last``, ``dataloader_num_workers``)
+unless the section's ``data`` says otherwise.
 
 With ``micro_batch_tokens`` in the section, steps are token-budget steps (``padding``, ``bucket_window``,
 ``truncate_long_samples`` and a schedule with ``unit: "tokens"`` as for ``ds_adabatch.initialize``): the
@@ -20,26 +26,28 @@ step into passes of at most that many tokens; the lengths come from ``_trainer_l
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ds_adabatch.config import AdaBatchConfig, load_ds_config
+from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler
+from ds_adabatch.runtime.comm import broadcast_int
 from ds_adabatch.runtime.token_setup import sampler_for_config
-from ds_adabatch.schedules import BatchSizeController
+from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.schedules.user import CallableSchedule
 
+from ._trainer_config import FUNCTION_PLACEHOLDER, TrainerSection, read_trainer_section
 from ._trainer_lengths import check_length_arguments, sample_lengths
 from ._trainer_state import AdaptiveBatchState, LrSettings
 
-__all__ = ["build_batch_state", "keep_batch_size", "token_lengths"]
+__all__ = ["build_batch_state", "function_name", "keep_batch_size", "token_lengths"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -49,22 +57,21 @@ def keep_batch_size(step: int, batch_size: int) -> int:
     return batch_size
 
 
-_PLACEHOLDER = f"{__name__}:keep_batch_size"
+def function_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a user's function, as checkpoints and plan-change lines name it.
+
+    A ``functools.partial`` is named by the function it wraps; a callable object by its class.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    target = fn if hasattr(fn, "__qualname__") else type(fn)
+    module = getattr(target, "__module__", None) or "?"
+    return f"{module}:{getattr(target, '__qualname__', type(fn).__name__)}"
 
 
-def _adabatch_section(deepspeed: Any, world_size: int | None) -> AdaBatchConfig | None:
-    """The ``"adabatch"`` section of the Trainer's DeepSpeed config, validated; None without one."""
-    if deepspeed is None or deepspeed is False:
-        return None
-    if isinstance(deepspeed, Mapping):
-        has_section = "adabatch" in deepspeed
-    else:
-        try:
-            with open(deepspeed, encoding="utf-8") as f:
-                has_section = "adabatch" in json.load(f)
-        except (OSError, ValueError, TypeError):
-            return None  # not a readable JSON file: transformers reports its own error for it
-    return load_ds_config(deepspeed, world_size=world_size).adabatch if has_section else None
+def _section_for(args: Any, section: TrainerSection | None) -> TrainerSection | None:
+    # Callers other than the trainer (which reads adabatch_config= too) pass only the arguments.
+    return section if section is not None else read_trainer_section(None, args.deepspeed, has_scheduler=False)
 
 
 def _require_map_style(train_dataset: Any) -> None:
@@ -82,13 +89,14 @@ def token_lengths(
     lengths: Any = None,
     length_fn: Callable[[Any], int] | None = None,
     input_name: str = "input_ids",
+    section: TrainerSection | None = None,
 ) -> SampleLengths | None:
-    """Every training sample's length when the DeepSpeed config sets ``adabatch.micro_batch_tokens``.
+    """Every training sample's length when the section sets ``adabatch.micro_batch_tokens``.
 
     Needs no world size, so ``AdaptiveBatchSizeTrainer`` calls it before any process group starts; the
     lengths are checked (size, values, and with ``truncate_long_samples`` off the longest known sample
     against the budget) and returned for :func:`build_batch_state`. None without a token budget (or
-    without a dataset yet).
+    without a dataset yet). ``section``: the run's section (default: the DeepSpeed config's).
 
     Raises:
         ConfigError: the ``"adabatch"`` section is invalid.
@@ -96,13 +104,13 @@ def token_lengths(
             not fit the dataset, or a sample longer than the budget (named with its index and length).
     """
     check_length_arguments(lengths, length_fn)
-    section = _adabatch_section(args.deepspeed, None)
-    if section is None or not section.token_budget:
+    section = _section_for(args, section)
+    if section is None or not section.config.token_budget:
         if lengths is not None or length_fn is not None:
             raise ValueError(
                 "lengths= / length_fn= only apply with adabatch.micro_batch_tokens (token-budget "
-                "micro-batches): set micro_batch_tokens in the DeepSpeed config's adabatch section, or "
-                "drop the argument"
+                "micro-batches): set micro_batch_tokens in the adabatch section (adabatch_config= or the "
+                "DeepSpeed config), or drop the argument"
             )
         return None
     if train_dataset is None:
@@ -115,15 +123,68 @@ def token_lengths(
         column=args.length_column_name,
         input_name=input_name,
     )
-    _token_sampler(section, found, seed=0, drop_last=False)  # checks the lengths against the budget
+    _token_sampler(section.config, found, seed=0, drop_last=False)  # checks the lengths against the budget
     return found
 
 
 def _token_sampler(
-    config: AdaBatchConfig, lengths: SampleLengths, *, seed: int, drop_last: bool
+    config: AdaBatchConfig, lengths: SampleLengths, *, seed: int, drop_last: bool, shuffle: bool = True
 ) -> TokenBudgetSampler:
-    # The Trainer always shuffles (its seed and drop_last come from TrainingArguments).
-    return sampler_for_config(config, lengths, shuffle=True, seed=seed, drop_last=drop_last)
+    return sampler_for_config(config, lengths, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def _sample_order(args: Any, section: TrainerSection | None, rank: int) -> dict[str, Any]:
+    """Shuffle, seed, drop_last and workers: ``TrainingArguments``', or the section's ``data`` keys."""
+    order = {
+        "shuffle": True,  # the Trainer's own sampler always shuffles the training set
+        "seed": int(args.data_seed if args.data_seed is not None else args.seed),
+        "drop_last": bool(args.dataloader_drop_last),
+        "num_workers": int(args.dataloader_num_workers),
+    }
+    names = {
+        "seed": "data_seed / seed",
+        "drop_last": "dataloader_drop_last",
+        "num_workers": "dataloader_num_workers",
+    }
+    if section is None:
+        return order
+    for key in order:
+        if not section.data_given(key):
+            continue
+        value = getattr(section.config.data, key)
+        if key in names and value != order[key] and rank == 0:
+            logger.info(
+                "adabatch.data.%s = %r is used in place of TrainingArguments' %s (%r)",
+                key,
+                value,
+                names[key],
+                order[key],
+            )
+        order[key] = value
+    return order
+
+
+def _callable_schedule(
+    fn: Callable[..., Any], start: int, *, world: int, device: Any, ask_step_zero: bool
+) -> CallableSchedule:
+    """The user's function as a per-device ``callable`` schedule that has answered for step 0.
+
+    ``start`` is what it is given as ``batch_size`` at step 0; its answer (rank 0's, agreed in one
+    collective before training) is the first step's batch. A resumed run does not ask: the checkpoint
+    holds the function's last answer.
+    """
+    kwargs: dict[str, Any] = {}
+    if isinstance(fn, functools.partial) and not fn.args:
+        # Called as the partial would call it; the checkpoint and the logs name the wrapped function.
+        fn, kwargs = fn.func, dict(fn.keywords)
+    stand_in = {"type": "callable", "function": FUNCTION_PLACEHOLDER, "start": start, "per": "device"}
+    config = AdaBatchConfig.model_validate({"schedule": stand_in, "max_micro_batch_per_gpu": 1}).schedule
+    schedule = CallableSchedule(config, function=fn)
+    schedule.path, schedule.kwargs = function_name(fn), kwargs
+    if ask_step_zero:
+        schedule(ScheduleContext(step=0, samples=0, global_batch=start * world, world_size=world))
+        schedule.load_shared_state([broadcast_int(schedule.current, device)])
+    return schedule
 
 
 def build_batch_state(
@@ -135,6 +196,8 @@ def build_batch_state(
     gradient_accumulation_steps: int,
     max_micro_batch_per_gpu: int | None,
     lengths: SampleLengths | None = None,
+    section: TrainerSection | None = None,
+    resuming: bool = False,
 ) -> AdaptiveBatchState:
     """The batch state for a Trainer with ``args`` (a ``TrainingArguments``) on ``train_dataset``.
 
@@ -147,13 +210,16 @@ def build_batch_state(
         batch_size_scheduler: ``fn(step, batch_size) -> int`` in samples per device per optimizer step.
         gradient_accumulation_steps: the user's ``gradient_accumulation_steps`` (the Trainer's own loop
             runs with 1).
-        max_micro_batch_per_gpu: the largest micro-batch; default: the ``"adabatch"`` section's, else
+        max_micro_batch_per_gpu: the largest micro-batch; default: the section's, else
             ``per_device_train_batch_size``. With ``micro_batch_tokens`` it caps the samples of a pass.
         lengths: every sample's length in tokens (:func:`token_lengths`); required with
             ``micro_batch_tokens``.
+        section: the run's ``"adabatch"`` section (:func:`read_trainer_section`); default: the
+            DeepSpeed config's.
+        resuming: the run continues from a checkpoint (the scheduler is not asked for step 0).
 
     Raises:
-        ConfigError: the DeepSpeed config's ``"adabatch"`` section is invalid.
+        ConfigError: the section cannot be planned on this world size.
         ValueError: the dataset is not map-style, or a size is not a positive integer.
     """
     _require_map_style(train_dataset)
@@ -165,18 +231,31 @@ def build_batch_state(
         raise ValueError(f"max_micro_batch_per_gpu must be an integer >= 1, got {max_micro_batch_per_gpu!r}")
     world, rank = args.world_size, args.process_index
     per_device = args.per_device_train_batch_size * gradient_accumulation_steps
-    section = _adabatch_section(args.deepspeed, world)
-    fields: dict[str, Any] = {} if section is None else section.model_dump(exclude={"schedule"})
+    section = _section_for(args, section)
+    checked = None if section is None else section.with_world_size(world)
+    fields: dict[str, Any] = {} if checked is None else checked.model_dump(exclude={"schedule"})
     if max_micro_batch_per_gpu is not None:
         fields["max_micro_batch_per_gpu"] = max_micro_batch_per_gpu
-    elif section is None:
+    elif checked is None or (checked.max_micro_batch_per_gpu is None and not checked.token_budget):
         # Without a config the user sized per_device_train_batch_size to fit memory: a growing batch
         # adds accumulation steps rather than larger forward passes.
         fields["max_micro_batch_per_gpu"] = args.per_device_train_batch_size
+    if section is None:
+        # The trainer weights uneven micro-batches exactly: 5 samples at most 4 per pass run as 3 + 2.
+        fields["allow_uneven"] = True
+    user_schedule = None
     if batch_size_scheduler is not None:
-        schedule = {"type": "callable", "function": _PLACEHOLDER, "start": per_device, "per": "device"}
-    elif section is not None:
-        schedule = section.schedule.model_dump()
+        user_schedule = _callable_schedule(
+            batch_size_scheduler, per_device, world=world, device=args.device, ask_step_zero=not resuming
+        )
+        schedule = {
+            "type": "callable",
+            "function": FUNCTION_PLACEHOLDER,
+            "start": user_schedule.current,
+            "per": "device",
+        }
+    elif checked is not None:
+        schedule = checked.schedule.model_dump()
     else:
         schedule = {"type": "constant", "value": per_device * world}
     config = AdaBatchConfig.model_validate({**fields, "schedule": schedule})
@@ -189,55 +268,46 @@ def build_batch_state(
             "steps by length set adabatch.micro_batch_tokens and adabatch.bucket_window (samples per "
             "length-sorted block of the order)"
         )
-    if section is not None and "data" in section.model_fields_set and rank == 0:
-        logger.warning(
-            "AdaptiveBatchSizeTrainer reads the sample order from TrainingArguments (seed/data_seed, "
-            "dataloader_drop_last, dataloader_num_workers); the adabatch.data section is not used"
-        )
     controller = BatchSizeController(config, world)
-    if batch_size_scheduler is not None:
-        # BatchSizeController builds the callable schedule from an import path (the placeholder above);
+    if user_schedule is not None:
+        # BatchSizeController builds the callable schedule from an import path (the stand-in above);
         # the user's function object replaces it, with the same validation and checkpointed state.
-        controller.schedule = CallableSchedule(config.schedule, function=batch_size_scheduler)
+        controller.schedule = user_schedule
 
-    seed = int(args.data_seed if args.data_seed is not None else args.seed)
-    drop_last = bool(args.dataloader_drop_last)
+    order = _sample_order(args, section, rank)
     loader: ElasticDataLoader | TokenBudgetLoader
+    common = {
+        "rank": rank,
+        "world_size": world,
+        "collate_fn": collate_fn,
+        "num_workers": order["num_workers"],
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+    }
     if config.token_budget:
         if lengths is None:  # a caller other than the trainer: the lengths as the trainer finds them
-            lengths = token_lengths(args, train_dataset)
+            lengths = token_lengths(args, train_dataset, section=section)
         assert lengths is not None  # the section sets micro_batch_tokens
         if lengths.num_samples != len(train_dataset):
             raise ValueError(
                 f"the lengths cover {lengths.num_samples} samples but the train_dataset has "
                 f"{len(train_dataset)}; give one length per sample"
             )
-        loader = TokenBudgetLoader(
-            train_dataset,
-            _token_sampler(config, lengths, seed=seed, drop_last=drop_last),
-            rank=rank,
-            world_size=world,
-            collate_fn=collate_fn,
-            num_workers=args.dataloader_num_workers,
-            multiprocessing_context=args.dataloader_multiprocessing_context,
+        sampler = _token_sampler(
+            config, lengths, seed=order["seed"], drop_last=order["drop_last"], shuffle=order["shuffle"]
         )
+        loader = TokenBudgetLoader(train_dataset, sampler, **common)
     else:
-        loader = ElasticDataLoader(
-            train_dataset,
-            ElasticSampler(len(train_dataset), shuffle=True, seed=seed, drop_last=drop_last),
-            rank=rank,
-            world_size=world,
-            collate_fn=collate_fn,
-            num_workers=args.dataloader_num_workers,
-            multiprocessing_context=args.dataloader_multiprocessing_context,
+        sampler = ElasticSampler(
+            len(train_dataset), shuffle=order["shuffle"], seed=order["seed"], drop_last=order["drop_last"]
         )
-    explicit_unit = section is not None and "lr_schedule_unit" in section.model_fields_set
-    unit = config.lr_schedule_unit if explicit_unit else ("steps" if args.max_steps > 0 else "samples")
-    normalization = (
-        config.loss_normalization
-        if section is not None and "loss_normalization" in section.model_fields_set
-        else None
+        loader = ElasticDataLoader(train_dataset, sampler, **common)
+    explicit = section.given if section is not None else (lambda key: False)
+    unit = (
+        config.lr_schedule_unit
+        if explicit("lr_schedule_unit")
+        else ("steps" if args.max_steps > 0 else "samples")
     )
+    normalization = config.loss_normalization if explicit("loss_normalization") else None
     reference = config.lr_scaling.reference_batch or controller.initial_global_batch()
     target_reference = None
     if config.schedule.batch_unit == "tokens":

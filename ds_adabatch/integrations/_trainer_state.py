@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,12 +31,14 @@ from ds_adabatch.data import ElasticDataLoader, ElasticSampler, GlobalBatch, Ste
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler, TokenStep
 from ds_adabatch.plan import BatchPlan, plan_batch
-from ds_adabatch.runtime.comm import broadcast_int
 from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.runtime.recovery import memory_for
+from ds_adabatch.runtime.step_sync import StepSync
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
+
+from ._trainer_progress import StreamProgress
 
 __all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
 
@@ -67,11 +68,13 @@ class LrSettings:
     is 1 (``reference_batch`` then only sizes the samples clock's tick); None otherwise."""
 
 
-class AdaptiveBatchState:
+class AdaptiveBatchState(StreamProgress):
     """Schedule, plan and sample stream of one training run; every rank holds an identical copy.
 
-    Decisions are taken on every rank from the same global values and rank 0's answer is broadcast,
-    so every rank always runs the same plan.
+    Decisions are taken on every rank from the same global values (steps, samples, lengths, and
+    signals summed over ranks), so every rank decides the same plan without a collective. Only a
+    schedule whose answer may differ between ranks (a user's function) is agreed, at its evaluations,
+    in one small all-reduce (rank 0's answer), as ``ds_adabatch.runtime`` does.
     """
 
     def __init__(
@@ -102,6 +105,8 @@ class AdaptiveBatchState:
         self.max_steps = int(max_steps)
         self.lr = lr
         self.loss_normalization = loss_normalization
+        self.sync = StepSync(device)
+        """Sums per-rank values over ranks in as few all-reduces as possible (``runtime.step_sync``)."""
         """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
         self.memory: MicroBatchMemory = memory_for(config)
         """The micro-batch limit (samples per pass, or with a token budget tokens per pass), lowered by
@@ -116,7 +121,8 @@ class AdaptiveBatchState:
         """This rank's micro-batches of the latest step (indices, sizes, pads)."""
         self.last_loss: float | None = None
         self.last_lr: float | None = None
-        self.tokens = 0
+        self._tokens = 0
+        self._pending_tokens: list[torch.Tensor] = []
         self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
@@ -127,6 +133,11 @@ class AdaptiveBatchState:
         """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
         self._noise_cadence = NoiseCadence(schedule)
         self._decided: tuple[int, BatchPlan] | None = None
+        self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
+        self._warned_micro_one: set[int] = set()
+        self._notes: tuple[int, list[tuple[int, str, int | None]]] = (0, [])
+        """What the decision of a step has to say (rank 0): logged when that step starts."""
+        self._warn_if_micro_one(0, self.initial_plan)
         missing = controller.schedule.requires - _SUPPORTED_SIGNALS
         if missing:
             raise ValueError(
@@ -136,11 +147,6 @@ class AdaptiveBatchState:
             )
 
     # -- progress ------------------------------------------------------------------------------------
-    @property
-    def epoch_based(self) -> bool:
-        """True when ``num_train_epochs`` (not ``max_steps``) ends training."""
-        return self.max_steps <= 0
-
     @property
     def train_coverage(self) -> float:
         """Fraction of the current epoch's samples trained (1.0 right after an epoch's last batch)."""
@@ -186,10 +192,17 @@ class AdaptiveBatchState:
         return self._peek(self._decided[1])
 
     def _peek(self, plan: BatchPlan) -> GlobalBatch | TokenStep:
-        """The global batch the next step draws under ``plan`` (a token step: the scheduled target's)."""
-        if self.token_budget:
-            return self.loader.peek_step(self.scheduled_batch)
-        return self.sampler.peek_batch(plan)
+        """The global batch the next step draws under ``plan`` (a token step: the scheduled target's).
+
+        Between two steps the epoch, the progress bar and the end-of-training check all ask for the same
+        batch; it is computed once (a peek derives the batch's sample order) while the cursor stands.
+        """
+        s = self.sampler
+        key = (s.epoch, s.position, s.samples_consumed, plan, self.scheduled_batch, self.memory.limit)
+        if self._peeked is None or self._peeked[0] != key:
+            found = self.loader.peek_step(self.scheduled_batch) if self.token_budget else s.peek_batch(plan)
+            self._peeked = (key, found)
+        return self._peeked[1]
 
     @property
     def samples_consumed(self) -> int:
@@ -199,6 +212,31 @@ class AdaptiveBatchState:
     @property
     def needs_loss(self) -> bool:
         return bool({"loss", "loss_ema"} & self.controller.schedule.requires)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained, all ranks together: each step's target tokens where they are counted, or with
+        a token budget the samples' lengths (0 where neither is counted).
+
+        Steps add their count as a device tensor (summed over ranks) without reading it; reading this
+        property reads them (a host synchronisation on a GPU), so it is read only where needed: by a
+        tokens-keyed schedule, a token-budget log, a checkpoint.
+        """
+        if self._pending_tokens:
+            self._tokens += int(round(float(torch.stack(self._pending_tokens).sum())))
+            self._pending_tokens = []
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self._tokens, self._pending_tokens = int(value), []
+
+    def add_tokens(self, count: int | torch.Tensor) -> None:
+        """Count a step's tokens (an int, or a device tensor summed over ranks, read when needed)."""
+        if isinstance(count, torch.Tensor):
+            self._pending_tokens.append(count.detach().reshape(()).double())
+        else:
+            self._tokens += int(count)
 
     @property
     def needs_tokens(self) -> bool:
@@ -292,10 +330,15 @@ class AdaptiveBatchState:
     def plan_for_step(self, step: int) -> BatchPlan:
         """The plan of optimizer step ``step`` (completed steps before it); decided once, then cached.
 
-        Call it on every rank at the same point: the decision is broadcast from rank 0.
+        Call it on every rank at the same point: a schedule that reads the loss resolves the pending
+        losses first, and a user's function has its answer agreed (both are collectives).
         """
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
+        controller = self.controller
+        evaluates = controller.evaluates_at(step)
+        if evaluates and self.needs_loss:
+            self.sync.reduce()  # the rule reads the latest loss: every pending step's, summed over ranks
         ctx = ScheduleContext(
             step=step,
             samples=self.sampler.samples_consumed,
@@ -309,84 +352,73 @@ class AdaptiveBatchState:
             noise_scale=None if self.noise is None else self.noise.noise_scale,
             noise_scale_error=None if self.noise is None else self.noise.relative_error,
         )
-        decision = self.controller.next_global_batch(ctx)
-        batch = broadcast_int(decision.global_batch, self.device)
+        decision = controller.next_global_batch(ctx)
+        batch = decision.global_batch
+        if evaluates and getattr(controller.schedule, "needs_agreement", False):
+            batch = self._agree_schedule(batch)
         plan = self.plan_for(batch)
-        if batch != self.scheduled_batch and self.rank == 0:
-            logger.info(
-                "step %d: global batch %d -> %s (%s)",
-                step,
-                self.scheduled_batch,
-                plan.describe(),
-                decision.reason,
+        self._notes = (step, [])
+        if batch != self.scheduled_batch:
+            line = (
+                f"step {step}: global batch {self.scheduled_batch} -> {plan.describe()} ({decision.reason})"
             )
+            self._notes[1].append((logging.INFO, line, None))
+        self._warn_if_micro_one(step, plan)
         self.scheduled_batch = batch
         self._decided = (step, plan)
         return plan
 
+    def _agree_schedule(self, batch: int) -> int:
+        """Rank 0's answer and remembered state of a schedule that may answer differently by rank, in
+        one all-reduce (which also carries whatever the step sync has queued)."""
+        schedule = self.controller.schedule
+        mine = [batch, *schedule.shared_state()]
+        agreed = [int(round(float(v))) for v in self.sync.reduce([v if self.rank == 0 else 0 for v in mine])]
+        schedule.load_shared_state(agreed[1:])
+        return agreed[0]
+
+    def _warn_if_micro_one(self, step: int, plan: BatchPlan) -> None:
+        """Warn (rank 0, once per global batch) before a step runs one sample per pass where an uneven
+        split would run larger passes."""
+        per_rank = plan.micro_batch_per_gpu * plan.gradient_accumulation_steps
+        limit = self.memory.limit
+        if (
+            self.token_budget
+            or plan.micro_batch_per_gpu != 1
+            or per_rank < 2
+            or limit < 2
+            or plan.global_batch_size in self._warned_micro_one
+        ):
+            return
+        uneven = plan_batch(plan.global_batch_size, self.world_size, limit, allow_uneven=True)
+        line = (
+            f"step {step}: global batch {plan.global_batch_size} runs as micro-batches of 1 sample x "
+            f"{plan.gradient_accumulation_steps} accumulation steps on {self.world_size} rank(s): {per_rank} "
+            f"samples per rank do not split evenly into micro-batches of at most {limit}. Set "
+            f'"allow_uneven": true in the adabatch section (micro-batches of {uneven.micro_batch_per_gpu}, '
+            f"{uneven.gradient_accumulation_steps} passes), or choose global batches that split evenly "
+            "(granularity)"
+        )
+        self._notes[1].append((logging.WARNING, line, plan.global_batch_size))
+
+    def step_started(self, step: int) -> None:
+        """Log (rank 0) what the decision of step ``step`` has to say, as the step starts: a plan change,
+        a warning. A decision taken for a step that never runs (training ended) says nothing."""
+        noted_step, notes = self._notes
+        if noted_step != step or not notes:
+            return
+        self._notes = (step, [])
+        for level, line, warned in notes:
+            if warned is not None:
+                if warned in self._warned_micro_one:
+                    continue
+                self._warned_micro_one.add(warned)
+            if self.rank == 0:
+                logger.log(level, "%s", line)
+
     def next_batch_epoch(self, step: int) -> int:
         """The epoch the next global batch (of step ``step``) is drawn from."""
         return self._peek(self.plan_for_step(step)).epoch
-
-    def finished(self, step: int) -> bool:
-        """True when ``num_train_epochs`` are trained (the next batch would start at or past it)."""
-        if not self.epoch_based:
-            return False
-        nxt = self._peek(self.plan_for_step(step))
-        start = nxt.epoch + nxt.start / self.sampler.num_samples
-        return nxt.epoch >= math.ceil(self.num_train_epochs) or start >= self.num_train_epochs - 1e-9
-
-    def steps_left(self, step: int) -> int:
-        """Optimizer steps still to run if the batch of step ``step`` were kept (for the progress bar; with
-        a token budget, as if every step held as many samples as that one)."""
-        n, drop = self.sampler.num_samples, self.sampler.drop_last
-        batch = self.plan_for_step(step).global_batch_size
-        epoch, pos = self.sampler.epoch, self.sampler.position
-        if pos >= n:
-            epoch, pos = epoch + 1, 0
-        target = self.num_train_epochs
-
-        def part(start: int, stop: int) -> int:
-            left = max(0, stop - start)
-            return left // batch if drop and stop == n else -(-left // batch)
-
-        def epoch_stop(e: int) -> int:
-            return n if e + 1 <= target else math.ceil((target - e) * n)
-
-        if epoch >= target:
-            return 0
-        steps = part(pos, epoch_stop(epoch))
-        epoch += 1
-        full = max(0, math.floor(target) - epoch)
-        steps += full * part(0, n)
-        epoch += full
-        if epoch < target:
-            steps += part(0, epoch_stop(epoch))
-        return steps
-
-    def step_budget(self, step: int) -> int:
-        """``step`` when the epochs are trained, else ``step`` plus at least one more (an estimate)."""
-        return step if self.finished(step) else step + max(1, self.steps_left(step))
-
-    def planned_samples(self) -> int:
-        """Samples ``num_train_epochs`` hold at the initial batch (an epoch tail dropped with drop_last)."""
-        n, b = self.sampler.num_samples, self.initial_plan.global_batch_size
-        per_epoch = n - (n % b if self.sampler.drop_last else 0)
-        return math.ceil(self.num_train_epochs * per_epoch)
-
-    def scheduler_steps(self) -> int:
-        """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set).
-
-        In samples: the stream's ``num_train_epochs x dataset size`` (:attr:`stream_samples` advances
-        it, skipped tails included, so it ends with the last epoch however large the tails were). In
-        steps: the steps of the initial batch.
-        """
-        if not self.epoch_based:
-            return self.max_steps
-        if self.lr.unit == "samples":
-            stream = math.ceil(self.num_train_epochs * self.sampler.num_samples)
-            return max(1, math.ceil(stream / self.lr.reference_batch))
-        return max(1, math.ceil(self.planned_samples() / self.initial_plan.global_batch_size))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self, global_step: int) -> dict[str, Any]:
