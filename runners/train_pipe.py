@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    import deepspeed
 
     import ds_adabatch
     from runners.lm import ByteCorpus, ByteWindows, ModelSpec
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.config}: {err}", file=sys.stderr)
         return 2
 
-    deepspeed.init_distributed()  # a PipelineModule needs the process group to build its grid
+    ds_adabatch.init_distributed()  # a PipelineModule needs the process group to build its grid
     world = torch.distributed.get_world_size()
     if args.pipeline_stages < 1 or world % args.pipeline_stages:
         print(

@@ -17,7 +17,6 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
@@ -489,7 +488,7 @@ def run_tensor(out_dir: str, grid: TensorGrid, zero: int, bf16: bool) -> None:
 
 def main() -> None:
     layout, out_dir = sys.argv[1], sys.argv[2]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     if layout == "pipe2x1":
         for zero in (0, 1):
             for bf16 in (False, True):

@@ -104,7 +104,9 @@ def test_adam_norms_match_a_hand_computation_from_the_optimizer_state():
         expected_weighted = sum(float(((g * w) ** 2).sum()) for g, w in zip(big, inv))
         expected_plain = sum(float((g**2).sum()) for g in big)
         assert n == 2 and inv_b == pytest.approx(1 / 4 + 1 / 6) and missing == 0
-        assert mean_small == pytest.approx(expected_small, rel=1e-5), f"step {step}: small-batch weighted norms"
+        assert mean_small == pytest.approx(expected_small, rel=1e-5), (
+            f"step {step}: small-batch weighted norms"
+        )
         # The post-step hook saw the clipped gradient: both of its sums scale by 0.25^2, their ratio not.
         assert weighted == pytest.approx(expected_weighted * 0.0625, rel=1e-5), f"step {step}: weighted"
         assert plain == pytest.approx(expected_plain * 0.0625, rel=1e-5), f"step {step}: plain"
@@ -180,7 +182,9 @@ def test_every_coordinate_is_weighed_on_exactly_one_rank(world):
     padded = torch.cat([flat_grad, torch.zeros(world * width - 16)])
     parts = [torch.nn.Parameter(torch.zeros(width)) for _ in range(world)]
     opts = [_stepped([k], [padded[r * width : (r + 1) * width]]) for r, k in enumerate(parts)]
-    inv = torch.cat([1 / ((o.state[k]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for o, k in zip(opts, parts)])
+    inv = torch.cat(
+        [1 / ((o.state[k]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for o, k in zip(opts, parts)]
+    )
     micro_flat = torch.cat([micro[p].reshape(-1) for p in params])
     members = list(zip(params, (0, 5, 12)))
 
@@ -255,10 +259,14 @@ def test_zero_stages_agree_with_plain_torch(tmp_path):
     pooled = doc["pooled"]
     for stage in STAGES:
         ref = doc[f"reference{stage}"]
-        assert abs(ref["trace_sigma"] / pooled["trace_sigma"] - 1) > 1e-3, f"ZeRO {stage}: shares not exercised"
+        assert abs(ref["trace_sigma"] / pooled["trace_sigma"] - 1) > 1e-3, (
+            f"ZeRO {stage}: shares not exercised"
+        )
     # The SGD-geometry run of the same steps: a different estimate, so the geometry is really applied.
     sgd = doc["zero2_sgd"]
-    assert abs(sgd["trace_sigma"] / doc["reference2"]["trace_sigma"] - 1) > 1e-2, "adam and sgd geometries agree"
+    assert abs(sgd["trace_sigma"] / doc["reference2"]["trace_sigma"] - 1) > 1e-2, (
+        "adam and sgd geometries agree"
+    )
     with_sgd = doc["sgd_optimizer"]
     error = with_sgd["adam"].get("error", "")
     assert "adabatch.schedule.geometry" in error and "SGD" in error, f"SGD with geometry adam: {with_sgd}"
@@ -392,7 +400,9 @@ def _reference(steps: list[list[list[list[int]]]], owners: list[list[int]] | Non
         opt.step()
         inv = _inverse_roots(opt)  # the denominator of the step just taken
         if owners is None:
-            small = sum(sum(float(((gk * w) ** 2).sum()) for gk, w in zip(g, inv)) for g in grads) / len(grads)
+            small = sum(sum(float(((gk * w) ** 2).sum()) for gk, w in zip(g, inv)) for g in grads) / len(
+                grads
+            )
         else:
             small = 0.0
             for r in range(len(per_rank)):

@@ -369,7 +369,11 @@ class AdamPreconditioner:
                     if w2.device != self.device:  # optimizer state offloaded to the CPU
                         w2 = w2.to(self.device, non_blocking=True)
                     small = torch.dot(self._buffer[at : at + size], w2)
-                    parts += [small, torch.dot(weighted, weighted).to(self.device), torch.dot(gs, gs).to(self.device)]
+                    parts += [
+                        small,
+                        torch.dot(weighted, weighted).to(self.device),
+                        torch.dot(gs, gs).to(self.device),
+                    ]
         if parts:
             out.add_(torch.stack(parts).view(-1, 3).sum(0).to(out.dtype))
 
