@@ -44,10 +44,9 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3, help="saves timed per stage (median reported)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "checkpoint_times.jsonl"))
     args = p.parse_args()
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     data = lm_data(max_bytes=1_000_000)
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):

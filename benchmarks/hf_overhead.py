@@ -24,7 +24,6 @@ import tempfile
 import time
 
 import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
-import deepspeed
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -114,7 +113,7 @@ def main() -> None:
     args = p.parse_args()
 
     before = h.idle_check("before")
-    deepspeed.init_distributed()  # the barriers between runs need the process group before any Trainer
+    ds_adabatch.init_distributed()  # the barriers between runs need the process group before any Trainer
     data = h.lm_data()
     results = {}
     with tempfile.TemporaryDirectory() as out:

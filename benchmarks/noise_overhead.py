@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 
 import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
-import deepspeed
 import torch.distributed as dist
 
 import ds_adabatch
@@ -46,7 +45,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage (default 2)")
     args = p.parse_args()
 
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     load_before = h.idle_check("at launch", own_processes=world)
     batch = MICRO * GAS * world

@@ -35,7 +35,6 @@ for key, value in (
     os.environ.setdefault(key, value)
 os.environ.setdefault("LOCAL_RANK", "0")
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 import ds_adabatch  # noqa: E402
@@ -163,7 +162,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/oom_gpu.py needs a CUDA GPU (or --simulate-budget N for a CPU smoke test)")
 
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     n = args.global_batch * max(args.auto_steps, args.sweep_steps)
     data = RandomTokens(n, args.seq, args.vocab)
     budget = simulated_memory_limit(args.simulate_budget or 10**9).install() if args.simulate_budget else None

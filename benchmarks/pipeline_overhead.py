@@ -83,7 +83,7 @@ def main() -> None:
     args = p.parse_args()
 
     before = h.idle_check("before")
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     data = h.lm_data()
     spec = h.MODELS["small"]

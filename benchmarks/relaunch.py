@@ -25,12 +25,11 @@ MARK = "FIRST_STEP_DONE_AT"
 def job(args) -> None:
     """One launched job (rank 0 prints when its first step ended)."""
     import _harness as h
-    import deepspeed
     import torch.distributed as dist
 
     import ds_adabatch
 
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     world = dist.get_world_size()
     adabatch = {"schedule": {"type": "constant", "value": 32}, "max_micro_batch_per_gpu": 8}
     cfg = h.ds_config(2, adabatch, micro=8, gas=2, world=world)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,12 +34,32 @@ def torchrun(
     def launch() -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
         cmd += [f"--master-port={free_port()}", str(script), *args]
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return run_killing_group(cmd, cwd=cwd, env=env, timeout=timeout)
 
     proc = launch()
     if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
         proc = launch()
     return proc
+
+
+def run_killing_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on timeout every
+    process of it (a launcher's workers included) is killed before ``TimeoutExpired`` is raised, so a
+    hung launch leaves no workers behind to hold ports and cores for the tests after it."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_result(results: Path, name: str) -> dict:

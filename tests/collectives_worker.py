@@ -192,7 +192,7 @@ def grow_every_step(step: int, batch_size: int) -> int:
 
 def main() -> None:
     out_dir = sys.argv[1]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     world = dist.get_world_size()
     batch = MICRO * GAS * world
     plain = plain_loop(world)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 
-import deepspeed
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +106,7 @@ def phase_resume(out_dir: str) -> None:
 
 def main() -> None:
     phase, out_dir = sys.argv[1], sys.argv[2]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     if phase == "save":
         phase_save(out_dir)
         phase_crash(out_dir)

@@ -15,7 +15,6 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 
 import ds_adabatch  # noqa: E402
@@ -648,7 +647,7 @@ PHASES = {
 
 def main() -> None:
     phase, out_dir = sys.argv[1], sys.argv[2]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     PHASES[phase](out_dir)
 
 

@@ -14,7 +14,6 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 import token_worker as tw  # noqa: E402
 from engine_worker import Regression, ds_config, full_params, make_model, mse_loss, reference, write  # noqa: E402
@@ -114,7 +113,7 @@ def run_tokens(predict: bool) -> dict:
 
 def main() -> None:
     out_dir = sys.argv[1]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     for name, run in (("samples", run_samples), ("tokens", run_tokens)):
         result = {"without": run(False), "with": run(True)}
         if dist.get_rank() == 0:

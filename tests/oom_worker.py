@@ -14,7 +14,6 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from engine_worker import Regression, ds_config, full_params, make_model, mse_loss, reference, write  # noqa: E402
 
@@ -368,7 +367,7 @@ def run_tokens(name: str, stage: int, out_dir: str) -> None:
 
 def main() -> None:
     out_dir = sys.argv[1]
-    deepspeed.init_distributed()
+    ds_adabatch.init_distributed()
     cases = sys.argv[2].split(",") if len(sys.argv) > 2 else None
     for name, (stage, extra) in STAGES.items():
         if cases is None or f"recover_{name}" in cases:

@@ -486,6 +486,81 @@ def run_tensor(out_dir: str, grid: TensorGrid, zero: int, bf16: bool) -> None:
     engine.close()
 
 
+class TensorTokenModel(torch.nn.Module):
+    """Token ids -> fixed 5-wide features -> ``TensorParallelMLP``: one output per position."""
+
+    def __init__(self, grid: TensorGrid, vocab: int):
+        super().__init__()
+        self.register_buffer("features", torch.randn(vocab, 5, generator=torch.Generator().manual_seed(3)))
+        self.mlp = TensorParallelMLP(grid)
+
+    def forward(self, ids):
+        return self.mlp(self.features[ids]).squeeze(-1)
+
+
+def _token_target(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return ((ids * 3 + 1) % vocab).float() / vocab
+
+
+def _tensor_token_loss(engine, batch):
+    """Mean squared error over the micro-batch's target positions (pads carry label -100)."""
+    mask = (batch["labels"] != -100).float()
+    sq = (engine(batch["input_ids"]) - batch["target"]) ** 2
+    return (sq * mask).sum() / mask.sum()
+
+
+def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
+    """Token-budget steps under tensor parallelism, the last process (tensor rank 1 of replica 1) fitting
+    40 tokens per forward: the agreement names it by global rank (3), its replica's passes (data-parallel
+    rank 1) are the ones re-cut, and every update is still the token mean over the global batch."""
+    import token_worker as tw
+
+    from ds_adabatch.testing import simulated_memory_limit
+
+    data = tw.Sequences()
+
+    def collate(samples):
+        batch = tw.collate(samples)
+        batch["target"] = _token_target(batch["input_ids"], tw.VOCAB)
+        return batch
+
+    cfg = tw.config(0, "token")
+    engine, *_ = ds_adabatch.initialize(
+        TensorTokenModel(grid, tw.VOCAB), cfg, data, collate_fn=collate, loss_fn=_tensor_token_loss,
+        token_count_fn=tw.count_tokens, lengths=data.lengths, mpu=grid,
+    )  # fmt: skip
+    steps, budgets, retries = [], [], []
+    with simulated_memory_limit(max_tokens_per_forward=40, ranks=[dist.get_world_size() - 1]):
+        for target in tw.TARGETS[:5]:
+            engine.set_global_batch_size(target)
+            engine.train_batch()
+            step = engine.last_step_batch.global_batch
+            steps.append(step.indices.tolist())
+            budgets.append(step.budget)
+            retries.append(engine.last_metrics.extra["oom_retries"])
+    ref = torch.nn.Sequential(*mlp3()).double()
+    features = engine.module.features.double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.5)
+    for idx in steps:
+        opt.zero_grad()
+        seqs = [data.seqs[i] for i in idx]
+        sq = [((ref(features[s]).squeeze(-1) - _token_target(s, tw.VOCAB).double()) ** 2).sum() for s in seqs]
+        (sum(sq) / sum(len(s) for s in seqs)).backward()
+        opt.step()
+    want = engine.module.mlp.reference_slices(ref)
+    got = local_params(engine).double()
+    record = {
+        "rank": dist.get_rank(),
+        "err": float((got - want).abs().max() / want.abs().max()),
+        "steps": steps,
+        "budgets": budgets,
+        "oom_retries": retries,
+        "history": [e.reason for e in engine.history],
+    }
+    write(out_dir, "tensor2x2_token_oom", {"ranks": gather(record)})
+    engine.close()
+
+
 def main() -> None:
     layout, out_dir = sys.argv[1], sys.argv[2]
     ds_adabatch.init_distributed()
@@ -510,6 +585,7 @@ def main() -> None:
         grid = TensorGrid(2)
         for zero, bf16 in ((0, False), (1, False), (0, True), (1, True)):
             run_tensor(out_dir, grid, zero, bf16)
+        run_tensor_token_oom(out_dir, grid)
     else:
         raise SystemExit(f"unknown layout {layout!r}")
 

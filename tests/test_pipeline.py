@@ -197,3 +197,18 @@ def test_what_pipelining_cannot_do_is_refused_with_the_reason(results):
     for case, words in expect.items():
         assert r[case] is not None, f"{case}: initialize accepted it"
         assert words in r[case], f"{case}: {r[case]}"
+
+
+def test_token_budget_oom_under_tensor_parallelism_recuts_the_failed_replica(results):
+    r = read_result(results, "tensor2x2_token_oom")
+    first = r["ranks"][0]
+    for rank in r["ranks"]:
+        assert rank["err"] <= 1e-5, (
+            f"rank {rank['rank']}: parameters differ from the token-mean reference by {rank['err']:.2e}"
+        )
+        assert rank["steps"] == first["steps"] and rank["budgets"] == first["budgets"]
+        assert rank["oom_retries"] == first["oom_retries"] and rank["history"] == first["history"]
+    assert sum(first["oom_retries"]) > 0, "the last process's 40-token limit must have been hit"
+    assert min(first["budgets"]) <= 40 < first["budgets"][0], first["budgets"]
+    # The failed process is named by its global rank; the passes re-cut are its replica's.
+    assert any("out of memory on rank 1 at" in reason for reason in first["history"]), first["history"]

@@ -62,6 +62,7 @@ from transformers.utils import is_datasets_available
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
+from ds_adabatch.runtime.op_builds import guard_jit_builds
 from ds_adabatch.runtime.recovery import OomRecovery
 
 from ._trainer_callback import AdaptiveBatchCallback
@@ -77,6 +78,10 @@ from ._trainer_state import STATE_FILE, AdaptiveBatchState
 from ._trainer_step import StepMixin
 
 __all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
+
+# TrainingArguments forms DeepSpeed's process group (and loads its JIT-built ops) before the Trainer
+# exists: the guard against a dead process's build lock (runtime/op_builds.py) is installed on import.
+guard_jit_builds()
 
 BatchSizeScheduler = Callable[[int, int], int]
 """``fn(step: int, batch_size: int) -> int``, every number in **samples per device** (per data-parallel

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .op_builds import guard_jit_builds
+
 __all__ = ["init_distributed", "init_process_group_restart_safe"]
 
 _PREFIX = "ds_adabatch/pg"
@@ -62,6 +64,7 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | No
     from deepspeed.constants import default_pg_timeout
 
     timeout = timeout or default_pg_timeout
+    guard_jit_builds()  # DeepSpeed's CPU backend loads a JIT-built op while the group forms
     if torch.distributed.is_initialized():
         if not ds_dist.is_initialized():
             deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)

@@ -1,0 +1,162 @@
+"""The guard around DeepSpeed's JIT op loads (ds_adabatch/runtime/op_builds.py): a build lock left by a
+killed process no longer stops every later start.
+
+The unit tests use real files, locks and processes in a temporary directory. The last test starts 2 ranks
+whose CPU backend loads DeepSpeed's shared-memory op from a build directory holding such a lock: without
+the guard both ranks would wait for it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _util import free_port, run_killing_group
+
+from ds_adabatch.runtime import op_builds
+
+HERE = Path(__file__).parent
+
+
+def _lock(directory: Path, age_s: float) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    lock.touch()
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    return lock
+
+
+def test_a_dead_process_lock_is_removed_with_a_warning(tmp_path, caplog):
+    lock = _lock(tmp_path / "op", age_s=60)
+    with caplog.at_level(logging.WARNING, logger="ds_adabatch"):
+        assert op_builds.clear_stale_build_lock(str(tmp_path / "op")) is True
+    assert not lock.exists()
+    assert str(lock) in caplog.text and "no running build holds" in caplog.text
+    assert op_builds.clear_stale_build_lock(str(tmp_path / "op")) is False  # nothing to do
+
+
+def test_a_fresh_lock_is_waited_for_not_removed(tmp_path):
+    lock = _lock(tmp_path / "op", age_s=0)
+    removed_by_owner = threading.Timer(0.5, lock.unlink)
+    removed_by_owner.start()
+    started = time.monotonic()
+    assert op_builds.clear_stale_build_lock(str(tmp_path / "op"), poll_s=0.05) is False
+    assert time.monotonic() - started >= 0.4, "it must wait for the owner, not remove a live lock"
+
+
+def test_an_old_lock_of_a_running_build_is_waited_for(tmp_path):
+    directory = tmp_path / "op"
+    lock = _lock(directory, age_s=60)
+    ninja = tmp_path / "ninja"  # a process named like torch's build tool, working in the directory
+    shutil.copy(shutil.which("sleep"), ninja)
+    build = subprocess.Popen([str(ninja), "1.5"], cwd=directory)
+    try:
+        time.sleep(0.2)
+        assert op_builds._build_runs_in(str(directory))
+        started = time.monotonic()
+        assert op_builds.clear_stale_build_lock(str(directory), poll_s=0.05) is True
+        assert build.poll() is not None, "the lock was removed while its build still ran"
+        assert time.monotonic() - started >= 0.5
+        assert not lock.exists()
+    finally:
+        build.kill()
+        build.wait()
+    other = subprocess.Popen(["sleep", "5"], cwd=directory)  # not a build tool: does not count
+    try:
+        assert not op_builds._build_runs_in(str(directory))
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_guarded_loads_run_one_at_a_time_after_the_stale_lock_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = Path(op_builds.build_directory("some_op"))
+    lock = _lock(directory, age_s=60)
+    inside, overlaps = [], []
+
+    def jit_load(self):
+        assert not lock.exists(), "the load ran before the stale lock was cleared"
+        inside.append(1)
+        overlaps.append(len(inside))
+        time.sleep(0.2)
+        inside.pop()
+        return self.name
+
+    class Builder:
+        name = "some_op"
+
+    load = op_builds._guarded(jit_load)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(load(Builder()))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["some_op"] * 3 and max(overlaps) == 1
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+    import ds_adabatch
+    ds_adabatch.init_distributed()
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    print("formed", int(t.item()), flush=True)
+    ds_adabatch.finish()
+    """
+)
+
+
+def test_a_launch_starts_although_a_killed_process_left_the_shm_op_lock(tmp_path):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    # The op built (or found) once in the usual place, then copied with its timestamps: no rebuild.
+    probe = "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder')"
+    probe += (
+        "\nimport deepspeed.ops as o; print(int(b is not None and o.__compatible_ops__.get(b.NAME, False)))"
+    )
+    if (
+        subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()[
+            -1:
+        ]
+        != "1"
+    ):
+        pytest.fail(
+            "DeepSpeed's CPU shared-memory op is not compatible here: the launch below would not load it"
+        )
+    build = "from ds_adabatch.runtime.op_builds import guard_jit_builds as g; g()\n" + probe.split("\n")[0]
+    build += "\nb.load(); from ds_adabatch.runtime.op_builds import build_directory; print(build_directory(b.NAME))"
+    done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = Path(done.stdout.strip().splitlines()[-1])
+    extensions = tmp_path / "extensions"  # TORCH_EXTENSIONS_DIR holds the ops' directories directly
+    shutil.copytree(built, extensions / built.name, symlinks=True)
+    lock = _lock(extensions / built.name, age_s=60)
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    proc = run_killing_group([*cmd, str(script)], cwd=tmp_path, env=env, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert log.count("formed 2") == 2
+    assert "removed" in log and "lock" in log and not lock.exists()
