@@ -30,16 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--config", default="ds_configs/lm_ramp.json", help="ds_config JSON with an adabatch section"
-    )
+def add_run_arguments(p: argparse.ArgumentParser, *, config: str, samples: int, out: str) -> None:
+    """The arguments the main job shares with runners/train_pipe.py (data, model, run length, saves)."""
+    p.add_argument("--config", default=config, help="ds_config JSON with an adabatch section")
     p.add_argument("--data", nargs="*", default=None, help="text files to train on (default: stdlib sources)")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
-    p.add_argument("--samples", type=int, default=8192, help="stop after this many training samples")
+    p.add_argument("--samples", type=int, default=samples, help="stop after this many training samples")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--out", default="runs/train_lm", help="folder for metrics.jsonl and metrics.png")
+    p.add_argument("--out", default=out, help="folder for metrics.jsonl and metrics.png")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -47,6 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
     p.add_argument("--save-every", type=int, default=0, help="also save every N optimizer steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(p, config="ds_configs/lm_ramp.json", samples=8192, out="runs/train_lm")
     p.add_argument(
         "--keep-last",
         type=int,
@@ -63,9 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="append one JSON line per step: the sample indices it trained, loss, time",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK instead.
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

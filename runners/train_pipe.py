@@ -23,31 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from runners.train_lm import add_run_arguments  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--config", default="ds_configs/pipe_ramp.json", help="ds_config JSON with an adabatch section"
-    )
+    add_run_arguments(p, config="ds_configs/pipe_ramp.json", samples=4096, out="runs/train_pipe")
     p.add_argument(
         "--pipeline-stages", type=int, default=2, help="pipeline stages (the world must divide by it)"
     )
-    p.add_argument("--data", nargs="*", default=None, help="text files to train on (default: stdlib sources)")
-    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
-    p.add_argument("--samples", type=int, default=4096, help="stop after this many training samples")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--out", default="runs/train_pipe", help="folder for metrics.jsonl and metrics.png")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64, help="bytes per training window")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
-    p.add_argument("--save-every", type=int, default=0, help="also save every N optimizer steps")
     p.add_argument("--resume", default=None, help="resume from the newest complete checkpoint here (if any)")
     p.add_argument("--ledger", default=None, help="append one JSON line per step: sample indices, loss")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

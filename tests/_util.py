@@ -62,6 +62,15 @@ def run_killing_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def failure_excerpt(proc: subprocess.CompletedProcess[str], limit: int = 4000) -> str:
+    """The part of a failed launch's output that tells why: a crashed rank's stacks (the faulthandler's
+    "Fatal Python error" block, which other ranks' tracebacks would push out of a plain tail) and the tail."""
+    log = proc.stdout + proc.stderr
+    crash = log.find("Fatal Python error")
+    head = log[crash : crash + limit] + "\n[...]\n" if crash >= 0 else ""
+    return head + log[-limit:]
+
+
 def read_result(results: Path, name: str) -> dict:
     """The JSON record ``name`` a launched worker wrote into ``results`` (fails clearly if it wrote none)."""
     path = results / f"{name}.json"

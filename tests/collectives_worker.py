@@ -61,12 +61,34 @@ class HostReads:
             setattr(torch.Tensor, name, original)
 
 
-def measure(step) -> tuple[int, int]:
-    """(collectives, host reads) issued by one call of ``step``."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof, HostReads() as reads:
-        step()
-    collectives = sum(1 for e in prof.events() if e.name.startswith("c10d::"))
-    return collectives, reads.count
+def measure(step, steps: int) -> list[tuple[int, int]]:
+    """(collectives, host reads) issued by each of ``steps`` calls of ``step``.
+
+    One profiler session spans every call (each call inside a ``record_function`` range), and the
+    session ends only after a barrier: an all-reduce a step leaves in flight (``StepSync.reduce_later``)
+    completes on gloo's worker thread, which records into the profiler too; a session torn down under
+    it can crash the process. A collective is counted in the call whose range it started in."""
+    reads = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(steps):
+            with torch.profiler.record_function(f"measured step {k}"), HostReads() as counted:
+                step()
+            reads.append(counted.count)
+        dist.barrier()  # after every in-flight op of this rank's queue (gloo runs them in order)
+    events = prof.events()
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, int(e.name.rsplit(" ", 1)[1]))
+        for e in events
+        if e.name.startswith("measured step ")
+    )
+    collectives = [0] * steps
+    for e in events:
+        if e.name.startswith("c10d::"):
+            for start, end, k in ranges:
+                if start <= e.time_range.start <= end:
+                    collectives[k] += 1
+                    break
+    return list(zip(collectives, reads))
 
 
 def base_config(adabatch: dict | None = None) -> dict:
@@ -183,7 +205,7 @@ def adaptive_pipeline(*, token: bool = False) -> list[tuple[int, int]]:
 def run(step) -> list[tuple[int, int]]:
     for _ in range(2):
         step()
-    return [measure(step) for _ in range(STEPS)]
+    return measure(step, STEPS)
 
 
 def grow_every_step(step: int, batch_size: int) -> int:

@@ -23,12 +23,13 @@ from hf_worker import IndexRegression, Regressor, StepRecorder, _args, flat  # n
 
 import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
+from ds_adabatch.runtime.restart_record import new_record, write_record  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
 SAMPLES = 32
 
 
-def train(out: Path, stage: int, faults: bool) -> dict:
+def train(out: Path, stage: int, faults: bool, record_failed: int | None = None) -> dict:
     hf_worker.ZERO_STAGE = stage
     adabatch = {"schedule": {"type": "constant", "value": 16}, "max_micro_batch_per_gpu": 4}
     config = hf_worker.ds_config(adabatch)
@@ -46,7 +47,13 @@ def train(out: Path, stage: int, faults: bool) -> dict:
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=0.0,
+        **({"save_strategy": "steps", "save_steps": 1} if record_failed else {}),
     )
+    if record_failed and int(os.environ.get("RANK", "0")) == 1:
+        # What a process that exited on an unrecoverable OOM at this size leaves in output_dir.
+        write_record(str(out), new_record(None, record_failed, rank=1, where="test"))
+    if record_failed:
+        torch.distributed.barrier()
     trainer = AdaptiveBatchSizeTrainer(model=Regressor(), args=args, train_dataset=IndexRegression(SAMPLES))
     recorder = StepRecorder(trainer)
     trainer.add_callback(recorder)
@@ -64,6 +71,7 @@ def train(out: Path, stage: int, faults: bool) -> dict:
     gathered: list = [None] * world
     torch.distributed.all_gather_object(gathered, indices)
     return {
+        "records_left": sorted(p.name for p in out.glob("adabatch_oom_rank*.json")),
         "params": params,
         "plans": [s["plan"] for s in recorder.steps],
         "seen": [i for part in gathered for i in part],
@@ -78,6 +86,11 @@ def main(argv: list[str]) -> None:
         faulty = train(out / f"faulty{stage}", stage, faults=True)
         if int(os.environ.get("RANK", "0")) == 0:
             (out / f"hf_oom_z{stage}.json").write_text(json.dumps({"clean": clean, "faulty": faulty}))
+    # A record an exited process left (failed at 4 samples per pass) is imposed from step 0, and deleted
+    # once a checkpoint holds the lower limit.
+    recorded = train(out / "recorded", 2, faults=False, record_failed=4)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "hf_oom_recorded.json").write_text(json.dumps(recorded))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ def run_samples(predict: bool) -> dict:
     if engine.global_rank == 0:
         want = reference(batches, data)
         record["max_rel_err"] = float((got - want).abs().max() / want.abs().max())
+    hooks = len(engine.module._forward_pre_hooks)
     engine.close()
+    record["pre_hooks_open_closed"] = [hooks, len(engine.module._forward_pre_hooks)]
     return record
 
 

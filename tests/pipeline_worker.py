@@ -511,8 +511,10 @@ def _tensor_token_loss(engine, batch):
 
 def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
     """Token-budget steps under tensor parallelism, the last process (tensor rank 1 of replica 1) fitting
-    40 tokens per forward: the agreement names it by global rank (3), its replica's passes (data-parallel
-    rank 1) are the ones re-cut, and every update is still the token mean over the global batch."""
+    40 tokens per forward, under ``torchrun --max-restarts 1``. Every pass agrees when it begins (the
+    model's all-reduce inside the forward is no agreement point), so the first incarnation's OOM is
+    recorded and ends the launch's workers (exit 75, no hang); the second imposes the record, cuts every
+    pass below 40 tokens and trains the same samples to the token-mean reference."""
     import token_worker as tw
 
     from ds_adabatch.testing import simulated_memory_limit
@@ -524,16 +526,21 @@ def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
         batch["target"] = _token_target(batch["input_ids"], tw.VOCAB)
         return batch
 
-    cfg = tw.config(0, "token")
     engine, *_ = ds_adabatch.initialize(
-        TensorTokenModel(grid, tw.VOCAB), cfg, data, collate_fn=collate, loss_fn=_tensor_token_loss,
-        token_count_fn=tw.count_tokens, lengths=data.lengths, mpu=grid,
+        TensorTokenModel(grid, tw.VOCAB), tw.config(0, "token"), data, collate_fn=collate,
+        loss_fn=_tensor_token_loss, token_count_fn=tw.count_tokens, lengths=data.lengths, mpu=grid,
     )  # fmt: skip
+    engine.load_checkpoint(os.path.join(out_dir, "tensor_oom_ckpt"))  # none yet: records go there
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     steps, budgets, retries = [], [], []
     with simulated_memory_limit(max_tokens_per_forward=40, ranks=[dist.get_world_size() - 1]):
         for target in tw.TARGETS[:5]:
             engine.set_global_batch_size(target)
-            engine.train_batch()
+            try:
+                engine.train_batch()
+            except ds_adabatch.UnrecoverableOutOfMemory as exc:
+                print(f"rank {dist.get_rank()} incarnation {restart}: {exc}", flush=True)
+                ds_adabatch.finish(exc.exit_code)
             step = engine.last_step_batch.global_batch
             steps.append(step.indices.tolist())
             budgets.append(step.budget)
@@ -555,9 +562,9 @@ def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
         "steps": steps,
         "budgets": budgets,
         "oom_retries": retries,
-        "history": [e.reason for e in engine.history],
+        "limit": engine.micro_batch_limit,
     }
-    write(out_dir, "tensor2x2_token_oom", {"ranks": gather(record)})
+    write(out_dir, "tensor2x2_token_oom", {"restart": restart, "ranks": gather(record)})
     engine.close()
 
 
@@ -585,7 +592,8 @@ def main() -> None:
         grid = TensorGrid(2)
         for zero, bf16 in ((0, False), (1, False), (0, True), (1, True)):
             run_tensor(out_dir, grid, zero, bf16)
-        run_tensor_token_oom(out_dir, grid)
+    elif layout == "tensor2x2_oom":
+        run_tensor_token_oom(out_dir, TensorGrid(2))
     else:
         raise SystemExit(f"unknown layout {layout!r}")
 

@@ -135,6 +135,14 @@ def test_trainer_recovers_with_the_same_update(results, stage):
     assert sorted(faulty["seen"]) == list(range(32)) and faulty["steps"] == clean["steps"] == 2
 
 
+def test_the_trainer_imposes_a_restart_record_and_deletes_it_once_a_checkpoint_holds_it(results):
+    r = _read(results, 2, "hf_oom_recorded")
+    # Constant 16 on 2 ranks, max micro 4: micro 4 x gas 2 without the record; below 4 with it.
+    assert r["plans"][0][1] < 4 and r["plans"][0][0] == 16, r["plans"]
+    assert sorted(r["seen"]) == list(range(32))
+    assert r["records_left"] == [], "the record must go once a checkpoint holds the limit it taught"
+
+
 def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_path):
     # ZeRO-3 with partitioned parameters: an OOM at the start of backward on the last rank comes after
     # the forward's parameter gathers (the pass's agreement point).

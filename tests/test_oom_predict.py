@@ -39,6 +39,9 @@ def test_the_predictor_avoids_out_of_memory_errors(results, case):
     assert with_["raised"] == [0, with_["ooms"]] and without["raised"] == [0, without["ooms"]]
     for run in (without, with_):
         assert run["max_rel_err"] <= 1e-5, f"{case}: off the big-batch reference by {run['max_rel_err']:.2e}"
+    if case == "samples":  # close() takes the predictor's hook off the user's model
+        opened, closed = with_["pre_hooks_open_closed"]
+        assert opened >= 1 and closed == opened - 1, with_["pre_hooks_open_closed"]
 
 
 def test_samples_the_predicted_bound_is_the_largest_size_that_fits(results):

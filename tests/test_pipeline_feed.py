@@ -96,3 +96,12 @@ def test_gradient_noise_is_refused_where_a_replica_spans_processes():
     (problem,) = model_parallel_problems(cfg, ParallelLayout(2, 0, 1, 2, 0))
     assert problem.path == "adabatch.schedule.type" and "tensor rank" in problem.message
     assert model_parallel_problems(cfg, ParallelLayout(1, 0, 1, 1, 0), pipelined=True)
+
+
+def test_a_learned_micro_batch_is_refused_under_tensor_parallelism():
+    cfg = load_ds_config(
+        {"adabatch": {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": "auto"}}
+    )
+    assert model_parallel_problems(cfg, ParallelLayout(4, 0, 1, 1, 0)) == []
+    (problem,) = model_parallel_problems(cfg, ParallelLayout(2, 0, 1, 2, 0))
+    assert problem.path == "adabatch.max_micro_batch_per_gpu" and "set a number" in problem.message

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _util import torchrun
+from _util import failure_excerpt, torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -24,9 +24,7 @@ def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("collectives")
     proc = torchrun(HERE / "collectives_worker.py", str(out), nproc=2, cwd=HERE, timeout=600)
     if proc.returncode != 0:
-        pytest.fail(
-            f"collectives worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
-        )
+        pytest.fail(f"collectives worker failed (exit {proc.returncode}):\n{failure_excerpt(proc)}")
     return json.loads((out / "counts.json").read_text())
 
 

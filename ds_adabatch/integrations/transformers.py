@@ -64,6 +64,7 @@ from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
 from ds_adabatch.runtime.op_builds import guard_jit_builds
 from ds_adabatch.runtime.recovery import OomRecovery
+from ds_adabatch.runtime.restart_record import RestartRecords
 
 from ._trainer_callback import AdaptiveBatchCallback
 from ._trainer_config import TrainerSection, read_trainer_section
@@ -205,6 +206,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._tokens_at_start = 0
         self._shifts_labels: bool | None = None
         self._recovery: OomRecovery | None = None
+        self._restart_records: RestartRecords | None = None
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
@@ -214,8 +216,16 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         """``Trainer.train``; a resumed run takes its schedule's state from the checkpoint, and the
         ``ds_adabatch`` logger prints through transformers' logging meanwhile (``_trainer_logging``)."""
         self._resuming = bool(resume_from_checkpoint)
-        with follow_transformers_logging():
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with follow_transformers_logging():
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._close_recovery()  # its memory predictor's hook on the model goes with the run
+
+    def _close_recovery(self) -> None:
+        if self._recovery is not None:
+            self._recovery.close()
+            self._recovery = None
 
     # -- data ----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> StepLoader:
@@ -249,6 +259,13 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             resuming=self._resuming,
         )
         self._applied_plan = None
+        self._restart_records = None
+        if self.is_deepspeed_enabled and self.batch_state.config.memory.recover_from_oom:
+            # Records an exited process left in output_dir bound the first step's plan already (the
+            # recovery itself needs the engine, built later); runtime/restart_record.py.
+            self._restart_records = RestartRecords(self.batch_state.rank)
+            unit = "tokens" if self.batch_state.token_budget else "samples"
+            self._restart_records.impose(self.args.output_dir, self.batch_state.memory, unit)
         if self.is_deepspeed_enabled:
             seed_deepspeed_batch_keys(
                 self.accelerator.state.deepspeed_plugin.deepspeed_config,
@@ -409,9 +426,15 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if engine is None or not state.config.memory.recover_from_oom:
             return None
         if self._recovery is None or self._recovery.deepspeed is not engine:
+            self._close_recovery()
             self._recovery = OomRecovery(
                 engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
             )
+            # An unrecoverable error of this run is recorded in output_dir; the records imposed when the
+            # batch state was built are deleted once a checkpoint holds them (runtime/restart_record.py).
+            if self._restart_records is not None:
+                self._recovery.records = self._restart_records
+            self._recovery.use_checkpoint_dir(self.args.output_dir)
         return self._recovery
 
     def _apply_plan(self, plan: BatchPlan) -> None:
@@ -484,6 +507,8 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             )
             self.batch_state.save(folder, self.state.global_step)
         super()._save_checkpoint(model, trial)
+        if self._recovery is not None:  # the checkpoint holds the limits the records taught
+            self._recovery.checkpoint_saved(self.args.output_dir)
 
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
         # transformers 5.23 calls this after every optimizer step with the step's gradient norm.

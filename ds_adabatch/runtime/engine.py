@@ -44,13 +44,9 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
     Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step.
     """
 
-    def __init__(
-        self, ds_engine: Any, *, data_parallel_ranks: list[int] | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, ds_engine: Any, **kwargs: Any) -> None:
         kwargs.setdefault("world_size", ds_engine.dp_world_size)
         super().__init__(ds_engine, **kwargs)
-        # Global rank -> data-parallel rank under tensor parallelism (None: the same numbering).
-        self._data_parallel_ranks = data_parallel_ranks
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self._probe: NoiseProbe | None = None
         self._by_token = self.config.loss_normalization == "token"
@@ -249,7 +245,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
                 self.memory_recovery.memory,
                 self.dataloader.sampler,
                 self.last_step_batch.global_batch,
-                self._failed_passes_by_replica(ranks),
+                self.memory_recovery.failed_passes(ranks),
                 self.global_steps,
             )
             plan = step.plan(self.dataloader.sampler.max_micro_batch)
@@ -260,20 +256,6 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         self._step_ooms += 1
         self._apply_plan(plan, reason=reason, record=True, line=line)
         return plan
-
-    def _failed_passes_by_replica(self, ranks: list[int]) -> dict[int, int | None]:
-        """The failed pass of each data-parallel rank among the processes ``ranks`` (global ranks, as
-        the agreement names them). Tensor ranks of one replica run the same passes: where two of them
-        name different passes, every pass of that replica counts (None)."""
-        failed = self.memory_recovery.failed_passes(ranks)
-        table = self._data_parallel_ranks
-        if table is None:
-            return failed
-        merged: dict[int, int | None] = {}
-        for rank, index in failed.items():
-            replica = table[rank]
-            merged[replica] = index if merged.get(replica, index) == index else None
-        return merged
 
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale

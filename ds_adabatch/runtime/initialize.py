@@ -12,7 +12,6 @@ import torch
 from ..config import ConfigError, ConfigProblem, load_ds_config
 from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
-from .agreement import host_group
 from .engine import AdaptiveBatchEngine
 from .lr import BatchCoupledLR, CurrentBaseLR
 from .op_builds import guard_jit_builds
@@ -161,23 +160,11 @@ def initialize(
             world_size=world,
             # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
             counts_here=layout.tensor_parallel_rank == 0,
-            data_parallel_ranks=_data_parallel_ranks(dist, cfg, layout),
+            # Tensor-parallel forwards and backwards communicate: passes agree when they begin.
+            model_communicates=layout.tensor_parallel_size > 1,
             **common,
         )
     return engine, ds_engine.optimizer, dataloader, coupled
-
-
-def _data_parallel_ranks(dist: Any, cfg: Any, layout: Any) -> list[int] | None:
-    """Each process's data-parallel rank, indexed by its global rank, where out-of-memory recovery of
-    token-budget steps needs it: the agreement names failed processes by global rank and a step's passes
-    are cut per data-parallel rank. Gathered once, at start; None where the two numberings coincide."""
-    if layout.tensor_parallel_size == 1 or not cfg.token_budget or not cfg.memory.recover_from_oom:
-        return None
-    mine = torch.tensor([layout.data_parallel_rank], dtype=torch.int64)
-    # On the host group (gloo): no device tensor, and it is the group the agreement numbers ranks in.
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    torch.distributed.all_gather(gathered, mine, group=host_group())
-    return [int(t.item()) for t in gathered]
 
 
 def _build_loader(

@@ -113,6 +113,9 @@ class OomAgreement:
         self.agreements = 0  # number of agreements issued (tests and benchmarks read it)
         # This rank's memory-predictor verdict (a micro-batch limit) and the minimum over ranks agreed last.
         self.local_verdict: Callable[[], int] | None = None
+        # Agree when a pass begins rather than at its first DeepSpeed collective: for models whose
+        # forward and backward communicate themselves (tensor parallelism; see OomRecovery).
+        self.agree_at_pass_start = False
         self.agreed_verdict = NO_VERDICT
         self._install(ds_engine)
 
@@ -126,6 +129,10 @@ class OomAgreement:
     # -- the agreement ----------------------------------------------------------------------------
     def begin_pass(self) -> None:
         self._agreed = False
+        if self.agree_at_pass_start and self.armed:
+            failed = self._exchange(False)
+            if failed:
+                raise PeerOutOfMemory(failed)
 
     @property
     def passed_agreement(self) -> bool:
@@ -171,8 +178,10 @@ class OomAgreement:
                 "step cannot be re-planned. This happens inside the optimizer step, after a gradient "
                 "bucket filled during backward, or under ZeRO-3 after a forward gathered parameters. "
                 "Lower max_micro_batch_per_gpu (or adabatch.memory.initial_micro_batch_per_gpu), raise "
-                "reduce_bucket_size, or raise stage3_param_persistence_threshold; this process exits "
-                "and the launcher stops the others"
+                "reduce_bucket_size, or raise stage3_param_persistence_threshold. Under tensor "
+                "parallelism every pass agrees when it begins (the model's own collectives are not "
+                "agreement points), so any out-of-memory error ends here: lower the micro-batch or the "
+                "token budget. This process exits and the launcher stops the others"
             )
         return self._exchange(True, pass_index)
 

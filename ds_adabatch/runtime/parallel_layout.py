@@ -87,11 +87,23 @@ def _call(obj: Any, names: tuple[str, ...], default: int) -> int:
 def model_parallel_problems(
     loaded: Any, layout: ParallelLayout, *, pipelined: bool = False
 ) -> list[ConfigProblem]:
-    """What a replica spread over several processes (stages or tensor ranks) cannot measure."""
+    """What a replica spread over several processes (stages or tensor ranks) cannot measure or learn."""
     spread = layout.pipeline_stages * layout.tensor_parallel_size > 1
-    if loaded.adabatch.schedule.type != "gradient_noise" or not (spread or pipelined):
-        return []
-    return [
+    problems = []
+    cfg = loaded.adabatch
+    if layout.tensor_parallel_size > 1 and cfg.max_micro_batch_per_gpu == "auto":
+        problems.append(
+            ConfigProblem(
+                "adabatch.max_micro_batch_per_gpu",
+                f'"auto" learns the micro-batch from out-of-memory errors, and with {layout.describe()} '
+                "each one ends the job (the model's own tensor-parallel collectives leave no point in a "
+                "pass where the ranks can agree to retry it): set a number",
+                "auto",
+            )
+        )
+    if cfg.schedule.type != "gradient_noise" or not (spread or pipelined):
+        return problems
+    return problems + [
         ConfigProblem(
             "adabatch.schedule.type",
             f"gradient_noise cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "

@@ -60,6 +60,7 @@ class OomRecovery:
         rank: int,
         world_size: int,
         memory: MicroBatchMemory | None = None,
+        model_communicates: bool = False,
     ) -> None:
         self.deepspeed = ds_engine
         self.memory = memory if memory is not None else memory_for(config)
@@ -70,6 +71,10 @@ class OomRecovery:
             self.agreement = OomAgreement(
                 ds_engine, rank=rank, world_size=world_size, device=ds_engine.device
             )
+            # A model that communicates inside its forward and backward (tensor parallelism): its own
+            # collectives are not agreement points, so each pass agrees before it starts and an OOM
+            # inside one is survived through a restart (restart_record.py), never re-planned in place.
+            self.agreement.agree_at_pass_start = model_communicates
             # It also tells a record which size failed, so it runs with predict_peak off too.
             self.predictor = PeakPredictor(
                 ds_engine.module,
@@ -86,6 +91,11 @@ class OomRecovery:
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
         self.records = restart_record.RestartRecords(rank)
+
+    def close(self) -> None:
+        """Remove the predictor's module hook (the engine's ``close`` calls it)."""
+        if self.predictor is not None:
+            self.predictor.close()
 
     @property
     def armed(self) -> bool:

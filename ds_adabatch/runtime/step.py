@@ -81,6 +81,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         counts_here: bool = True,
         agreement_world: int | None = None,
         recovers_from_oom: bool = True,
+        model_communicates: bool = False,
     ) -> None:
         cfg = loaded_config.adabatch
         # Attribute names are set through __dict__ so __getattr__ (delegation) never sees them missing.
@@ -127,7 +128,11 @@ class AdaptiveEngineBase(CheckpointMixin):
                 update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
             )
         self.memory_recovery = OomRecovery(
-            ds_engine, memory_cfg, rank=self.rank, world_size=agreement_world or world_size
+            ds_engine,
+            memory_cfg,
+            rank=self.rank,
+            world_size=agreement_world or world_size,
+            model_communicates=model_communicates,
         )
         self._memory_reason: str | None = None
         self._step_ooms = 0
@@ -428,8 +433,10 @@ class AdaptiveEngineBase(CheckpointMixin):
         return getattr(self.dataloader, "sampler", None)
 
     def close(self) -> None:
-        """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics file."""
+        """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics
+        file, remove the memory predictor's module hook."""
         self.resolve_losses()
         self.metrics.close()
+        self.memory_recovery.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):
             self.dataloader.close()
