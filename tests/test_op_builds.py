@@ -114,7 +114,8 @@ WORKER = textwrap.dedent(
     ds_adabatch.init_distributed()
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
-    print("formed", int(t.item()), flush=True)
+    with open(f"formed_{torch.distributed.get_rank()}", "w") as f:
+        f.write(str(int(t.item())))
     ds_adabatch.finish()
     """
 )
@@ -158,5 +159,9 @@ def test_a_launch_starts_although_a_killed_process_left_the_shm_op_lock(tmp_path
     proc = run_killing_group([*cmd, str(script)], cwd=tmp_path, env=env, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert log.count("formed 2") == 2
-    assert "removed" in log and "lock" in log and not lock.exists()
+    formed = [
+        (tmp_path / f"formed_{r}").read_text() if (tmp_path / f"formed_{r}").exists() else None
+        for r in (0, 1)
+    ]
+    assert formed == ["2", "2"], f"each rank's all-reduce over both ranks: {formed}\n{log[-4000:]}"
+    assert "removed" in log and "no running build holds" in log and not lock.exists(), log[-4000:]

@@ -207,6 +207,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._shifts_labels: bool | None = None
         self._recovery: OomRecovery | None = None
         self._restart_records: RestartRecords | None = None
+        self._recovery_closed = False
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
@@ -223,9 +224,10 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             self._close_recovery()  # its memory predictor's hook on the model goes with the run
 
     def _close_recovery(self) -> None:
-        if self._recovery is not None:
+        # Kept for inspection (its counts); the next train() builds a new one.
+        if self._recovery is not None and not self._recovery_closed:
             self._recovery.close()
-            self._recovery = None
+        self._recovery_closed = True
 
     # -- data ----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> StepLoader:
@@ -425,8 +427,9 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         engine = self._deepspeed_engine()
         if engine is None or not state.config.memory.recover_from_oom:
             return None
-        if self._recovery is None or self._recovery.deepspeed is not engine:
+        if self._recovery is None or self._recovery_closed or self._recovery.deepspeed is not engine:
             self._close_recovery()
+            self._recovery_closed = False
             self._recovery = OomRecovery(
                 engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
             )

@@ -96,6 +96,10 @@ class OomAgreement:
     ``armed`` False makes the wrappers pass straight through (no collective, no cost but a branch).
     """
 
+    agree_at_pass_start = False
+    """Agree when a pass begins rather than at its first DeepSpeed collective: for models whose forward
+    and backward communicate themselves (tensor parallelism; see OomRecovery)."""
+
     def __init__(self, ds_engine: Any, *, rank: int, world_size: int, device: Any) -> None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
@@ -113,9 +117,6 @@ class OomAgreement:
         self.agreements = 0  # number of agreements issued (tests and benchmarks read it)
         # This rank's memory-predictor verdict (a micro-batch limit) and the minimum over ranks agreed last.
         self.local_verdict: Callable[[], int] | None = None
-        # Agree when a pass begins rather than at its first DeepSpeed collective: for models whose
-        # forward and backward communicate themselves (tensor parallelism; see OomRecovery).
-        self.agree_at_pass_start = False
         self.agreed_verdict = NO_VERDICT
         self._install(ds_engine)
 
