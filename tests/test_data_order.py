@@ -111,3 +111,20 @@ def test_bad_positions_are_refused() -> None:
         order.take(5, 11)
     with pytest.raises(ValueError, match="stop"):
         order.take(5, 4)
+
+
+def test_takes_of_any_size_equal_one_take_of_the_epoch_across_cached_blocks():
+    import numpy as np
+
+    from ds_adabatch.data.order import epoch_order
+
+    order = epoch_order(20_000, seed=3, epoch=1)
+    whole = order.take(0, 20_000)
+    assert sorted(whole.tolist()) == list(range(20_000))
+    for size in (1, 37, 4096, 5000):  # inside a block, across a block's end, whole blocks
+        pieces = np.concatenate([order.take(i, min(i + size, 20_000)) for i in range(0, 20_000, size)])
+        assert (pieces == whole).all(), size
+    piece = order.take(10, 20)
+    piece[:] = -1  # a caller's copy: the cached block is not changed through it
+    assert (order.take(10, 20) == whole[10:20]).all()
+    assert [order[p] for p in range(0, 20_000, 997)] == whole[::997].tolist()

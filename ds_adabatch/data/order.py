@@ -57,6 +57,9 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
+_BLOCK = 4096  # positions computed together by take() (32 KiB of indices)
+
+
 class EpochOrder:
     """The order in which the samples of one epoch are visited: ``order[p]`` is the index at position ``p``.
 
@@ -65,7 +68,7 @@ class EpochOrder:
     is what samplers use.
     """
 
-    __slots__ = ("_bits", "_keys", "_np_keys", "epoch", "num_samples", "seed", "shuffle")
+    __slots__ = ("_block", "_bits", "_keys", "_np_keys", "epoch", "num_samples", "seed", "shuffle")
 
     def __init__(self, num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> None:
         self.num_samples = _check_int("num_samples", num_samples, 1, MAX_NUM_SAMPLES)
@@ -76,6 +79,9 @@ class EpochOrder:
         self._bits = max(2, (self.num_samples - 1).bit_length())
         self._keys = _round_keys(self.seed, self.epoch)
         self._np_keys = tuple(np.uint64(k) for k in self._keys)
+        # The block of positions the last take() fell in, computed at once: a step's take() of a few
+        # dozen positions then costs a slice, not a Feistel network's numpy calls on a tiny array.
+        self._block: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -144,6 +150,14 @@ class EpochOrder:
         stop = _check_int("stop", stop, start, self.num_samples)
         if not self.shuffle:
             return np.arange(start, stop, dtype=np.int64)
+        first = start - start % _BLOCK
+        if stop <= first + _BLOCK:  # within one block (positions first .. first + _BLOCK - 1)
+            if self._block is None or self._block[0] != first:
+                self._block = (first, self._take(first, min(first + _BLOCK, self.num_samples)))
+            return self._block[1][start - first : stop - first].copy()
+        return self._take(start, stop)
+
+    def _take(self, start: int, stop: int) -> np.ndarray:
         n = np.uint64(self.num_samples)
         out = self._permute_array(np.arange(start, stop, dtype=np.uint64))
         walk = np.flatnonzero(out >= n)
