@@ -71,6 +71,16 @@ def failure_excerpt(proc: subprocess.CompletedProcess[str], limit: int = 4000) -
     return head + log[-limit:]
 
 
+def torchrun_or_fail(script: Path, *args: str, what: str, nproc: int = 2, cwd: Path, timeout: float) -> None:
+    """:func:`torchrun` that fails the calling test (or fixture) with :func:`failure_excerpt` when the
+    launch does not exit 0; ``what`` names the launch in that message."""
+    import pytest
+
+    proc = torchrun(script, *args, nproc=nproc, cwd=cwd, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed (exit {proc.returncode}):\n{failure_excerpt(proc)}")
+
+
 def read_result(results: Path, name: str) -> dict:
     """The JSON record ``name`` a launched worker wrote into ``results`` (fails clearly if it wrote none)."""
     path = results / f"{name}.json"

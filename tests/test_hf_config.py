@@ -23,19 +23,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def _args(tmp_path, **overrides):
-    from transformers import TrainingArguments
+    from hf_worker import _args as quiet_args
 
-    base = {
-        "output_dir": str(tmp_path),
-        "report_to": [],
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "per_device_train_batch_size": 4,
-        "learning_rate": 0.05,
-        "use_cpu": True,
-    }
-    return TrainingArguments(**{**base, **overrides})
+    return quiet_args(
+        tmp_path, **{"per_device_train_batch_size": 4, "learning_rate": 0.05, "use_cpu": True, **overrides}
+    )
 
 
 def _trainer(tmp_path, *, dataset=None, model=None, args=None, **kwargs):

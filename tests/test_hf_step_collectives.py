@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _util import torchrun
+from _util import torchrun_or_fail
 
 pytestmark = pytest.mark.multirank
 
@@ -22,11 +22,14 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("hf_collectives")
-    proc = torchrun(HERE / "hf_collectives_worker.py", str(out), nproc=2, cwd=HERE, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(
-            f"hf_collectives_worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
-        )
+    torchrun_or_fail(
+        HERE / "hf_collectives_worker.py",
+        str(out),
+        what="hf_collectives_worker",
+        nproc=2,
+        cwd=HERE,
+        timeout=900,
+    )
     return json.loads((out / "counts.json").read_text())
 
 

@@ -793,23 +793,14 @@ def test_a_lazily_measured_sample_over_the_budget_is_named_when_reached():
 # -- one process, no DeepSpeed -----------------------------------------------------------------------
 def _trainer(tmp_path, dataset, *, scheduler=None, model=None, max_micro=None, eval_dataset=None, **args):
     from hf_worker import Regressor, StepRecorder
-    from transformers import TrainingArguments
+    from hf_worker import _args as quiet_args
 
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
 
-    base = {
-        "output_dir": str(tmp_path),
-        "report_to": [],
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "per_device_train_batch_size": 1,
-        "learning_rate": 0.05,
-    }
     trainer = AdaptiveBatchSizeTrainer(
         batch_size_scheduler=scheduler,
         model=model if model is not None else Regressor(),
-        args=TrainingArguments(**{**base, **args}),
+        args=quiet_args(tmp_path, **{"per_device_train_batch_size": 1, "learning_rate": 0.05, **args}),
         train_dataset=dataset,
         eval_dataset=eval_dataset,
         max_micro_batch_per_gpu=max_micro,

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _util import failure_excerpt, torchrun
+from _util import torchrun_or_fail
 
 pytestmark = pytest.mark.multirank
 
@@ -22,9 +22,9 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("collectives")
-    proc = torchrun(HERE / "collectives_worker.py", str(out), nproc=2, cwd=HERE, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"collectives worker failed (exit {proc.returncode}):\n{failure_excerpt(proc)}")
+    torchrun_or_fail(
+        HERE / "collectives_worker.py", str(out), what="collectives worker", nproc=2, cwd=HERE, timeout=600
+    )
     return json.loads((out / "counts.json").read_text())
 
 
