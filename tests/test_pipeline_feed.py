@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from ds_adabatch.config import load_ds_config
 from ds_adabatch.runtime.parallel_layout import ParallelLayout, model_parallel_problems, parallel_layout
-from ds_adabatch.runtime.pipeline_feed import WeightedPipelineLoss, check_pipeline_batch, pad_rows, rows_of
+from ds_adabatch.runtime.pipeline_feed import (
+    WeightedPipelineLoss,
+    check_pipeline_batch,
+    loss_reduction,
+    pad_rows,
+    rows_of,
+)
 
 
 def test_pad_rows_repeats_the_first_row_in_every_tensor():
@@ -35,7 +43,7 @@ def test_weighted_loss_uses_real_rows_and_weights_them():
     out = torch.tensor([[1.0], [2.0], [9.0], [9.0]], requires_grad=True)  # rows 2, 3: filled pads
     y = torch.zeros(4, 1)
     loss = WeightedPipelineLoss(_mean_mse, by_token=False)
-    loss.expect([(2, 0.5), (0, 0.0)])
+    loss.expect([(2, 2, 0.5), (0, 0, 0.0)])
     got = loss(out, y)
     assert got.item() == pytest.approx((1.0 + 4.0) / 2 * 0.5)
     got.backward()
@@ -49,7 +57,7 @@ def test_weighted_loss_uses_real_rows_and_weights_them():
 def test_weighted_loss_accepts_one_loss_per_row():
     out, y = torch.tensor([[1.0], [3.0], [5.0]]), torch.zeros(3, 1)
     per_row = WeightedPipelineLoss(lambda o, t: ((o - t) ** 2).flatten(), by_token=False)
-    per_row.expect([(2, 2 * 0.25)])  # weight = count x factor
+    per_row.expect([(2, 2, 2 * 0.25)])  # (rows, count, weight = count x factor)
     assert per_row(out, y).item() == pytest.approx((1.0 + 9.0) * 0.25)
 
 
@@ -60,13 +68,85 @@ def test_weighted_loss_refuses_what_it_cannot_weigh():
     per_row = WeightedPipelineLoss(lambda o, t: (o - t).flatten(), by_token=False)
     with torch.no_grad():  # DeepSpeed's eval_batch: the user's loss, per-row losses averaged
         assert per_row(torch.tensor([[1.0], [3.0]]), torch.zeros(2, 1)).item() == 2.0
-    loss.expect([(2, 1.0)])
+    loss.expect([(2, 2, 1.0)])
     with pytest.raises(TypeError, match="must return a tensor"):
         loss(torch.zeros(2, 1), torch.zeros(2, 1))
     tokens = WeightedPipelineLoss(lambda o, t: torch.zeros(2), by_token=True)
-    tokens.expect([(2, 1.0)])
+    tokens.expect([(2, 2, 1.0)])
     with pytest.raises(TypeError, match="target tokens"):
         tokens(torch.zeros(2, 1), torch.zeros(2, 1))
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of 3 rows (the last a filled pad) over 4 classes, and their labels."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, 4, generator=g, requires_grad=True), torch.tensor([1, 3, 3])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nn.CrossEntropyLoss(),
+        lambda: torch.nn.CrossEntropyLoss(reduction="sum"),
+        lambda: torch.nn.CrossEntropyLoss(reduction="none"),
+        lambda: functools.partial(torch.nn.functional.cross_entropy, reduction="sum"),
+        lambda: functools.partial(functools.partial(torch.nn.functional.cross_entropy), reduction="none"),
+        lambda: torch.nn.functional.cross_entropy,
+    ],
+    ids=["module-mean", "module-sum", "module-none", "partial-sum", "nested-partial-none", "function"],
+)
+def test_any_loss_and_reduction_gives_the_weighted_mean(make):
+    """A module, a partial or a function, with whatever reduction it declares: mean over the real rows
+    times the pass's weight (the two real rows of three, weight 0.3)."""
+    out, y = _rows()
+    want = torch.nn.functional.cross_entropy(out[:2], y[:2]) * 0.3
+    loss = WeightedPipelineLoss(make(), by_token=False)
+    loss.expect([(2, 2, 0.3)])
+    got = loss(out, y)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    got.backward()
+    assert out.grad[2].abs().sum() == 0, "the pad row must not contribute"
+
+
+def test_a_loss_module_can_take_the_pipeline_modules_slot():
+    """DeepSpeed's PipelineModule holds a loss module as a child: the wrapper must be a module too
+    (torch refuses anything else there), and the user's module stays reachable as its child."""
+    holder = torch.nn.Module()
+    holder.loss_fn = torch.nn.CrossEntropyLoss(weight=torch.ones(4))
+    wrapped = WeightedPipelineLoss(holder.loss_fn, by_token=False)
+    holder.loss_fn = wrapped  # raised TypeError when the wrapper was not a Module
+    assert holder.loss_fn is wrapped and "loss_fn.user_loss.weight" in dict(holder.named_buffers())
+
+
+def test_token_sums_are_divided_by_the_passes_target_tokens():
+    """Token normalisation with reduction 'sum' or 'none': the sum over the pass's target tokens
+    (ignored positions give 0), divided by that count (5 tokens here), times the weight."""
+    logits = torch.randn(2, 3, 4)
+    labels = torch.tensor([[1, 2, -100], [0, 3, 1]])
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 4), labels.reshape(-1)) * 0.5
+    for reduction in ("sum", "none"):
+        loss = WeightedPipelineLoss(_TokenCrossEntropy(reduction), by_token=True)
+        loss.expect([(2, 5, 0.5)])
+        assert loss(logits, labels).item() == pytest.approx(want.item(), rel=1e-6), reduction
+
+
+class _TokenCrossEntropy(torch.nn.Module):
+    """A language model's loss module over [rows, positions, vocab] logits, with its own reduction."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, labels):
+        flat = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction=self.reduction
+        )
+        return flat if self.reduction != "none" else flat.reshape(labels.shape)
+
+
+def test_an_unknown_reduction_is_refused():
+    with pytest.raises(ValueError, match="reduction='mean', 'sum' or 'none'"):
+        loss_reduction(torch.nn.CrossEntropyLoss(reduction="batchmean"))
 
 
 class _Mpu:

@@ -49,7 +49,7 @@ class CheckpointMixin:
             "history": [e.to_dict() for e in self.history],
             "override": self._override,
             "controller": self.controller.state_dict(),
-            "data": None if self.dataloader is None else self.dataloader.state_dict(),
+            "data": self._checkpoint_data_state(),
             "lr": self.lr_coupling.state_dict(),
             "loss_ema": self.loss_ema.state_dict(),
             "noise": self.noise.state_dict(),
@@ -57,6 +57,14 @@ class CheckpointMixin:
             "last_grad_norm": self.last_grad_norm,
             "memory": self.memory_recovery.memory.state_dict(),
         }
+
+    def _checkpoint_data_state(self) -> Any:
+        """The loader's state; inside a step of the forward / backward / step loop, as it was before
+        that step (a resume trains the step again from its start; partial gradients are not saved)."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            return loop.data_state
+        return None if self.dataloader is None else self.dataloader.state_dict()
 
     def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -156,6 +164,15 @@ class CheckpointMixin:
         DeepSpeed's universal format (once, on rank 0; cached as ``<tag>_universal`` and reused) unless
         ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
         """
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            if loop.passes is not None:
+                raise RuntimeError(
+                    "load_checkpoint() inside an optimizer step of the forward / backward / step loop: "
+                    "its partial gradients would be mixed into the loaded state; load before the loop or "
+                    "after the engine.step() that ends a step (engine.is_gradient_accumulation_boundary())"
+                )
+            self._loop = None  # a step taken but not started: the loaded cursor replaces it
         self.resolve_losses()  # nothing pending may be folded into the loaded state later
         self.memory_recovery.use_checkpoint_dir(load_dir)  # limits an exited process recorded there
         ds = self.deepspeed

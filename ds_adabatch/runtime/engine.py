@@ -28,17 +28,17 @@ from typing import Any
 import torch
 
 from ..plan import BatchPlan
+from .loop import LoopMixin
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
+from .passes import StepPasses
 from .recovery import replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
 from .step import AdaptiveEngineBase
 from .step_loss import StepLoss
 
 __all__ = ["AdaptiveBatchEngine"]
 
-_FLOAT64 = torch.float64
 
-
-class AdaptiveBatchEngine(AdaptiveEngineBase):
+class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
     """A DeepSpeed engine whose global batch follows the ``"adabatch"`` schedule.
 
     Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step.
@@ -77,10 +77,9 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
                     "train_batch() needs data: pass training_data to ds_adabatch.initialize, or call "
                     "train_batch(data_iter) with an iterator of micro-batches"
                 )
-            step_batch = self.dataloader.next_step(self.plan)
-            self.last_step_batch = step_batch
-            if step_batch.plan != self.plan:
-                self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+            planned = self.plan
+            step_batch = self._take_step_batch()
+            if self.plan is not planned:  # the epoch tail was re-planned: its LR multiplier applies
                 lr_used = self.lr_coupling.get_lr()[0]
             micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
             # An iterable dataset has no global view: the step's collective counts its samples.
@@ -98,15 +97,23 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
 
         step = self.global_steps
         self._step_ooms = 0
-        recovery = self.memory_recovery
-        if recovery.armed:
-            loss_sum, tokens, total_samples, total, probe_sums = self._recovering_step(
-                micro, total_samples, measure, data_iter is None
-            )
+        if self.memory_recovery.armed:
+            results = self._recovering_step(micro, total_samples, measure, data_iter is None)
         else:
-            loss_sum, tokens, total_samples, total, probe_sums = self._forward_backward(
-                micro, total_samples, measure
-            )
+            results = self._forward_backward(micro, total_samples, measure)
+        return self._complete_step(step, started, lr_used, results)
+
+    def _take_step_batch(self) -> Any:
+        """The sampler's next global batch for the plan, cut for this rank (the epoch tail re-planned)."""
+        step_batch = self.dataloader.next_step(self.plan)
+        self.last_step_batch = step_batch
+        if step_batch.plan != self.plan:
+            self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+        return step_batch
+
+    def _complete_step(self, step: int, started: float, lr_used: float, results: tuple) -> StepLoss:
+        """Account a step whose passes ran (``StepPasses.result()``): counts, signals, its record, its loss."""
+        loss_sum, tokens, total_samples, total, probe_sums = results
         self._finish_step(total_samples, tokens)
         sync = self._sync
         # The previous step's measurement: its all-reduce (issued below, one step ago) has overlapped
@@ -149,70 +156,25 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
 
     def _forward_backward(
         self, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
-    ) -> tuple[torch.Tensor, int, int, int, tuple[list[Any], Callable[[], float | None]] | None]:
+    ) -> tuple[torch.Tensor, int, int, int, Any]:
         ds = self.deepspeed
         device = ds.device
-        samples = [n for _, n in micro]
-        # Tokens are counted on the loader's host tensors: no device read.
-        tokens = [self._count_tokens(b) if n else 0 for b, n in micro] if self.counts_tokens else []
-        counts = tokens if self._by_token else samples
-
-        if total_samples is not None and not self.counts_tokens:
-            # The sampler gave every rank the global batch's size: nothing to agree on.
-            total, total_tokens = total_samples, 0
-        else:
-            # Per-rank counts: one collective, which also carries whatever StepSync has queued. Each
-            # replica counts once (tensor ranks of a replica hold the same micro-batches).
-            mine = [float(sum(samples)), float(sum(counts)), float(sum(tokens))]
-            totals = self._sync.reduce(mine if self.counts_here else [0.0, 0.0, 0.0])
-            total_samples = int(totals[0]) if total_samples is None else total_samples
-            total, total_tokens = int(totals[1]), int(totals[2])
-        if total <= 0:
-            raise ValueError("the global batch has no samples (or no target tokens) to train on")
-        # DeepSpeed steps the LR scheduler inside the boundary step(); in "samples" mode it must
-        # already see the samples this step consumes.
-        self.lr_coupling.set_samples(self.global_samples + total_samples)
-
-        probe = self._noise_probe() if measure else None
-        loss_sum = torch.zeros((), dtype=_FLOAT64, device=device)
-        last = len(micro) - 1
-        scale = self.world_size / total  # loss weight = count * W / total (weights.py)
+        passes = StepPasses(self, micro, total_samples, measure)
         recovery = self.memory_recovery
         armed = recovery.armed
         try:
-            for i, (batch, n) in enumerate(micro):
+            for i, (batch, _) in enumerate(micro):
                 if armed:
                     recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}", index=i)
-                # DeepSpeed 0.19.8 decides the boundary from micro_steps % GAS unless it is set
-                # explicitly; a GAS change with micro_steps not a multiple of the new GAS would fire
-                # early and mix micro-batches of two steps. Setting it on every micro-batch avoids that.
-                ds.set_gradient_accumulation_boundary(i == last)
-                loss = self._micro_loss(_to_device(batch, device))
-                count = counts[i]
-                weight = count * scale
-                if probe is not None:
-                    probe.begin(weight, n)
-                ds.backward(loss * weight, scale_wrt_gas=False)
-                if probe is not None:
-                    probe.end()
-                    if i == last:
-                        probe.read_reduced_norm()
-                if i == last and armed:
+                passes.set_boundary(i)
+                passes.backward(i, self._micro_loss(_to_device(batch, device)))
+                if i == passes.last and armed:
                     recovery.where = f"in the optimizer step of step {self.global_steps}"
                     recovery.pass_index = None
-                ds.step()
-                if count:
-                    # One fused op: loss_sum += loss * count (float64, on the device).
-                    loss_sum.add_(loss.detach(), alpha=count)
+                ds.step()  # DeepSpeed updates only on the boundary
         finally:
-            if probe is not None:
-                probe.stop()
-            ds.set_gradient_accumulation_boundary(None)
-
-        if not self.counts_here:
-            loss_sum.zero_()  # this replica's loss is counted on its tensor rank 0
-        measured = (probe.local_sums(), probe.reduced_sq_norm_later()) if probe is not None else None
-        return loss_sum, total_tokens, total_samples, total, measured
+            passes.close()
+        return passes.result()
 
     def _micro_loss(self, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:

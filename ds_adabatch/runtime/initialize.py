@@ -13,6 +13,8 @@ from ..config import ConfigError, ConfigProblem, load_ds_config
 from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
+from .initialize_args import resolve_call
+from .loop import LoopDataLoader
 from .lr import BatchCoupledLR, CurrentBaseLR
 from .op_builds import guard_jit_builds
 from .parallel_layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
@@ -27,14 +29,18 @@ logger = logging.getLogger("ds_adabatch")
 
 
 def initialize(
-    model: torch.nn.Module,
-    config: str | os.PathLike | dict,
-    training_data: Any = None,
-    *,
-    model_parameters: Any = None,
+    *positional: Any,
+    args: Any = None,
+    model: torch.nn.Module | None = None,
     optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
     lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable | None = None,
+    config: str | os.PathLike | dict | None = None,
+    config_params: str | os.PathLike | dict | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     token_count_fn: Callable[[Any], int] | None = None,
     lengths: Any = None,
@@ -43,27 +49,43 @@ def initialize(
 ) -> tuple[AdaptiveBatchEngine | AdaptivePipelineEngine, Any, Any, Any]:
     """Build a DeepSpeed engine whose global batch follows the config's ``"adabatch"`` section.
 
-    Drop-in for ``deepspeed.initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+    Drop-in for ``deepspeed.initialize``: the same keywords, the config found where DeepSpeed finds it,
+    and ``(engine, optimizer, dataloader, lr_scheduler)`` returned. Every call form works::
+
+        initialize(args=args, model=net, model_parameters=params, training_data=trainset)  # --deepspeed_config
+        initialize(args=args, model=net, model_parameters=params, training_data=trainset, config=ds_config)
+        initialize(model=net, config="ds_config.json", training_data=trainset)
+        initialize(net, "ds_config.json", trainset, loss_fn=...)       # model, config, training_data
+        initialize(args, net, None, params)                            # DeepSpeed's positional order
+
     The engine is an :class:`AdaptiveBatchEngine`, or for a ``PipelineModule`` an
     :class:`AdaptivePipelineEngine`; plans are made for the data-parallel size either way (the world
-    divided by pipeline stages and tensor ranks).
+    divided by pipeline stages and tensor ranks). With ``training_data`` the returned dataloader hands
+    out this rank's micro-batches of the current plan to the forward / backward / step loop
+    (:mod:`ds_adabatch.runtime.loop`); ``engine.train_batch()`` takes whole steps from the same stream.
 
     Args:
+        args: like DeepSpeed's: an object (``argparse.Namespace``) whose ``deepspeed_config`` (from
+            ``deepspeed.add_config_arguments``; ``--deepspeed_config ds_config.json``) names the config
+            when ``config`` does not; its ``local_rank`` is set to this process's, as DeepSpeed does.
         model: the ``torch.nn.Module`` to train, or a DeepSpeed ``PipelineModule`` (build it after
             ``deepspeed.init_distributed()``, as DeepSpeed requires; ZeRO 0 or 1).
-        config: path to, or dict of, a full ds_config with an ``"adabatch"`` section. DeepSpeed's
-            batch keys are filled from the initial plan (leave them out or ``"auto"``).
+        config: path to, or dict of, a full ds_config with an ``"adabatch"`` section (``config_params``
+            is its older name, as in DeepSpeed). DeepSpeed's batch keys are filled from the initial plan
+            (leave them out, ``"auto"``, or set them to the schedule's start).
         training_data: a map-style dataset (every sample exactly once per epoch, in an order fixed by
             ``adabatch.data.seed``) or an ``IterableDataset`` (each rank draws from its own iterator).
             ``None``: pass micro-batches to ``train_batch(data_iter)`` yourself. A pipeline needs a
             map-style dataset whose ``collate_fn`` returns ``(inputs, labels)``.
-        model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize``.
+        model_parameters, optimizer, lr_scheduler, mpu, dist_init_required: as for
+            ``deepspeed.initialize`` (``mpu`` for tensor parallelism).
         collate_fn: turns a list of samples into a micro-batch (default: torch's default collate).
-        loss_fn: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the micro-batch's samples (or
-            target tokens with ``loss_normalization: "token"``; it may then return
-            ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models). For a
-            ``PipelineModule``: ``loss_fn(outputs, labels)``, the module's own by default, returning
-            the mean over the rows it is given (or one loss per row); the engine weights it.
+        loss_fn: for ``train_batch``: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the
+            micro-batch's samples (or target tokens with ``loss_normalization: "token"``; it may then
+            return ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models). For
+            a ``PipelineModule``: ``loss_fn(outputs, labels)`` (a function, a ``functools.partial`` or
+            a loss module such as ``torch.nn.CrossEntropyLoss()``), the module's own by default; the
+            engine weights it (see :class:`~ds_adabatch.runtime.pipeline_feed.WeightedPipelineLoss`).
         token_count_fn: ``token_count_fn(batch) -> int`` target tokens of a micro-batch for
             ``loss_normalization: "token"``; default counts ``labels != -100`` (shifted by one for
             ``*ForCausalLM`` models, whose loss is over shifted labels; unshifted ``labels`` of a
@@ -73,14 +95,33 @@ def initialize(
             schedule count; checked against the budget before any process group starts.
         length_fn: instead of ``lengths``, ``length_fn(sample) -> int``, evaluated the first time a
             step reaches the sample and cached (nothing is measured at start-up).
-        **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``mpu`` for tensor parallelism,
-            ``dist_init_required``, ...).
+        **deepspeed_kwargs: passed to ``deepspeed.initialize`` (``distributed_port``, ``mesh_param``).
 
     Raises:
-        ConfigError: the ds_config or its ``"adabatch"`` section is invalid, or asks for what the
-            parallel layout cannot do — raised before DeepSpeed builds anything, and before any process
-            group is created when the problem does not depend on the world size.
+        ConfigError: the ds_config or its ``"adabatch"`` section is invalid, is given twice or not at
+            all, or asks for what the parallel layout cannot do — raised before DeepSpeed builds
+            anything, and before any process group is created when the problem does not depend on the
+            world size.
+        TypeError: an argument DeepSpeed would not accept either (named in the message).
     """
+    call = resolve_call(
+        positional,
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=config,
+        config_params=config_params,
+    )
+    model, training_data, collate_fn = call.model, call.training_data, call.collate_fn
+    model_parameters, optimizer, lr_scheduler = call.model_parameters, call.optimizer, call.lr_scheduler
+    deepspeed_kwargs.update(call.deepspeed_kwargs)
+    config = call.config
     loaded = load_ds_config(config)
     _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
     pipelined = is_pipeline_module(model)
@@ -110,6 +151,7 @@ def initialize(
     dataloader = _build_loader(cfg, training_data, token_sampler, rank, world, collate_fn)
 
     ds_engine, _, _, ds_scheduler = deepspeed.initialize(
+        args=call.deepspeed_args,
         model=model,
         model_parameters=model_parameters if model_parameters is not None else model.parameters(),
         optimizer=optimizer,
@@ -117,6 +159,7 @@ def initialize(
         config=loaded.deepspeed,
         **deepspeed_kwargs,
     )
+    call.report_local_rank(ds_engine.local_rank)
     if ds_engine.optimizer is None:
         raise ConfigError.single(
             "optimizer", 'training needs an optimizer: add an "optimizer" section or pass optimizer=', None
@@ -164,6 +207,9 @@ def initialize(
             model_communicates=layout.tensor_parallel_size > 1,
             **common,
         )
+    if dataloader is not None and not pipelined:
+        # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
+        dataloader = LoopDataLoader(engine, dataloader)
     return engine, ds_engine.optimizer, dataloader, coupled
 
 
@@ -213,8 +259,6 @@ def _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, 
             )
         if len(training_data) == 0:
             raise ValueError("training_data is empty")
-    if "training_data" in deepspeed_kwargs or "config_params" in deepspeed_kwargs:
-        raise TypeError("pass training data and the config as ds_adabatch.initialize's own arguments")
 
 
 # DeepSpeed 0.19.8 names its section models after the config keys they parse.

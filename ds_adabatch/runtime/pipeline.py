@@ -144,7 +144,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         items = [self._prepare(m.batch, plan) for m in micro] if self._feeds else []
         if self._last:
             factor = plan.gradient_accumulation_steps * self.world_size / total
-            self._weighted_loss.expect([(m.num_samples, c * factor) for m, c in zip(micro, counts)])
+            self._weighted_loss.expect([(m.num_samples, c, c * factor) for m, c in zip(micro, counts)])
         # DeepSpeed steps the LR scheduler inside the optimizer step: in "samples" mode it must
         # already see the samples this step consumes.
         self.lr_coupling.set_samples(self.global_samples + total_samples)

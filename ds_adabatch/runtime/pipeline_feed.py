@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightedPipelineLoss", "check_pipeline_batch", "pad_rows", "rows_of"]
+__all__ = ["WeightedPipelineLoss", "check_pipeline_batch", "loss_reduction", "pad_rows", "rows_of"]
 
 
 def check_pipeline_batch(batch: Any) -> None:
@@ -77,13 +77,6 @@ def _take(value: Any, rows: int) -> Any:
     return value
 
 
-def _mean(out: Any) -> Any:
-    """The micro-batch's mean loss from what a loss_fn returns (a mean, per-row losses, (loss, tokens))."""
-    if isinstance(out, tuple):
-        out = out[0]
-    return out.mean() if isinstance(out, torch.Tensor) and out.dim() == 1 else out
-
-
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
@@ -92,53 +85,106 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-class WeightedPipelineLoss:
+def loss_reduction(loss_fn: Any) -> str:
+    """How ``loss_fn`` reduces its rows: ``"mean"`` (the default), ``"sum"`` or ``"none"``.
+
+    Read from a loss module's ``reduction`` (``torch.nn.CrossEntropyLoss(reduction="sum")``) or a
+    ``functools.partial``'s ``reduction=`` keyword (``partial(F.cross_entropy, reduction="none")``); a
+    plain function is taken to return the mean (or one loss per row, told apart by its shape).
+    """
+    while True:
+        reduction = getattr(loss_fn, "reduction", None)
+        if isinstance(reduction, str):
+            break
+        keywords = getattr(loss_fn, "keywords", None)  # functools.partial
+        if isinstance(keywords, dict) and isinstance(keywords.get("reduction"), str):
+            reduction = keywords["reduction"]
+            break
+        inner = getattr(loss_fn, "func", None)
+        if inner is None:
+            return "mean"
+        loss_fn = inner
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            f"the pipeline's loss_fn reduces with {reduction!r}; use reduction='mean', 'sum' or 'none'"
+        )
+    return reduction
+
+
+class WeightedPipelineLoss(torch.nn.Module):
     """The module's ``loss_fn`` for one run: the user's loss on real rows, weighted for the exact mean.
 
-    ``user_loss(outputs, labels)`` returns the mean loss over its rows (a scalar; with token
-    normalisation the mean over their target tokens, or ``(loss, num_tokens)``), or one loss per row
-    (shape ``[rows]``, sample normalisation only), which is summed.
+    ``user_loss(outputs, labels)`` may be a function, a ``functools.partial`` or a loss module
+    (``torch.nn.CrossEntropyLoss()``; it stays a child module, so ``.to()`` moves its buffers). What it
+    returns is read by its reduction (:func:`loss_reduction`):
+
+    * ``"mean"``: the mean loss over its rows (a scalar; with token normalisation the mean over their
+      target tokens, or ``(loss, num_tokens)``), or one loss per row (shape ``[rows]``, sample
+      normalisation only), which is averaged;
+    * ``"sum"``: the sum over its rows (or over their target tokens), divided by their count;
+    * ``"none"``: one loss per element; each row's loss is the mean of its elements (sample
+      normalisation), or all elements are summed and divided by the target tokens (token normalisation,
+      where ignored positions contribute 0, as ``cross_entropy(..., reduction="none")`` gives them).
+
+    It is a ``torch.nn.Module`` because DeepSpeed's ``PipelineModule`` keeps a loss module as a child:
+    torch refuses to put anything else in that slot.
     """
 
     def __init__(self, user_loss: Callable[[Any, Any], Any], *, by_token: bool) -> None:
+        super().__init__()
         self.user_loss = user_loss
+        self.reduction = loss_reduction(user_loss)
         self.by_token = by_token
-        self._queue: deque[tuple[int, float]] = deque()
+        self._queue: deque[tuple[int, float, float]] = deque()
 
-    def expect(self, passes: Sequence[tuple[int, float]]) -> None:
-        """The coming step's passes, in order: ``(real rows, weight)`` with weight = count × GAS × dp / total."""
+    def expect(self, passes: Sequence[tuple[int, float, float]]) -> None:
+        """The coming step's passes, in order: ``(real rows, count, weight)`` with count the rows (or
+        target tokens) and weight = count × GAS × dp / total."""
         self._queue.clear()
         self._queue.extend(passes)
 
-    def __call__(self, outputs: Any, labels: Any) -> torch.Tensor:
+    def forward(self, outputs: Any, labels: Any) -> torch.Tensor:
         if not self._queue:
             if not torch.is_grad_enabled():  # DeepSpeed's eval_batch (under no_grad): the plain mean
-                return _mean(self.user_loss(outputs, labels))
+                out = self.user_loss(outputs, labels)
+                rows = rows_of((outputs, labels)) if isinstance(outputs, torch.Tensor) else 1
+                return self._mean(out, rows, rows) if not self.by_token or self.reduction == "mean" else out
             raise RuntimeError(
                 "the pipeline's loss_fn ran outside an adaptive step: call engine.train_batch(), not "
                 "the DeepSpeed engine's own train_batch"
             )
-        rows, weight = self._queue.popleft()
+        rows, count, weight = self._queue.popleft()
         # A pad pass (no real row) still runs backward through its first row, weighted 0, so every
         # stage receives the gradient it waits for.
         keep = max(rows, 1)
         out = self.user_loss(_take(outputs, keep), _take(labels, keep))
+        return self._mean(out, keep, max(count, 1)) * weight
+
+    def _mean(self, out: Any, rows: int, count: float) -> torch.Tensor:
+        """The pass's mean loss over its ``rows`` (or ``count`` target tokens) from ``out`` as reduced."""
         if isinstance(out, tuple):  # (mean loss, num_tokens): the count was taken when feeding
             out = out[0]
-        if not isinstance(out, torch.Tensor) or out.dim() > 1:
+        if not isinstance(out, torch.Tensor):
             raise TypeError(
                 "the pipeline's loss_fn(outputs, labels) must return a tensor: the mean loss over the "
-                f"micro-batch (a scalar) or one loss per sample (shape [{keep}]); got {_describe(out)}"
+                f"micro-batch (a scalar) or one loss per sample (shape [{rows}]); got {_describe(out)}"
             )
         out = out.float()
-        if out.dim() == 1:
-            if self.by_token or out.shape[0] != keep:
-                raise TypeError(
-                    f"the pipeline's loss_fn returned {out.shape[0]} values for {keep} samples; return "
-                    "the mean (a scalar)"
-                    + (' over target tokens with loss_normalization "token"' if self.by_token else "")
-                    + " or one loss per sample"
-                )
-            # weight is count × GAS·dp / total with count = rows: per sample that is weight / rows.
-            return out.sum() * (weight / keep)
-        return out * weight
+        if self.reduction == "sum":
+            if out.dim():
+                raise TypeError(f"the pipeline's loss_fn reduces by 'sum' but returned {_describe(out)}")
+            return out / count
+        if self.reduction == "none" and out.dim():
+            if self.by_token:  # ignored positions are 0: the sum over the pass's target tokens
+                return out.sum() / count
+            return out.reshape(out.shape[0], -1).mean(dim=1).mean()  # each row: its elements' mean
+        if out.dim() == 0:
+            return out
+        if out.dim() == 1 and out.shape[0] == rows and not self.by_token:
+            return out.mean()  # one loss per row
+        raise TypeError(
+            "the pipeline's loss_fn(outputs, labels) must return a tensor: the mean loss (a scalar)"
+            + (' over target tokens with loss_normalization "token"' if self.by_token else "")
+            + f" or one loss per sample (shape [{rows}]), or be built with reduction='sum' or 'none'; "
+            f"it returned {_describe(out)} for {rows} samples"
+        )
