@@ -2,8 +2,8 @@
 
 Subcommands::
 
-    ds-adabatch validate CONFIG [CONFIG ...] [--world-size N]
-    ds-adabatch plan --global-batch B --world-size W --max-micro M [--uneven]
+    ds-adabatch validate CONFIG [CONFIG ...] [--world-size N] [--pipeline-stages S] [--tensor-parallel-size T]
+    ds-adabatch plan --global-batch B --world-size W --max-micro M [--uneven] [--pipeline-stages S] [--tensor-parallel-size T]
     ds-adabatch schema
     ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
     ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
@@ -157,15 +157,20 @@ def format_plan(plan: BatchPlan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    stages, tensor = _layout_of(args, None)
+    replicas = _data_parallel(args.world_size, stages, tensor)
     try:
-        plan = plan_batch(args.global_batch, args.world_size, args.max_micro, allow_uneven=args.uneven)
+        plan = plan_batch(args.global_batch, replicas, args.max_micro, allow_uneven=args.uneven)
     except PlanError as err:
         raise UsageError(f"{err} (on the command line: add --uneven)") from None
     mode = "uneven splits allowed" if args.uneven else "even splits only"
-    print(
-        f"global batch {args.global_batch} on {args.world_size} rank{'s' if args.world_size != 1 else ''}, "
-        f"max micro-batch {args.max_micro} per GPU, {mode}\n"
-    )
+    where = f"{replicas} rank{'s' if replicas != 1 else ''}"
+    if stages * tensor > 1:
+        where = (
+            f"{replicas} data-parallel replica{'s' if replicas != 1 else ''} ({args.world_size} processes: "
+            f"{stages} pipeline stage(s) x {tensor} tensor rank(s) each; rows below are replicas)"
+        )
+    print(f"global batch {args.global_batch} on {where}, max micro-batch {args.max_micro} per GPU, {mode}\n")
     print(format_plan(plan))
     return 0
 
@@ -191,13 +196,17 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
     if not planned_by_world:
         lines.append("  (give --world-size N to see the plans)")
     for world, planned in planned_by_world.items():
-        lines.append(
-            f"  world size {world}: start {planned.plan.describe()}; DeepSpeed keys: {_keys_text(planned.plan)}"
+        replicas = planned.plan.world_size
+        where = f"world size {world}" + (
+            f" ({replicas} data-parallel replica{'s' if replicas != 1 else ''})" if replicas != world else ""
         )
-        for name, value in cfg.schedule.endpoint_batches(world):
+        lines.append(
+            f"  {where}: start {planned.plan.describe()}; DeepSpeed keys: {_keys_text(planned.plan)}"
+        )
+        for name, value in cfg.schedule.endpoint_batches(replicas):
             if value == planned.plan.global_batch_size:
                 continue
-            plan = plan_batch(value, world, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven)
+            plan = plan_batch(value, replicas, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven)
             lines.append(f"    {name}: {plan.describe()}")
     return lines
 
@@ -212,6 +221,46 @@ def _micro_text(cfg: Any) -> str:
     return f"auto (learned {first}, at most {ceiling if ceiling else 'one pass per step'})"
 
 
+def _layout_of(args: argparse.Namespace, loaded: LoadedConfig | None) -> tuple[int, int]:
+    """``(pipeline stages, tensor ranks)`` from the flags, else from the config (DeepSpeed's
+    ``pipeline.stages`` and ``tensor_parallel.autotp_size``), else 1 each."""
+    ds = loaded.deepspeed if loaded is not None else {}
+    stages = args.pipeline_stages
+    if stages is None:
+        configured = (ds.get("pipeline") or {}).get("stages")
+        stages = configured if isinstance(configured, int) and configured > 0 else 1
+    tensor = args.tensor_parallel_size
+    if tensor is None:
+        configured = (ds.get("tensor_parallel") or {}).get("autotp_size")
+        tensor = configured if isinstance(configured, int) and configured > 0 else 1
+    return stages, tensor
+
+
+def _data_parallel(world: int, stages: int, tensor: int) -> int:
+    """Replicas left by ``world`` processes of ``stages`` x ``tensor`` each (a UsageError otherwise)."""
+    per_replica = stages * tensor
+    if world % per_replica:
+        raise UsageError(
+            f"--world-size {world} is not a multiple of the processes of one replica ({stages} pipeline "
+            f"stage(s) x {tensor} tensor rank(s) = {per_replica}): give a world size that is"
+        )
+    return world // per_replica
+
+
+def _layout_problems(loaded: LoadedConfig, stages: int, tensor: int, replicas: int) -> list[str]:
+    """What ``initialize`` would refuse for this layout (DeepSpeed's import only when it matters)."""
+    if stages * tensor == 1:
+        return []
+    from .plan.layout import ParallelLayout, model_parallel_problems, pipeline_config_problems
+
+    layout = ParallelLayout(replicas, 0, stages, tensor, 0)
+    if stages > 1:
+        problems = pipeline_config_problems(loaded, layout)
+    else:
+        problems = model_parallel_problems(loaded, layout)
+    return [str(ConfigError([p])).split("\n", 1)[-1].strip() for p in problems]
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .config import load_ds_config
 
@@ -220,16 +269,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     for path in args.configs:
         try:
             loaded = load_ds_config(path)
+            stages, tensor = _layout_of(args, loaded)
             problems = []
             planned_by_world = {}
             for world in world_sizes:
                 try:
-                    planned_by_world[world] = loaded.with_world_size(world)
+                    planned_by_world[world] = loaded.with_world_size(_data_parallel(world, stages, tensor))
                 except ConfigError as err:
                     problems.append(f"with --world-size {world}: {err}")
+            replicas = min((p.plan.world_size for p in planned_by_world.values()), default=1)
+            problems += _layout_problems(loaded, stages, tensor, replicas)
             if problems:
                 raise UsageError("\n".join(problems))
             lines = _summary_lines(loaded, planned_by_world)
+            if stages * tensor > 1:
+                lines.insert(
+                    0,
+                    f"  layout: {stages} pipeline stage(s) x {tensor} tensor rank(s) per replica; plans "
+                    "count data-parallel replicas (world size / processes per replica)",
+                )
         except (ConfigError, UsageError) as err:
             failed += 1
             print(f"invalid: {path}\n{err}", file=sys.stderr, flush=True)
@@ -333,6 +391,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout_arguments(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--pipeline-stages",
+        type=_positive_int,
+        default=None,
+        metavar="S",
+        help=f"pipeline stages of one replica ({default})",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=None,
+        metavar="T",
+        help=f"tensor ranks of one stage ({default})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ds-adabatch`` argument parser (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
@@ -351,19 +426,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size",
         type=_int_ranges,
         metavar="N",
-        help="data-parallel ranks to plan for; a list or range such as 1,2,8 or 1-8 checks each",
+        help="processes to plan for (the launcher's world size); a list or range such as 1,2,8 or 1-8 "
+        "checks each. Plans count data-parallel replicas: world size / (pipeline stages x tensor ranks)",
     )
+    _layout_arguments(p, "default: the config's pipeline.stages / tensor_parallel.autotp_size, else 1")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("plan", help="split a global batch into micro-batches per rank and step")
     p.add_argument(
         "--global-batch", type=_positive_int, required=True, metavar="B", help="samples per optimizer step"
     )
-    p.add_argument("--world-size", type=_positive_int, required=True, metavar="W", help="data-parallel ranks")
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        required=True,
+        metavar="W",
+        help="processes (data-parallel ranks without pipeline or tensor parallelism)",
+    )
     p.add_argument(
         "--max-micro", type=_positive_int, required=True, metavar="M", help="max samples per GPU per pass"
     )
     p.add_argument("--uneven", action="store_true", help="allow micro-batches that differ by one sample")
+    _layout_arguments(p, "default 1")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the adabatch section (for editors)")

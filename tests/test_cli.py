@@ -101,6 +101,64 @@ def test_plan_table() -> None:
     assert "train_batch_size=18" in lines[-1]
 
 
+PIPE = str(ROOT / "ds_configs" / "pipe_ramp.json")
+
+
+def test_validate_plans_for_the_replicas_a_pipeline_leaves(tmp_path: Path) -> None:
+    # pipe_ramp.json says "pipeline": {"stages": 2}: 2 processes are one replica, 4 are two.
+    result = run("validate", PIPE, "--world-size", "2,4")
+    assert result.returncode == 0, result.stderr
+    assert "layout: 2 pipeline stage(s) x 1 tensor rank(s) per replica" in result.stdout
+    assert (
+        "world size 2 (1 data-parallel replica): start global 8 = micro 8 x gas 1 on 1 rank" in result.stdout
+    )
+    assert "world size 4 (2 data-parallel replicas): start global 8 = micro 4 x gas 1" in result.stdout
+    # The layout from flags on a config without one; a world size the layout does not divide.
+    result = run(
+        "validate", ZERO0, "--world-size", "8", "--pipeline-stages", "2", "--tensor-parallel-size", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "world size 8 (2 data-parallel replicas)" in result.stdout
+    result = run("validate", PIPE, "--world-size", "3")
+    assert result.returncode == 2
+    assert "--world-size 3 is not a multiple of the processes of one replica" in result.stderr
+
+
+def test_validate_refuses_what_initialize_refuses_for_a_layout(tmp_path: Path) -> None:
+    config = json.loads(Path(PIPE).read_text())
+    config["zero_optimization"] = {"stage": 2}
+    config["adabatch"]["schedule"] = {"type": "gradient_noise", "start": 8}
+    bad = write(tmp_path / "pipe_z2.json", config)
+    result = run("validate", bad, "--world-size", "2")
+    assert result.returncode == 2
+    assert "zero_optimization.stage: DeepSpeed 0.19.8 supports ZeRO stage 0 or 1" in result.stderr
+    assert "adabatch.schedule.type: gradient_noise cannot be measured" in result.stderr
+    # The stage count of the flags against the config's.
+    result = run("validate", PIPE, "--world-size", "4", "--pipeline-stages", "4")
+    assert result.returncode == 2
+    assert "pipeline.stages: the config says 2 pipeline stages" in result.stderr
+    # Tensor parallelism: "auto" cannot learn the micro-batch.
+    config = {"adabatch": {"schedule": {"type": "constant", "value": 16}, "max_micro_batch_per_gpu": "auto"}}
+    auto = write(tmp_path / "auto.json", config)
+    result = run("validate", auto, "--world-size", "4", "--tensor-parallel-size", "2")
+    assert result.returncode == 2
+    assert "adabatch.max_micro_batch_per_gpu" in result.stderr and "tensor" in result.stderr
+    assert run("validate", auto, "--world-size", "4").returncode == 0
+
+
+def test_plan_counts_replicas_of_a_layout() -> None:
+    result = run(
+        "plan", "--global-batch", "16", "--world-size", "4", "--max-micro", "4", "--pipeline-stages", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "global batch 16 on 2 data-parallel replicas (4 processes" in result.stdout
+    assert "global 16 = micro 4 x gas 2 on 2 ranks" in result.stdout
+    result = run(
+        "plan", "--global-batch", "16", "--world-size", "3", "--max-micro", "4", "--tensor-parallel-size", "2"
+    )
+    assert result.returncode == 2 and "not a multiple" in result.stderr
+
+
 def test_plan_infeasible_and_bad_arguments() -> None:
     result = run("plan", "--global-batch", "17", "--world-size", "2", "--max-micro", "4")
     assert result.returncode == 2
