@@ -154,6 +154,22 @@ def adaptive(adabatch: dict, *, token: bool = False, armed: bool = False) -> lis
     return counts
 
 
+def adaptive_loop(adabatch: dict) -> list[tuple[int, int]]:
+    """The same loop as plain_loop, over the loader ds_adabatch.initialize returns (loop.py)."""
+    section = {"max_micro_batch_per_gpu": MICRO, "log": {"every_steps": EVERY}, **adabatch}
+    engine, _, loader, _ = ds_adabatch.initialize(make_model(), base_config(section), Regression(n=4096))
+    batches = iter(loader)
+
+    def step():
+        for _ in range(GAS):
+            engine.backward(mse_loss(engine, next(batches)))
+            engine.step()
+
+    counts = run(step)
+    engine.close()
+    return counts
+
+
 def pipe_model():
     # The worker's model as 2 pipeline stages over the 2 processes (1 data-parallel replica).
     from deepspeed.pipe import PipelineModule
@@ -230,6 +246,9 @@ def main() -> None:
         ),
         'gradient_noise measuring every step with "token"': adaptive(
             {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}, token=True
+        ),
+        "the forward/backward/step loop, constant schedule": adaptive_loop(
+            {"schedule": {"type": "constant", "value": batch}}
         ),
         "armed out-of-memory recovery (a GPU's default)": adaptive(
             {"schedule": {"type": "constant", "value": batch}}, armed=True

@@ -4,7 +4,9 @@ One launch, ``torchrun --nproc-per-node 2 --max-restarts 1`` of ``tests/oom_rest
 runs out of memory mid-forward after a ZeRO-3 parameter gather (not recoverable inside the step), records
 the lower limit next to the checkpoints and exits with code 75; torchrun starts both ranks again, their
 process group forms (restart-safe store namespace), the job resumes from its last complete checkpoint,
-plans below the micro-batch that failed and finishes the epoch.
+plans below the micro-batch that failed and finishes the epoch. Once with ``train_batch``, once with
+DeepSpeed's forward / backward / step loop over the loader ``initialize`` returns (the error comes from
+``engine(x)`` in the script's own code).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ pytestmark = pytest.mark.multirank
 HERE = Path(__file__).parent
 
 
-def _launch(out: Path) -> subprocess.CompletedProcess[str]:
+def _launch(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for _ in range(2):  # the free port can be taken before torchrun binds it: retry once
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
-        cmd += [f"--master-port={free_port()}", str(HERE / "oom_restart_worker.py"), str(out)]
+        cmd += [f"--master-port={free_port()}", str(HERE / "oom_restart_worker.py"), str(out), *extra]
         proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
         if "address already in use" not in (proc.stdout + proc.stderr).lower():
             break
@@ -35,11 +37,13 @@ def _launch(out: Path) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path):
-    proc = _launch(tmp_path)
+@pytest.mark.parametrize("way", ["train_batch", "loop"])
+def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path, way):
+    proc = _launch(tmp_path, *(["--loop"] if way == "loop" else []))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the job did not finish through the restart:\n{log[-5000:]}"
-    assert "UnrecoverableOutOfMemory: out of memory on rank 1 in micro-batch 0 of step 4" in log, log[-5000:]
+    where = "in the forward of micro-batch 0 of step 4" if way == "loop" else "in micro-batch 0 of step 4"
+    assert f"UnrecoverableOutOfMemory: out of memory on rank 1 {where}" in log, log[-5000:]
     assert "exitcode: 75" in log, "the failing rank must exit with the documented code 75"
     assert "connectFullMesh" not in log, "the restarted ranks must form their process group"
     assert "could not recover at 8 samples per pass" in log, "the next start reads the record"

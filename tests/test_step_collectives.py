@@ -41,8 +41,10 @@ def test_the_plain_loop_is_measured(counts):
     )
 
 
-def test_a_steady_step_adds_nothing(counts):
-    case = "constant schedule, sample normalisation"
+@pytest.mark.parametrize(
+    "case", ["constant schedule, sample normalisation", "the forward/backward/step loop, constant schedule"]
+)
+def test_a_steady_step_adds_nothing(counts, case):
     for c, r, flush in _steps(counts, case):
         if flush:
             assert c == 1, f"{case}: a step that resolves the pending losses adds one all-reduce, got {c}"

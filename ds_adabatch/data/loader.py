@@ -424,6 +424,13 @@ class ElasticDataLoader:
                 stacklevel=2,
             )
 
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError(
+            "an ElasticDataLoader hands out whole optimizer steps with next_step(plan), not micro-batches: "
+            "iterate the loader ds_adabatch.initialize returns (it follows the engine's plan), or call "
+            "engine.train_batch()"
+        )
+
     # -- lifetime ------------------------------------------------------------------------------------
 
     def close(self) -> None:

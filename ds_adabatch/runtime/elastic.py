@@ -163,6 +163,15 @@ def ensure_universal(save_dir: str, tag: str, rank: int) -> str:
                 time.perf_counter() - started,
                 out_tag,
             )
+        except KeyError as err:
+            error = f"KeyError: {err}"
+            if err.args and err.args[0] in ("exp_avg", "exp_avg_sq"):
+                error = (
+                    "DeepSpeed 0.19.8's universal checkpoint converts only an Adam-family optimizer state "
+                    f"(exp_avg, exp_avg_sq) and this one has no {err.args[0]!r} (SGD, for instance): resume "
+                    "on the data-parallel size that saved it, use ZeRO stage 0 (whose checkpoint loads on "
+                    "any size), or an Adam-family optimizer"
+                )
         except Exception as err:  # reported on every rank below, not as a hang at the barrier
             error = f"{type(err).__name__}: {err}"
     error = _broadcast_text(error)

@@ -66,6 +66,11 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         every ``adabatch.log.every_steps`` steps without extra cost; reading it sooner (``float(loss)``)
         resolves it at once, which is a collective: read it on every rank.
         """
+        if self._loop is not None:
+            raise RuntimeError(
+                "train_batch() while the forward / backward / step loop is inside an optimizer step: "
+                "finish that step (engine.step() after its last micro-batch) or use one way of stepping"
+            )
         started = time.perf_counter()
         self.next_plan()
         measure = self._should_measure_noise()

@@ -12,6 +12,7 @@ hands DeepSpeed a copy of ``args`` without the config (its ``local_rank`` is wri
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class InitializeCall:
 def resolve_call(positional: tuple[Any, ...], **given: Any) -> InitializeCall:
     """Merge positional and keyword arguments and find the config (see the module docstring)."""
     if positional:
-        order = _OWN_ORDER if isinstance(positional[0], torch.nn.Module) else _DEEPSPEED_ORDER
+        order = _DEEPSPEED_ORDER if _deepspeed_order(positional) else _OWN_ORDER
         if len(positional) > len(order):
             raise TypeError(
                 f"initialize() takes at most {len(order)} positional arguments in this form "
@@ -102,6 +103,18 @@ def resolve_call(positional: tuple[Any, ...], **given: Any) -> InitializeCall:
         deepspeed_args=deepspeed_args,
         deepspeed_kwargs=kwargs,
     )
+
+
+def _deepspeed_order(positional: tuple[Any, ...]) -> bool:
+    """Whether positional arguments follow ``deepspeed.initialize`` (``args, model, ...``) rather than
+    ``initialize(model, config, training_data)``: the first is ``None`` or an argparse namespace, or the
+    second is the model. Anything else is read as the model, so a wrong model gets the model's error."""
+    first = positional[0]
+    if isinstance(first, torch.nn.Module):
+        return False
+    if len(positional) > 1 and isinstance(positional[1], torch.nn.Module):
+        return True
+    return first is None or isinstance(first, argparse.Namespace)
 
 
 def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, Any]:

@@ -22,6 +22,12 @@ stream (a batch never spans two epochs). Leaving the loop early and iterating ag
 progress. ``len(loader)`` counts the micro-batches left in the epoch at the current plan (an estimate
 while the schedule changes the batch).
 
+Out of memory. The loop's forward runs in the caller's code, between our calls, so a pass that runs out
+of memory cannot be re-planned inside the step as ``train_batch`` does: an out-of-memory error raised in
+``engine(x)``, ``engine.backward`` or ``engine.step`` becomes :class:`UnrecoverableOutOfMemory`, with the
+failed pass's size recorded next to the checkpoints (exit code 75, :mod:`.restart_record`) so a restart
+(``torchrun --max-restarts``) resumes from the last checkpoint below it.
+
 Batches that did not come from this loader (your own ``DataLoader``, ``engine.deepspeed_io``) cannot be
 weighted for a plan DeepSpeed's loader does not follow: ``engine.backward`` refuses them with the way out.
 """
@@ -33,6 +39,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .oom import UnrecoverableOutOfMemory, is_out_of_memory
 from .passes import StepPasses
 
 __all__ = ["LoopDataLoader", "LoopMixin", "LoopStep"]
@@ -165,6 +172,38 @@ class LoopMixin:
         return loop.micro[index][0]
 
     # -- the engine's side ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped engine's forward; inside a loop step an out-of-memory error is recorded for the
+        restart (module docstring)."""
+        loop = self._loop
+        if loop is None or loop.current is None:
+            return self.deepspeed(*args, **kwargs)
+        try:
+            return self.deepspeed(*args, **kwargs)
+        except Exception as exc:
+            self._loop_out_of_memory(loop, exc, "forward")
+            raise
+
+    def _loop_out_of_memory(self, loop: LoopStep, exc: Exception, phase: str) -> None:
+        """Raise :class:`UnrecoverableOutOfMemory` for an out-of-memory ``exc`` in the loop, recorded."""
+        if not is_out_of_memory(exc) or isinstance(exc, UnrecoverableOutOfMemory):
+            return
+        index = loop.current if loop.current is not None else loop.last
+        where = f"in the {phase} of micro-batch {index} of step {self.global_steps}"
+        error = UnrecoverableOutOfMemory(
+            f"out of memory on rank {self.global_rank} {where} (forward / backward / step loop): the loop's "
+            "passes run in your code, so the step cannot be re-planned in place as engine.train_batch() "
+            "does"
+        )
+        recovery = self.memory_recovery
+        recovery.where = where
+        predictor = recovery.predictor
+        size = predictor.pass_size if predictor is not None else None  # the limit's unit
+        if not size and not self.token_budget:
+            size = loop.micro[index][1]
+        recovery.records.record(error, recovery.memory.key, size or recovery.memory.limit, where=where)
+        raise error from exc
+
     def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         """DeepSpeed's ``backward`` for the micro-batch the loader handed out last, weighted so the step's
         update is the exact mean over its global batch (``scale_wrt_gas`` is ignored: the weight
@@ -175,7 +214,11 @@ class LoopMixin:
             raise RuntimeError(
                 "engine.backward() was called twice for one micro-batch: call engine.step() after it"
             )
-        out = loop.passes.backward(loop.current, loss, retain_graph=retain_graph)
+        try:
+            out = loop.passes.backward(loop.current, loss, retain_graph=retain_graph)
+        except Exception as exc:
+            self._loop_out_of_memory(loop, exc, "backward")
+            raise
         loop.backward_done = True
         return out
 
@@ -193,7 +236,11 @@ class LoopMixin:
         if last and recovery.armed:
             recovery.where = f"in the optimizer step of step {self.global_steps}"
             recovery.pass_index = None
-        self.deepspeed.step(lr_kwargs=lr_kwargs)
+        try:
+            self.deepspeed.step(lr_kwargs=lr_kwargs)
+        except Exception as exc:
+            self._loop_out_of_memory(loop, exc, "optimizer step" if last else "step")
+            raise
         loop.current = None
         if not last:
             return
