@@ -8,8 +8,9 @@ Every launch uses the ``deepspeed`` launcher on CPU ranks (gloo), as DeepSpeed's
   saved inside an optimizer step and resumed on 1 rank.
 * ``tests/ds_examples/cifar10_deepspeed.py`` — the tutorial script itself, ZeRO 2, two epochs.
 * ``tests/ds_examples/pipeline_train.py`` — DeepSpeed's pipeline example: ``--deepspeed_config`` read
-  through ``args``, a ``torch.nn.CrossEntropyLoss()`` module as the pipeline's loss, 2 stages, ZeRO 1 and 0;
-  its data-parallel branch (``-p 0``: DeepSpeed's ``RepeatingLoader`` over the returned loader) under ZeRO 2.
+  through ``args``, a ``torch.nn.CrossEntropyLoss()`` module as the pipeline's loss, 2 stages, ZeRO 1
+  and 0 (under ZeRO 0 the module is given to ``initialize(loss_fn=...)``); its data-parallel branch
+  (``-p 0``: DeepSpeed's ``RepeatingLoader`` over the returned loader) under ZeRO 2.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def examples(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for name, stage, argv, gpus in (
         ("pipe", 1, ["-p", "2", "--steps", "6"], 2),
-        ("pipe_z0", 0, ["-p", "2", "--steps", "6"], 2),
+        ("pipe_z0", 0, ["-p", "2", "--steps", "6", "--loss-at-initialize"], 2),
         ("base", 2, ["-p", "0", "--steps", "6"], 2),
     ):
         out = tmp_path_factory.mktemp(name)

@@ -76,6 +76,11 @@ def get_args():
     parser.add_argument("-p", "--pipeline-parallel-size", type=int, default=2, help="pipeline parallelism")
     parser.add_argument("--backend", type=str, default="gloo", help="distributed backend")
     parser.add_argument("--seed", type=int, default=1138, help="PRNG seed")
+    parser.add_argument(
+        "--loss-at-initialize",
+        action="store_true",
+        help="(tests) build the PipelineModule without loss_fn and give the loss to initialize(loss_fn=...)",
+    )
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -134,7 +139,7 @@ def train_pipe(args, part="parameters"):
     net = SmallAlexNet(num_classes=10)
     net = PipelineModule(
         layers=join_layers(net),
-        loss_fn=torch.nn.CrossEntropyLoss(),
+        loss_fn=None if args.loss_at_initialize else torch.nn.CrossEntropyLoss(),
         num_stages=args.pipeline_parallel_size,
         partition_method=part,
         activation_checkpoint_interval=0,
@@ -147,6 +152,7 @@ def train_pipe(args, part="parameters"):
         model=net,
         model_parameters=[p for p in net.parameters() if p.requires_grad],
         training_data=trainset,
+        **({"loss_fn": torch.nn.CrossEntropyLoss()} if args.loss_at_initialize else {}),
     )
 
     ledger = []
