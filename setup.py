@@ -17,8 +17,9 @@ setup(
     packages=find_packages(include=["ds_adabatch", "ds_adabatch.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # torch is pinned in the README's commands (torch==2.13.0, CPU build); any 2.x works.
-        "torch>=2.1",
+        # The ranges are what CI runs: torch 2.13.0 (the README's commands pin it: the CPU build here),
+        # deepspeed 0.19.8, transformers 5.18.0 and the newest 5.x, accelerate 1.15.
+        "torch>=2.13,<2.14",
         "deepspeed>=0.19.8,<0.20",
         "pydantic>=2.5,<3",
         "hjson",  # config files with comments, as DeepSpeed reads them
@@ -26,15 +27,15 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "hf": ["transformers>=4.46", "accelerate>=1.0"],
+        "hf": ["transformers>=5.18.0,<6", "accelerate>=1.15.0,<2"],
         "plot": ["matplotlib>=3.7"],
         "dev": [
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.6",
             "matplotlib>=3.7",
-            "transformers>=4.46",
-            "accelerate>=1.0",
+            "transformers>=5.18.0,<6",
+            "accelerate>=1.15.0,<2",
             "pyyaml>=6",
             "datasets>=3",  # the Trainer's length column read from a datasets.Dataset
         ],

@@ -151,6 +151,8 @@ def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_pat
     assert proc.returncode != 0, "the launch must fail"
     assert "UnrecoverableOutOfMemory: out of memory on rank 1" in log, log[-3000:]
     assert "after the pass's agreement point" in log, log[-3000:]
+    message = next(line for line in log.splitlines() if "UnrecoverableOutOfMemory: out of memory" in line)
+    assert "tensor parallelism" not in message, f"no tensor parallelism here: {message}"
 
 
 def test_user_micro_batches_are_re_split_exactly(results):

@@ -219,7 +219,7 @@ def test_an_oom_under_tensor_parallelism_is_survived_through_a_restart(tmp_path)
     assert proc.returncode == 0, f"the restarted launch failed:\n{log[-4000:]}"
     failed = [line for line in log.splitlines() if "incarnation 0" in line]
     assert failed and all(line.startswith("rank 3 incarnation 0") for line in failed), failed
-    assert "Under tensor parallelism every pass agrees when it begins" in failed[0]
+    assert "under tensor parallelism every pass agrees when it begins" in failed[0]
     assert "Recorded in" in failed[0] and "plans below" in failed[0]
     r = read_result(tmp_path, "tensor2x2_token_oom")
     assert r["restart"] == 1, "the second incarnation finishes the run"

@@ -281,7 +281,8 @@ def build_batch_state(
         "world_size": world,
         "collate_fn": collate_fn,
         "num_workers": order["num_workers"],
-        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        # TrainingArguments.dataloader_multiprocessing_context: transformers >= 5.x (absent in 5.0)
+        "multiprocessing_context": getattr(args, "dataloader_multiprocessing_context", None),
     }
     if config.token_budget:
         if lengths is None:  # a caller other than the trainer: the lengths as the trainer finds them

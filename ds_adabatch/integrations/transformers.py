@@ -12,7 +12,8 @@ Where the global batch comes from: the scheduler (asked for step 0 too; largest 
 ``per_device_train_batch_size x gradient_accumulation_steps x world size``. ``_trainer_config`` says
 what every key of the section does under the Trainer.
 
-Design (written against transformers 5.23 and accelerate 1.15). The Trainer's outer loop is kept, so
+Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 5.18 to 5.x
+and accelerate 1.15+, checked at construction: ``_trainer_versions``). The Trainer's outer loop is kept, so
 callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
 the inside of one optimizer step change:
 
@@ -77,6 +78,7 @@ from ._trainer_progress import ShownInt
 from ._trainer_setup import build_batch_state, token_lengths
 from ._trainer_state import STATE_FILE, AdaptiveBatchState
 from ._trainer_step import StepMixin
+from ._trainer_versions import check_versions
 
 __all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
 
@@ -143,6 +145,8 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     ``unit: "tokens"`` sets each step's token target.
 
     Raises:
+        RuntimeError: transformers or accelerate outside the releases it runs on (transformers >= 5.18,
+            < 6; accelerate >= 1.15, < 2: ``_trainer_versions`` says why), before anything else.
         TypeError: ``batch_size_scheduler`` is not callable.
         ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
             ``batch_size_scheduler``; out-of-memory settings or ``gradient_noise`` without DeepSpeed),
@@ -164,6 +168,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         length_fn: Callable[[Any], int] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
+        check_versions()  # transformers / accelerate outside the range it runs on: one sentence, now
         if isinstance(batch_size_scheduler, torch.nn.Module) or (
             batch_size_scheduler is not None and not callable(batch_size_scheduler)
         ):

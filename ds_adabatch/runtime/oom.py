@@ -173,16 +173,24 @@ class OomAgreement:
             UnrecoverableOutOfMemory: this pass already passed its agreement point.
         """
         if self._agreed:
+            if self.agree_at_pass_start:
+                why = (
+                    "under tensor parallelism every pass agrees when it begins (the model's own "
+                    "collectives are not agreement points), so any out-of-memory error inside a pass ends "
+                    "the step: lower max_micro_batch_per_gpu or the token budget"
+                )
+            else:
+                why = (
+                    "after the pass's agreement point (its first DeepSpeed collective): the other ranks "
+                    "may be inside a later collective, so the step cannot be re-planned. This happens "
+                    "inside the optimizer step, after a gradient bucket filled during backward, or under "
+                    "ZeRO-3 after a forward gathered parameters. Lower max_micro_batch_per_gpu (or "
+                    "adabatch.memory.initial_micro_batch_per_gpu), raise reduce_bucket_size, or raise "
+                    "stage3_param_persistence_threshold"
+                )
             raise UnrecoverableOutOfMemory(
-                f"out of memory on rank {self.rank} {where}, after the pass's agreement point (its "
-                "first DeepSpeed collective): the other ranks may be inside a later collective, so the "
-                "step cannot be re-planned. This happens inside the optimizer step, after a gradient "
-                "bucket filled during backward, or under ZeRO-3 after a forward gathered parameters. "
-                "Lower max_micro_batch_per_gpu (or adabatch.memory.initial_micro_batch_per_gpu), raise "
-                "reduce_bucket_size, or raise stage3_param_persistence_threshold. Under tensor "
-                "parallelism every pass agrees when it begins (the model's own collectives are not "
-                "agreement points), so any out-of-memory error ends here: lower the micro-batch or the "
-                "token budget. This process exits and the launcher stops the others"
+                f"out of memory on rank {self.rank} {where}, {why}. This process exits and the launcher "
+                "stops the others"
             )
         return self._exchange(True, pass_index)
 
