@@ -4,7 +4,8 @@ A world of one (plain ``python``), SGD, a ramp 4 -> 8: a batch from the user's o
 ``engine.deepspeed_io`` is refused at ``engine.backward`` (never a silent constant batch); iterating the
 ``ElasticDataLoader`` itself, a second ``backward``, ``step`` before ``backward``, the next micro-batch
 before ``step`` and ``train_batch`` inside a loop step are refused; the loop then still trains its
-planned batches, and ``is_gradient_accumulation_boundary`` follows the plan.
+planned batches, ``is_gradient_accumulation_boundary`` follows the plan, and the JSONL log has one record per
+optimizer step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SCRIPT = textwrap.dedent(
     config = {
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "adabatch": {"schedule": {"type": "linear", "start": 4, "end": 8, "ramp_samples": 8},
-                     "max_micro_batch_per_gpu": 2},
+                     "max_micro_batch_per_gpu": 2, "log": {"jsonl": "metrics.jsonl", "every_steps": 2}},
     }
     engine, _, loader, _ = ds_adabatch.initialize(
         args=None, model=torch.nn.Linear(3, 1), model_parameters=None, training_data=data, config=config)
@@ -68,21 +69,24 @@ SCRIPT = textwrap.dedent(
     out["boundaries"] = boundaries
     out["steps"] = steps
     out["samples"] = engine.global_samples
+    out["history"] = [e.new_global_batch for e in engine.history]
+    engine.close()  # resolves the pending step records
+    out["jsonl"] = [json.loads(line)["global_batch"] for line in open("metrics.jsonl")]
     print("RESULT " + json.dumps(out))
-    engine.close()
     ds_adabatch.finish()
     """
 )
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
+def result(tmp_path_factory) -> dict:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
     env["DS_ACCELERATOR"] = "cpu"
+    cwd = tmp_path_factory.mktemp("loop_misuse")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
@@ -122,3 +126,8 @@ def test_the_loop_still_trains_its_plans_after_refusals(result):
     b = result["boundaries"]
     assert b.count(True) == len(steps), b
     assert b[:8] == [True, False, False, True, False, False, False, True], b
+
+
+def test_the_loop_writes_a_metrics_record_per_step_and_its_plan_changes(result):
+    assert result["jsonl"] == result["steps"], "one JSONL record per optimizer step, its global batch"
+    assert result["history"][:2] == [6, 8], f"plan changes recorded: {result['history']}"
