@@ -47,7 +47,8 @@ def plain_loop(world: int, rank: int, data, spec):
     return engine, step
 
 
-def adaptive_loop(world: int, data, spec, extra: dict | None = None):
+def _adaptive_engine(world: int, data, spec, extra: dict | None = None):
+    """ds_adabatch's engine and loader for the same fixed plan as the hand-written loop."""
     adabatch = {
         "schedule": {"type": "constant", "value": MICRO * GAS * world},
         "max_micro_batch_per_gpu": MICRO,
@@ -56,20 +57,18 @@ def adaptive_loop(world: int, data, spec, extra: dict | None = None):
     cfg = h.ds_config(2, adabatch, micro=MICRO, gas=GAS, world=world)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         cfg.pop(key)
-    engine, *_ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
+    engine, _, loader, _ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
+    return engine, loader
+
+
+def adaptive_loop(world: int, data, spec, extra: dict | None = None):
+    engine, _ = _adaptive_engine(world, data, spec, extra)
     return engine, engine.train_batch
 
 
 def adaptive_user_loop(world: int, data, spec):
     """The plain loop's body unchanged, over the loader ds_adabatch.initialize returns (runtime/loop.py)."""
-    adabatch = {
-        "schedule": {"type": "constant", "value": MICRO * GAS * world},
-        "max_micro_batch_per_gpu": MICRO,
-    }
-    cfg = h.ds_config(2, adabatch, micro=MICRO, gas=GAS, world=world)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        cfg.pop(key)
-    engine, _, loader, _ = ds_adabatch.initialize(h.lm_model(spec=spec), cfg, data)
+    engine, loader = _adaptive_engine(world, data, spec)
     batches = iter(loader)
 
     def step():

@@ -16,13 +16,6 @@ if [ ! -f "$floor_stamp" ]; then
 fi
 cd "$ROOT"
 python -c "import transformers; assert transformers.__version__ == '${FLOOR#*==}', transformers.__version__; print('[floor] transformers', transformers.__version__)"
-set +e
-python -m pytest tests/test_hf_versions.py tests/test_hf_config.py tests/test_hf_trainer.py \
+# scripts/test.sh runs pytest in the environment VENV names (and fails when no test ran).
+exec bash "$ROOT/scripts/test.sh" tests/test_hf_versions.py tests/test_hf_config.py tests/test_hf_trainer.py \
   tests/test_hf_clm_script.py tests/test_hf_step_collectives.py "$@"
-rc=$?
-set -e
-if [ $rc -eq 5 ]; then
-  echo "error: pytest collected no tests" >&2
-  exit 1
-fi
-exit $rc
