@@ -143,7 +143,7 @@ def test_the_same_section_twice_is_accepted_and_two_different_ones_refused(tmp_p
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds_config(section)))
     args = _args(tmp_path, deepspeed=str(path))
-    from ds_adabatch.integrations._trainer_config import read_trainer_section
+    from ds_adabatch.integrations.hf.config import read_trainer_section
 
     assert read_trainer_section(str(path), args.deepspeed, has_scheduler=False).config.schedule.value == 4
     other = {**section, "max_micro_batch_per_gpu": 1}
@@ -274,7 +274,7 @@ def test_plan_changes_follow_transformers_verbosity(tmp_path):
 
 
 def test_the_logger_is_routed_only_while_training_and_left_alone_when_configured():
-    from ds_adabatch.integrations._trainer_logging import follow_transformers_logging
+    from ds_adabatch.integrations.hf.logs import follow_transformers_logging
 
     logger = logging.getLogger("ds_adabatch")
     saved = (logger.handlers[:], logger.level, logger.propagate)

@@ -612,7 +612,7 @@ class _Samples(torch.utils.data.Dataset):
 def test_token_lengths_come_from_the_argument_the_column_or_each_sample():
     import numpy as np
 
-    from ds_adabatch.integrations._trainer_setup import token_lengths
+    from ds_adabatch.integrations.hf.prepare import token_lengths
 
     lengths = [5, 3, 9, 4]
     everything = np.arange(len(lengths))
@@ -651,7 +651,7 @@ def test_token_lengths_read_a_datasets_column_once():
     datasets = pytest.importorskip("datasets")
     import numpy as np
 
-    from ds_adabatch.integrations._trainer_setup import token_lengths
+    from ds_adabatch.integrations.hf.prepare import token_lengths
 
     lengths = [5, 3, 9, 4, 11, 2]
     table = datasets.Dataset.from_dict({"input_ids": [[1] * k for k in lengths], "length": lengths})
@@ -704,7 +704,7 @@ def test_token_budget_errors_come_before_any_process_group(tmp_path, case, match
 def _token_state(world: int, rank: int, dataset, lengths=None, **section_overrides):
     from hf_worker import TOKEN_SECTION, ds_config
 
-    from ds_adabatch.integrations._trainer_setup import build_batch_state, token_lengths
+    from ds_adabatch.integrations.hf.prepare import build_batch_state, token_lengths
 
     args = _token_args(
         world_size=world, process_index=rank, deepspeed=ds_config({**TOKEN_SECTION, **section_overrides})
@@ -978,7 +978,7 @@ def test_resume_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
 def test_resume_needs_the_adabatch_state_file(tmp_path):
     from hf_worker import IndexRegression
 
-    from ds_adabatch.integrations._trainer_state import STATE_FILE
+    from ds_adabatch.integrations.hf.state import STATE_FILE
 
     trainer, _ = _trainer(tmp_path, IndexRegression(), max_steps=2, save_strategy="steps", save_steps=2)
     trainer.train()
@@ -994,7 +994,7 @@ def test_resume_needs_the_adabatch_state_file(tmp_path):
 
 # -- the duplicate-training guard, without launching ---------------------------------------------------
 def test_guard_raises_naming_use_cpu_where_it_cannot_fix(monkeypatch):
-    from ds_adabatch.integrations._trainer_dist import ensure_data_parallel_group
+    from ds_adabatch.integrations.hf.dist import ensure_data_parallel_group
 
     args = SimpleNamespace(world_size=1, device=torch.device("mps"), use_cpu=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -1018,7 +1018,7 @@ def test_importing_the_package_does_not_import_transformers():
 
 def test_steps_left_estimate_is_exact_for_a_constant_batch():
     # A pure check of the progress estimate: 2 epochs of 10 samples at 4 per step, tails included.
-    from ds_adabatch.integrations._trainer_state import AdaptiveBatchState
+    from ds_adabatch.integrations.hf.state import AdaptiveBatchState
 
     fake = SimpleNamespace(
         sampler=SimpleNamespace(num_samples=10, drop_last=False, epoch=0, position=0),

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
 
-from ds_adabatch.integrations import _trainer_versions as versions  # noqa: E402
+from ds_adabatch.integrations.hf import versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,10 +6,11 @@ optimizer step, with an integer global batch the planner can split. Nothing here
 DeepSpeed or matplotlib at import time.
 """
 
-from .base import Schedule, ScheduleContext, ScheduleError, StatefulSchedule, build_schedule
+from .base import Schedule, ScheduleContext, ScheduleError, StatefulSchedule
 from .base_lr import BaseLRSource, DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .controller import BatchSizeController, Decision
 from .lr import lr_multiplier
+from .registry import build_schedule
 from .seesaw import SeesawSchedule, seesaw_batch
 from .simulate import simulate
 

@@ -21,7 +21,6 @@ __all__ = [
     "ScheduleContext",
     "ScheduleError",
     "StatefulSchedule",
-    "build_schedule",
     "check_state",
 ]
 
@@ -105,48 +104,3 @@ def check_state(state: Any, *, kind: str, version: int) -> None:
         raise ValueError(
             f"{kind} state has version {state.get('version')!r}; this ds_adabatch reads version {version}"
         )
-
-
-def build_schedule(
-    config: Any,
-    *,
-    world_size: int,
-    min_global_batch: int | None = None,
-    max_global_batch: int | None = None,
-) -> Schedule:
-    """The rule for a schedule config model (one member of ``ScheduleConfig``).
-
-    ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
-    batch (``loss_plateau``) stay inside them, as the controller's output does.
-
-    Raises:
-        ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
-        ValueError: the config's ``type`` is unknown.
-    """
-    # Imported here: the rule modules import this one for ScheduleContext.
-    from .noise import GradientNoiseSchedule
-    from .plateau import LossPlateauSchedule
-    from .ramps import ConstantSchedule, LinearSchedule, PiecewiseSchedule, StepSchedule
-    from .seesaw import SeesawSchedule
-    from .user import CallableSchedule
-
-    kind = getattr(config, "type", None)
-    if kind == "callable":
-        return CallableSchedule(config)
-    if kind == "loss_plateau":
-        return LossPlateauSchedule(
-            config, min_global_batch=min_global_batch, max_global_batch=max_global_batch
-        )
-    if kind == "seesaw":
-        return SeesawSchedule(config, max_global_batch=max_global_batch)
-    simple = {
-        "constant": ConstantSchedule,
-        "linear": LinearSchedule,
-        "step": StepSchedule,
-        "piecewise": PiecewiseSchedule,
-        "gradient_noise": GradientNoiseSchedule,
-    }
-    if kind not in simple:
-        known = ", ".join(sorted([*simple, "callable", "loss_plateau", "seesaw"]))
-        raise ValueError(f"unknown schedule type {kind!r}; known types: {known}")
-    return simple[kind](config)

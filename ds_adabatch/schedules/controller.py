@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..plan import batch_multiple, feasible_range, round_global_batch
-from .base import Schedule, ScheduleContext, ScheduleError, build_schedule, check_state
+from .base import Schedule, ScheduleContext, ScheduleError, check_state
+from .registry import build_schedule
 
 __all__ = ["BatchSizeController", "Decision"]
 

@@ -17,7 +17,7 @@ from ds_adabatch.runtime.batch_shape import apply_plan_to_engine
 from ds_adabatch.runtime.lr import BatchCoupledLR
 from ds_adabatch.runtime.weights import IGNORE_INDEX
 
-from ._trainer_state import LrSettings
+from .state import LrSettings
 
 __all__ = [
     "apply_plan_to_engine",

@@ -12,7 +12,7 @@ come from the sampler (known on every rank); token counts are taken from the col
 and summed over ranks in one all-reduce per step (where the plain Trainer gathers
 ``num_items_in_batch`` once per step), which also carries whatever the step sync has queued; the
 total stays on the device and the weights are device tensors. The loss of each step stays on the
-device too (``_trainer_metrics``).
+device too (``hf.metrics``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
 from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.weights import loss_weight
 
-from ._trainer_data import StepInputs
-from ._trainer_engine import count_target_tokens, loss_shifts_labels
+from .data import StepInputs
+from .engine import count_target_tokens, loss_shifts_labels
 
 __all__ = ["StepMixin"]
 

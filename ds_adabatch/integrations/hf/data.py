@@ -16,7 +16,7 @@ from typing import Any
 
 from ds_adabatch.data import MicroBatch, StepBatch
 
-from ._trainer_state import AdaptiveBatchState
+from .state import AdaptiveBatchState
 
 __all__ = ["StepInputs", "StepLoader"]
 

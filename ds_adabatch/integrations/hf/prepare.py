@@ -7,7 +7,7 @@ Where the global batch comes from:
   ``per_device_train_batch_size x gradient_accumulation_steps``, and its answer is the first step's
   batch; the largest micro-batch is ``per_device_train_batch_size`` (a growing batch adds accumulation
   steps, not memory);
-* else the ``"adabatch"`` section (``adabatch_config=`` or the DeepSpeed config, see ``_trainer_config``);
+* else the ``"adabatch"`` section (``adabatch_config=`` or the DeepSpeed config, see ``hf.config``);
 * else a constant ``per_device_train_batch_size x gradient_accumulation_steps x world size``.
 
 A section next to a scheduler sets the bounds, granularity, largest micro-batch, LR coupling, loss
@@ -21,7 +21,7 @@ unless the section's ``data`` says otherwise.
 With ``micro_batch_tokens`` in the section, steps are token-budget steps (``padding``, ``bucket_window``,
 ``truncate_long_samples`` and a schedule with ``unit: "tokens"`` as for ``ds_adabatch.initialize``): the
 :class:`~ds_adabatch.data.tokens.TokenBudgetSampler` walks the same seeded global order and cuts each
-step into passes of at most that many tokens; the lengths come from ``_trainer_lengths``.
+step into passes of at most that many tokens; the lengths come from ``hf.lengths``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from ds_adabatch.runtime.token_setup import sampler_for_config
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.schedules.user import CallableSchedule
 
-from ._trainer_config import FUNCTION_PLACEHOLDER, TrainerSection, read_trainer_section
-from ._trainer_lengths import check_length_arguments, sample_lengths
-from ._trainer_state import AdaptiveBatchState, LrSettings
+from .config import FUNCTION_PLACEHOLDER, TrainerSection, read_trainer_section
+from .lengths import check_length_arguments, sample_lengths
+from .state import AdaptiveBatchState, LrSettings
 
 __all__ = ["build_batch_state", "function_name", "keep_batch_size", "token_lengths"]
 

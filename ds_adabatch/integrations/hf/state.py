@@ -12,7 +12,7 @@ With ``adabatch.micro_batch_tokens`` (token-budget steps) the sampler is a
 (``unit: "tokens"``) or a sample count cut into passes of bounded tokens, each step's plan is the one its
 samples were laid out with, and the learned out-of-memory limit counts tokens per pass.
 
-It is built by ``_trainer_setup.build_batch_state``.
+It is built by ``hf.prepare.build_batch_state``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ds_adabatch.runtime.step_sync import StepSync
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
-from ._trainer_progress import StreamProgress
+from .progress import StreamProgress
 
 __all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
 

@@ -23,7 +23,7 @@ from ds_adabatch.config import LogConfig
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.metrics import MetricsWriter, StepMetrics
 
-from ._trainer_state import AdaptiveBatchState
+from .state import AdaptiveBatchState
 
 __all__ = ["TrainerStepLog"]
 

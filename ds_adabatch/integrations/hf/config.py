@@ -38,7 +38,7 @@ from ds_adabatch.config import AdaBatchConfig, ConfigError, ConfigProblem, Loade
 
 __all__ = ["FUNCTION_PLACEHOLDER", "TrainerSection", "read_trainer_section"]
 
-FUNCTION_PLACEHOLDER = "ds_adabatch.integrations._trainer_setup:keep_batch_size"
+FUNCTION_PLACEHOLDER = "ds_adabatch.integrations.hf.prepare:keep_batch_size"
 """Import path the section's stand-in ``callable`` schedule names while ``batch_size_scheduler=`` (a
 Python object, not an import path) is the schedule; the trainer puts the user's function in its place."""
 

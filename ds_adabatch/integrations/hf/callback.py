@@ -14,25 +14,39 @@ training banner, what the run will do (first batch, schedule, steps); on every `
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ._trainer_progress import describe_run
+from .progress import describe_run
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .transformers import AdaptiveBatchSizeTrainer
+    from .state import AdaptiveBatchState
 
 __all__ = ["AdaptiveBatchCallback"]
 
 logger = logging.getLogger("ds_adabatch")
 
 
+class DrivenTrainer(Protocol):
+    """What the callback reads and calls on its trainer (an ``AdaptiveBatchSizeTrainer``).
+
+    Typed by its use rather than by the class, so this module needs nothing from ``hf.trainer`` (which
+    imports it).
+    """
+
+    batch_state: AdaptiveBatchState | None
+    args: Any
+    callback_handler: Any
+
+    def _finish_run(self) -> None: ...
+
+
 class AdaptiveBatchCallback(TrainerCallback):
     """Placed first in ``trainer.callback_handler.callbacks`` by ``AdaptiveBatchSizeTrainer``."""
 
-    def __init__(self, trainer: AdaptiveBatchSizeTrainer) -> None:
+    def __init__(self, trainer: DrivenTrainer) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

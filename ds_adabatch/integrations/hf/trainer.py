@@ -1,0 +1,565 @@
+"""``AdaptiveBatchSizeTrainer``: a Hugging Face ``Trainer`` whose batch size changes while it trains.
+
+Usage: ``AdaptiveBatchSizeTrainer(model=..., args=..., train_dataset=..., adabatch_config={...})`` with an
+``"adabatch"`` section (a schedule such as ``{"type": "linear", "start": 8, "end": 32, "ramp_samples":
+4096}``, bounds, ``allow_uneven``, ``granularity``, ``log``, ...), or ``batch_size_scheduler=fn`` with
+``fn(step, batch_size) -> batch_size`` in samples per device; ``runners/hf_trainer_example.py`` is a
+complete demo.
+
+Where the global batch comes from: the scheduler (asked for step 0 too; largest forward pass
+``per_device_train_batch_size`` unless ``max_micro_batch_per_gpu`` says otherwise), else the section
+(``adabatch_config=``, or the DeepSpeed config in ``TrainingArguments(deepspeed=...)``), else a constant
+``per_device_train_batch_size x gradient_accumulation_steps x world size``. ``hf.config`` says
+what every key of the section does under the Trainer.
+
+Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 5.18 to 5.x
+and accelerate 1.15+, checked at construction: ``hf.versions``). The Trainer's outer loop is kept, so
+callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
+the inside of one optimizer step change:
+
+* ``get_train_dataloader`` returns a :class:`~ds_adabatch.integrations.hf.data.StepLoader`: one
+  item per optimizer step, holding this rank's micro-batches for the plan the schedule chose just
+  before the item was drawn. The Trainer runs with ``gradient_accumulation_steps=1`` (its loop groups
+  that many items into a step); the real accumulation steps are the plan's. The loader is never
+  passed to ``accelerator.prepare``, so accelerate prefetches nothing of a stale size.
+* ``training_step`` runs the step's micro-batches exactly weighted (``hf.step``), with no
+  collective or device read beyond the plain Trainer's in a steady step.
+* The Trainer's epochs are the sample stream's epochs; ``state.epoch`` is the fractional epoch of
+  samples seen, and with ``num_train_epochs`` the step budget (``state.max_steps``, progress bar)
+  follows the schedule and closes exactly when the epochs are trained. The training banner and
+  ``trainer_state.json`` give the steps per epoch and of the run replayed from the schedule where it
+  depends on the training clock only (``hf.progress``), and the first step's real batch and GAS.
+* The LR scheduler is wrapped in ``ds_adabatch.runtime.lr.BatchCoupledLR``: with ``num_train_epochs``
+  it advances once per initial-global-batch of samples (so its length is right whatever the batch
+  does); with ``max_steps`` once per optimizer step. The section's ``lr_schedule_unit`` and
+  ``lr_scaling`` override both.
+* Checkpoints hold ``adabatch_state.json`` (schedule, sampler cursor, next decision) next to
+  ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, also on another
+  world size (whether DeepSpeed reloads its own state there depends on its ZeRO stage).
+* ``adabatch.log`` writes one JSONL record per step on rank 0 (``hf.metrics``); plan changes and
+  warnings of the ``ds_adabatch`` logger go through transformers' logging (``hf.logs``).
+* Token budgets (``"adabatch".micro_batch_tokens``, for variable-length data): every step is formed by
+  ``ds_adabatch.data.tokens.TokenBudgetSampler`` from the same seeded order, cut into passes of at most
+  that many tokens as the data collator pads them (``padding``), and collated by the Trainer's data
+  collator. The lengths come from ``lengths=`` / ``length_fn=``, else the ``length_column_name``
+  column, else ``len(input_ids)`` (``hf.lengths``).
+* On a machine without GPUs, ``torchrun`` with the default ``use_cpu=False`` would give every rank a
+  world of one (N-fold duplicate training); the arguments are rebuilt with ``use_cpu=True`` so the
+  ranks train as one gloo data-parallel group (a warning says so), and elsewhere a clear error is raised.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import is_datasets_available
+
+from ds_adabatch.data.lengths import SampleLengths
+from ds_adabatch.plan import BatchPlan
+from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
+from ds_adabatch.runtime.op_builds import guard_jit_builds
+from ds_adabatch.runtime.recovery import OomRecovery
+from ds_adabatch.runtime.restart_record import RestartRecords
+
+from .callback import AdaptiveBatchCallback
+from .config import TrainerSection, read_trainer_section
+from .data import StepInputs, StepLoader
+from .dist import trainer_arguments
+from .engine import apply_plan_to_engine, couple_scheduler, seed_deepspeed_batch_keys
+from .logs import follow_transformers_logging
+from .metrics import TrainerStepLog
+from .prepare import build_batch_state, token_lengths
+from .progress import ShownInt
+from .state import STATE_FILE, AdaptiveBatchState
+from .step import StepMixin
+from .versions import check_versions
+
+__all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
+
+# TrainingArguments forms DeepSpeed's process group (and loads its JIT-built ops) before the Trainer
+# exists: the guard against a dead process's build lock (runtime/op_builds.py) is installed on import.
+guard_jit_builds()
+
+BatchSizeScheduler = Callable[[int, int], int]
+"""``fn(step: int, batch_size: int) -> int``, every number in **samples per device** (per data-parallel
+rank) **per optimizer step**: ``step`` is the optimizer steps completed, ``batch_size`` the function's
+previous answer (at step 0: ``per_device_train_batch_size x gradient_accumulation_steps``); the answer
+is the next step's per-device batch, and the global batch is it x the number of ranks."""
+
+_TRAINER_STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+
+
+class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
+    """A ``transformers.Trainer`` whose global batch follows a schedule, exactly and sample by sample.
+
+    Args:
+        batch_size_scheduler: ``fn(step: int, batch_size: int) -> int`` in samples per device (per
+            data-parallel rank) per optimizer step (:data:`BatchSizeScheduler`). Called before every
+            optimizer step with the steps completed and its own previous answer, the first time at step
+            0 with ``per_device_train_batch_size x gradient_accumulation_steps``; its step-0 answer is the
+            first step's batch (return another number there to start elsewhere). Rank 0's answer is
+            applied on every rank. ``None``: the ``"adabatch"`` section drives the global batch, or
+            without one the batch is constant.
+        adabatch_config: the ``"adabatch"`` section (the same keys and checks as in a DeepSpeed config:
+            ``ds-adabatch schema``), as a dict or the path of a JSON file holding it (or holding a
+            ds_config with one); with or without DeepSpeed. Its ``schedule`` may be left out when
+            ``batch_size_scheduler`` is given. Default: the section of the DeepSpeed config in
+            ``TrainingArguments(deepspeed=...)``, if any; giving both is an error.
+        max_micro_batch_per_gpu: the largest forward pass, in samples; larger batches add accumulation
+            steps. Default: the section's, else ``per_device_train_batch_size``. With
+            ``micro_batch_tokens`` it is an optional cap on the samples of a pass.
+        lengths: with ``"adabatch".micro_batch_tokens``: every training sample's length in tokens (one
+            integer per sample of ``train_dataset``, before padding). Default: the dataset's
+            ``TrainingArguments.length_column_name`` column (``"length"``, as for ``group_by_length``;
+            a ``datasets.Dataset`` column is read once), else each sample's ``length`` key or
+            ``len(sample["input_ids"])`` (the model's main input), measured when a step first reaches it.
+        length_fn: instead of ``lengths``, ``length_fn(sample) -> int``, called the first time a step
+            reaches the sample and cached.
+        **trainer_kwargs: ``transformers.Trainer`` arguments (``model``, ``args``, ``train_dataset``,
+            ``data_collator``, ``callbacks``, ...), by keyword.
+
+    Every sample is trained once per epoch whatever the schedule (``dataloader_drop_last`` skips an
+    epoch's tail smaller than the requested batch); the order follows ``data_seed`` (else ``seed``).
+    Each update is the mean gradient over the global batch's samples, or over its target tokens when
+    the Trainer would normalise by ``num_items_in_batch``. Without a section, a rank's samples are split
+    unevenly where an even split would need smaller passes (5 samples at most 4 per pass: 3 + 2); with
+    a section its ``allow_uneven`` applies, and a step that would run one sample per pass although a
+    larger pass fits is warned about. Training logs add ``train_coverage``, ``global_batch_size``,
+    ``micro_batch_size`` and ``gradient_accumulation_steps`` (and ``noise_scale`` under the
+    ``gradient_noise`` schedule); ``epoch`` is fractional (samples seen / dataset size). Plan changes
+    are logged at INFO (``[ds_adabatch] step N: global batch ...``) where transformers' own INFO lines
+    show. ``trainer.batch_state`` exposes the run's plan and sample cursor, and
+    ``trainer.args.gradient_accumulation_steps`` reads 1 (the plan's steps are in
+    ``trainer.batch_state.plan``).
+
+    With ``micro_batch_tokens`` in the section, a step's samples are cut into passes of bounded
+    tokens: ``global_batch_size`` logs the step's real samples, ``micro_batch_size`` the most samples of
+    one pass, ``gradient_accumulation_steps`` the passes of every rank, and ``global_batch_tokens`` /
+    ``train_tokens`` the step's and the run's real tokens (the samples' lengths); a schedule with
+    ``unit: "tokens"`` sets each step's token target.
+
+    Raises:
+        RuntimeError: transformers or accelerate outside the releases it runs on (transformers >= 5.18,
+            < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        TypeError: ``batch_size_scheduler`` is not callable.
+        ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
+            ``batch_size_scheduler``; out-of-memory settings or ``gradient_noise`` without DeepSpeed),
+            before any process group starts.
+        ValueError: the section given twice, an unsupported setting (``auto_find_batch_size``,
+            ``DataParallel``), ranks that cannot form one data-parallel group, or (before any process
+            group starts) lengths that do not fit ``train_dataset``, a sample longer than
+            ``micro_batch_tokens`` (named with its index and length), or ``lengths`` / ``length_fn``
+            without ``micro_batch_tokens``.
+    """
+
+    def __init__(
+        self,
+        batch_size_scheduler: BatchSizeScheduler | None = None,
+        *,
+        adabatch_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        max_micro_batch_per_gpu: int | None = None,
+        lengths: Any = None,
+        length_fn: Callable[[Any], int] | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        check_versions()  # transformers / accelerate outside the range it runs on: one sentence, now
+        if isinstance(batch_size_scheduler, torch.nn.Module) or (
+            batch_size_scheduler is not None and not callable(batch_size_scheduler)
+        ):
+            raise TypeError(
+                f"batch_size_scheduler must be callable as fn(step, batch_size), got "
+                f"{type(batch_size_scheduler).__name__}; pass the Trainer's own arguments by keyword"
+            )
+        args = trainer_kwargs.pop("args", None)
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")  # the Trainer's own default
+        self.user_gradient_accumulation_steps = args.gradient_accumulation_steps
+        # The section and the token-budget lengths are checked before trainer_arguments sets up the
+        # process group.
+        self.adabatch_section: TrainerSection | None = read_trainer_section(
+            adabatch_config, args.deepspeed, has_scheduler=batch_size_scheduler is not None
+        )
+        """The run's validated ``"adabatch"`` section (None without one)."""
+        train_dataset = trainer_kwargs.get("train_dataset")
+        self._lengths_args = (lengths, length_fn)
+        self._lengths_of: tuple[Any, SampleLengths | None] = (
+            train_dataset,
+            token_lengths(
+                args,
+                train_dataset,
+                lengths=lengths,
+                length_fn=length_fn,
+                input_name=_main_input_name(trainer_kwargs.get("processing_class")),
+                section=self.adabatch_section,
+            ),
+        )
+        args = trainer_arguments(args)
+        super().__init__(args=args, **trainer_kwargs)
+        self.batch_size_scheduler = batch_size_scheduler
+        self.max_micro_batch_per_gpu = max_micro_batch_per_gpu
+        self.batch_state: AdaptiveBatchState | None = None
+        """The run's schedule, plan and sample cursor; built when training starts."""
+        self._applied_plan: BatchPlan | None = None
+        self._lr_coupling: BatchCoupledLR | None = None
+        self._samples_at_start = 0
+        self._tokens_at_start = 0
+        self._shifts_labels: bool | None = None
+        self._recovery: OomRecovery | None = None
+        self._restart_records: RestartRecords | None = None
+        self._recovery_closed = False
+        self._step_log: TrainerStepLog | None = None
+        self._resuming = False
+        # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
+        self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resumed run takes its schedule's state from the checkpoint, and the
+        ``ds_adabatch`` logger prints through transformers' logging meanwhile (``hf.logs``)."""
+        self._resuming = bool(resume_from_checkpoint)
+        try:
+            with follow_transformers_logging():
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._close_recovery()  # its memory predictor's hook on the model goes with the run
+
+    def _close_recovery(self) -> None:
+        # Kept for inspection (its counts); the next train() builds a new one.
+        if self._recovery is not None and not self._recovery_closed:
+            self._recovery.close()
+        self._recovery_closed = True
+
+    # -- data ----------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> StepLoader:
+        """A loader of whole optimizer steps for the current plan (see the module docstring)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if max(self.get_tp_size(), self.get_cp_size(), self.get_sp_size()) > 1:
+            raise ValueError("AdaptiveBatchSizeTrainer supports data parallelism only (no TP, CP or SP)")
+        dataset, collator = self.train_dataset, self.data_collator
+        # As transformers 5.23 Trainer._get_dataloader: drop the columns the model does not take.
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        if self.batch_state is not None:
+            self.batch_state.close()
+        self.batch_state = build_batch_state(
+            self.args,
+            dataset,
+            collator,
+            batch_size_scheduler=self.batch_size_scheduler,
+            gradient_accumulation_steps=self.user_gradient_accumulation_steps,
+            max_micro_batch_per_gpu=self.max_micro_batch_per_gpu,
+            lengths=self._sample_lengths(),
+            section=self.adabatch_section,
+            resuming=self._resuming,
+        )
+        self._applied_plan = None
+        self._restart_records = None
+        if self.is_deepspeed_enabled and self.batch_state.config.memory.recover_from_oom:
+            # Records an exited process left in output_dir bound the first step's plan already (the
+            # recovery itself needs the engine, built later); runtime/restart_record.py.
+            self._restart_records = RestartRecords(self.batch_state.rank)
+            unit = "tokens" if self.batch_state.token_budget else "samples"
+            self._restart_records.impose(self.args.output_dir, self.batch_state.memory, unit)
+        if self.is_deepspeed_enabled:
+            seed_deepspeed_batch_keys(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                self.batch_state.initial_plan,
+            )
+        return StepLoader(self.batch_state, lambda: self.state.global_step)
+
+    def _sample_lengths(self) -> SampleLengths | None:
+        """The train dataset's lengths (token budgets only), measured again if the dataset was replaced."""
+        dataset, found = self._lengths_of
+        if dataset is not self.train_dataset:
+            lengths, length_fn = self._lengths_args
+            found = token_lengths(
+                self.args,
+                self.train_dataset,
+                lengths=lengths,
+                length_fn=length_fn,
+                input_name=_main_input_name(self.processing_class),
+                section=self.adabatch_section,
+            )
+            self._lengths_of = (self.train_dataset, found)
+        return found
+
+    # -- the run's length, for the Trainer's loop and its banner --------------------------------------
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple[int, ...]:
+        """Epoch count, steps per epoch and schedule length in samples, not in dataloader batches.
+
+        Returns the tuple transformers 5.23 ``Trainer._inner_training_loop`` unpacks: ``(epochs, update
+        steps per epoch, examples, train samples, initial global batch, batches per epoch, LR schedule
+        length)``. The loop uses the epochs and steps per epoch as bounds (the stream says where an
+        epoch ends), so they are upper bounds that its banner prints as the estimate
+        (:class:`~ds_adabatch.integrations.hf.progress.ShownInt`).
+        """
+        state = self._require_state()
+        n = state.sampler.num_samples
+        first = state.initial_plan.global_batch_size
+        state.estimate(0)
+
+        # The banner is printed after _init_training_state, which estimates again from a resumed state.
+        def steps_per_epoch() -> str:
+            return state.run_estimate.describe_steps_per_epoch(state.scheduled_batch)
+
+        def how() -> str:
+            return (
+                "estimated from the schedule"
+                if state.run_estimate.exact
+                else "at the current batch; it changes with the batch"
+            )
+
+        per_epoch = ShownInt(n, steps_per_epoch)
+        if state.epoch_based:
+            epochs, samples = math.ceil(args.num_train_epochs), state.planned_samples()
+            lr_length = ShownInt(
+                state.scheduler_steps(), lambda: f"{state.run_estimate.total_steps:,} ({how()})"
+            )
+        else:
+            # max_steps ends training; the loop walks epochs until then (one step at least per epoch).
+            epochs = ShownInt(args.max_steps + 1, lambda: f"{state.run_estimate.epochs:,} ({how()})")
+            samples, lr_length = args.max_steps * first, state.scheduler_steps()
+        return epochs, per_epoch, n, samples, first, n, lr_length
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint,
+        trial,
+    ) -> tuple[int, int]:
+        # transformers 5.23: returns (epochs trained, batches to skip in that epoch). The sample stream
+        # resumes from its own cursor, so nothing is skipped and the epoch is the stream's.
+        super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        state = self._require_state()
+        step = self.state.global_step
+        epoch = 0
+        if resume_from_checkpoint is not None and os.path.isfile(
+            os.path.join(resume_from_checkpoint, _TRAINER_STATE)
+        ):
+            state.load(resume_from_checkpoint, step)
+            epoch = state.next_batch_epoch(step)
+        self._samples_at_start = state.samples_consumed
+        self._tokens_at_start = state.tokens
+        estimate = state.estimate(step)
+        # trainer_state.json: the run's epochs and steps, not the loop's bounds.
+        self.state.num_train_epochs = (
+            math.ceil(self.args.num_train_epochs) if state.epoch_based else estimate.epochs
+        )
+        self.state.max_steps = state.step_budget(step) if state.epoch_based else int(max_steps)
+        return epoch, 0
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> Any:
+        # The LR schedule's length reaches DeepSpeed's config and the scheduler as a plain int.
+        prepared = super()._prepare_for_training(int(max_steps), train_dataloader, resume_from_checkpoint)
+        state = self._require_state()
+        plan = state.plan_for_step(self.state.global_step)
+        self._step_log = TrainerStepLog(
+            state, state.config.log, getattr(self._deepspeed_engine(), "monitor", None)
+        )
+        # transformers 5.23 prints args.gradient_accumulation_steps in its banner right after this and
+        # loops with it (as 1: one loader item is one step); the callback's on_train_begin puts back 1.
+        gas = f"{plan.gradient_accumulation_steps}"
+        if state.config.schedule.type != "constant" or state.token_budget:
+            gas += " at the first step (it follows the batch)"
+        self.args.gradient_accumulation_steps = ShownInt(1, gas)
+        return prepared
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
+        """The next optimizer step's :class:`StepInputs` (token counts are taken in ``training_step``)."""
+        try:
+            item = next(epoch_iterator)
+        except StopIteration:
+            # transformers 5.23 Trainer._run_epoch counts update steps up to a bound; the sample stream
+            # says where the epoch ends.
+            self.control.should_epoch_stop = True
+            return [], None
+        return [item], None
+
+    # -- one optimizer step --------------------------------------------------------------------------
+    def training_step(
+        self, model: torch.nn.Module, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step; returns the loss to log.
+
+        The returned value averaged over ranks is the step's mean loss over the global batch. Under
+        DeepSpeed with ``memory.recover_from_oom`` (the default), an out-of-memory error on any rank
+        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``); with a
+        token budget, cut into passes of a lower token budget.
+        """
+        if not isinstance(inputs, StepInputs):
+            return super().training_step(model, inputs, num_items_in_batch)
+        state = self._require_state()
+        state.step_started(self.state.global_step)  # its plan change and warnings, now that it runs
+        recovery = self._oom_recovery()
+        if recovery is None:
+            return self._adaptive_step(model, inputs)
+
+        def replan(ranks: list[int]) -> None:
+            number = self.state.global_step
+            if state.token_budget:  # the same samples, cut with a lower token budget
+                plan = state.recut_after_oom(inputs.step, recovery.failed_passes(ranks), number)
+            else:
+                plan = state.replan_after_oom(inputs.step.plan, ranks, number)
+            inputs.step = state.loader.reload(inputs.step, plan)
+            state.last_step = inputs.step
+
+        logged = recovery.run(lambda: self._adaptive_step(model, inputs), replan)
+        state.after_clean_step(inputs.step)
+        return logged
+
+    def _oom_recovery(self) -> OomRecovery | None:
+        """Out-of-memory recovery on the DeepSpeed engine (built once it exists), or None."""
+        state = self._require_state()
+        engine = self._deepspeed_engine()
+        if engine is None or not state.config.memory.recover_from_oom:
+            return None
+        if self._recovery is None or self._recovery_closed or self._recovery.deepspeed is not engine:
+            self._close_recovery()
+            self._recovery_closed = False
+            self._recovery = OomRecovery(
+                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
+            )
+            # An unrecoverable error of this run is recorded in output_dir; the records imposed when the
+            # batch state was built are deleted once a checkpoint holds them (runtime/restart_record.py).
+            if self._restart_records is not None:
+                self._recovery.records = self._restart_records
+            self._recovery.use_checkpoint_dir(self.args.output_dir)
+        return self._recovery
+
+    def _apply_plan(self, plan: BatchPlan) -> None:
+        """Make DeepSpeed's view of the batch and the LR multiplier match ``plan`` (between steps only)."""
+        state = self._require_state()
+        state.plan = plan
+        if plan != self._applied_plan:
+            engine = self._deepspeed_engine()
+            if engine is not None:
+                apply_plan_to_engine(engine, plan)
+            self._applied_plan = plan
+        if self._lr_coupling is not None:
+            # Every step: a token step's multiplier follows its target, which a plan does not show.
+            self._lr_coupling.set_global_batch(state.lr_batch(plan))
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """FLOPs of the step's real micro-batches (pads excluded)."""
+        if not isinstance(inputs, StepInputs):
+            return super().floating_point_ops(inputs)
+        return sum(
+            super(AdaptiveBatchSizeTrainer, self).floating_point_ops(m.batch)
+            for m in inputs.micro_batches
+            if not m.is_pad
+        )
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if not isinstance(inputs, StepInputs):
+            return super()._track_num_input_tokens(inputs)
+        # transformers 5.23 gathers the count once per call: every rank calls once per micro-batch
+        # (the same number everywhere), a pad with its tensors emptied so it counts 0.
+        for m in inputs.micro_batches:
+            batch = m.batch
+            if m.is_pad and isinstance(batch, Mapping):
+                batch = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            super()._track_num_input_tokens(batch)
+        return None
+
+    # -- learning rate -------------------------------------------------------------------------------
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """The Trainer's scheduler, advanced by samples (or steps) and scaled with the batch."""
+        scheduler = super().create_scheduler(int(num_training_steps), optimizer)
+        if self.batch_state is None:
+            return scheduler
+        kept, coupling = couple_scheduler(
+            scheduler,
+            optimizer=optimizer if optimizer is not None else self.optimizer,
+            engine=self._deepspeed_engine(),
+            lr=self.batch_state.lr,
+        )
+        self.lr_scheduler = kept
+        self._lr_coupling = coupling
+        bind = getattr(self.batch_state.controller.schedule, "bind_base_lr", None)
+        if coupling is not None and callable(bind):  # LR-aware schedules (seesaw) read the unscaled LR
+            bind(CurrentBaseLR(coupling))
+        return kept
+
+    # -- checkpoints and logs ------------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        # Written before the Trainer's files: transformers 5.23 writes trainer_state.json last, the
+        # marker of a complete checkpoint. The folder name follows its Trainer._save_checkpoint.
+        if self.batch_state is not None:
+            # Every rank saves (transformers 5.23): the pending steps' records are written and the
+            # checkpoint holds the latest loss, as ds_adabatch.runtime's save_checkpoint does.
+            self.batch_state.sync.reduce()
+        if self.batch_state is not None and self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            self.batch_state.save(folder, self.state.global_step)
+        super()._save_checkpoint(model, trial)
+        if self._recovery is not None:  # the checkpoint holds the limits the records taught
+            self._recovery.checkpoint_saved(self.args.output_dir)
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        # transformers 5.23 calls this after every optimizer step with the step's gradient norm.
+        if self._step_log is not None:
+            self._step_log.end_of_step(self.state.global_step, grad_norm)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training logs gain the batch shape and ``train_coverage``; throughput counts real samples."""
+        state = self.batch_state
+        if state is not None and self.is_in_train and "loss" in logs:
+            logs["train_coverage"] = state.train_coverage
+            logs["global_batch_size"] = state.plan.global_batch_size
+            logs["micro_batch_size"] = state.micro_batch_size
+            logs["gradient_accumulation_steps"] = state.plan.gradient_accumulation_steps
+            if state.token_budget and state.last_step is not None:
+                logs["global_batch_tokens"] = state.last_step.global_batch.tokens
+                logs["train_tokens"] = state.tokens
+            if state.noise is not None and state.noise.noise_scale is not None:
+                logs["noise_scale"] = state.noise.noise_scale
+        if state is not None and logs.get("train_runtime"):
+            samples = state.samples_consumed - self._samples_at_start
+            logs["train_samples_per_second"] = round(samples / logs["train_runtime"], 3)
+            if state.token_budget:
+                tokens = state.tokens - self._tokens_at_start
+                logs["train_tokens_per_second"] = round(tokens / logs["train_runtime"], 3)
+        super().log(logs, start_time)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _require_state(self) -> AdaptiveBatchState:
+        if self.batch_state is None:
+            raise RuntimeError("the batch state is built by get_train_dataloader(); call trainer.train()")
+        return self.batch_state
+
+    def _finish_run(self) -> None:
+        """At the end of training (every rank): the pending step records are resolved and written."""
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
+
+
+def _main_input_name(processing_class: Any) -> str:
+    """The sample key whose length a sample's tokens are, as transformers 5.23 ``group_by_length`` reads
+    it: the processing class's first model input, else ``"input_ids"``."""
+    names = getattr(processing_class, "model_input_names", None)
+    return names[0] if isinstance(names, (list, tuple)) and names else "input_ids"

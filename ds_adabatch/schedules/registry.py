@@ -1,0 +1,62 @@
+"""Every schedule rule by its config ``type``, and :func:`build_schedule`, which turns a config into its rule.
+
+This is the one module that imports the rule modules (``ramps``, ``noise``, ``plateau``, ``seesaw``,
+``user``). Within this package each of them imports only :mod:`~ds_adabatch.schedules.base` (``seesaw``
+also ``base_lr``) and ``base`` imports none of them, so the schedules form no import cycle. A new rule is added here and as a member of
+``ds_adabatch.config.schedules.ScheduleConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Schedule
+from .noise import GradientNoiseSchedule
+from .plateau import LossPlateauSchedule
+from .ramps import ConstantSchedule, LinearSchedule, PiecewiseSchedule, StepSchedule
+from .seesaw import SeesawSchedule
+from .user import CallableSchedule
+
+__all__ = ["SCHEDULE_TYPES", "build_schedule"]
+
+_FROM_CONFIG_ALONE: dict[str, Any] = {
+    "constant": ConstantSchedule,
+    "linear": LinearSchedule,
+    "step": StepSchedule,
+    "piecewise": PiecewiseSchedule,
+    "gradient_noise": GradientNoiseSchedule,
+    "callable": CallableSchedule,
+}
+"""The rules built from their config alone; ``loss_plateau`` and ``seesaw`` also take the bounds."""
+
+SCHEDULE_TYPES: frozenset[str] = frozenset({*_FROM_CONFIG_ALONE, "loss_plateau", "seesaw"})
+"""The config ``type`` of every rule :func:`build_schedule` knows."""
+
+
+def build_schedule(
+    config: Any,
+    *,
+    world_size: int,
+    min_global_batch: int | None = None,
+    max_global_batch: int | None = None,
+) -> Schedule:
+    """The rule for a schedule config model (one member of ``ScheduleConfig``).
+
+    ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
+    batch (``loss_plateau``) stay inside them, as the controller's output does.
+
+    Raises:
+        ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
+        ValueError: the config's ``type`` is unknown.
+    """
+    kind = getattr(config, "type", None)
+    if kind == "loss_plateau":
+        return LossPlateauSchedule(
+            config, min_global_batch=min_global_batch, max_global_batch=max_global_batch
+        )
+    if kind == "seesaw":
+        return SeesawSchedule(config, max_global_batch=max_global_batch)
+    if kind not in _FROM_CONFIG_ALONE:
+        known = ", ".join(sorted(SCHEDULE_TYPES))
+        raise ValueError(f"unknown schedule type {kind!r}; known types: {known}")
+    return _FROM_CONFIG_ALONE[kind](config)
