@@ -53,7 +53,7 @@ def run_samples(predict: bool) -> dict:
     n = STEPS * 16 * world
     data = Regression(n=n)
     engine, *_ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=mse_loss)
-    batches, seen, micro, caps = [], [], [], []
+    batches, seen, micro, caps, peaks = [], [], [], [], []
     with simulated_memory_limit(ranks=[world - 1], **SAMPLE_MEMORY) as limit:
         for _ in range(STEPS):
             engine.train_batch()
@@ -61,8 +61,13 @@ def run_samples(predict: bool) -> dict:
             seen += _gathered(engine)
             micro.append(engine.plan.micro_batch_per_gpu)
             caps.append(engine.memory_recovery.agreement.agreed_verdict)
+            peaks.append(engine.last_metrics.extra.get("peak_memory_bytes"))
+        # The last rank's peak since it started, with the predictor's resets folded in.
+        memory = [engine.max_memory_allocated(), limit.max_memory_allocated()]
     raised = [None] * world
     dist.all_gather_object(raised, limit.raised)
+    last_rank = [None] * world
+    dist.all_gather_object(last_rank, {"peaks": peaks, "memory": memory})
     got = full_params(engine)
     record = {
         "ooms": engine.memory_recovery.ooms,
@@ -70,6 +75,7 @@ def run_samples(predict: bool) -> dict:
         "micro": micro,
         "caps": caps,
         "seen": seen,
+        "last_rank": last_rank[-1],
     }
     if engine.global_rank == 0:
         want = reference(batches, data)

@@ -10,7 +10,9 @@ the pass's agreement point). The global batch is 8 for 4 steps (micro 4), then 1
 last rank, which records the lower limit next to the checkpoints and exits with code 75 (the other rank
 fails in its next collective). torchrun starts both again; the job resumes from its last complete
 checkpoint (every 2 steps) and finishes the epoch of 96 samples at micro 4. Rank 0 appends one JSON line
-per step to OUT_DIR/ledger.jsonl.
+per step to OUT_DIR/ledger.jsonl. ``--no-checkpoint``: the job never saves or loads a checkpoint (and
+runs in OUT_DIR): the record goes to ``adabatch_oom_records/`` there, and the restart reads it when its
+engine is built and trains the epoch again from step 0 below the size that failed.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def train_loop(engine, loader, out_dir: str, ckpt: str, restart: int) -> None:
 def main() -> int:
     out_dir = sys.argv[1]
     loop = "--loop" in sys.argv[2:]
+    checkpoints = "--no-checkpoint" not in sys.argv[2:]
+    if not checkpoints:
+        os.chdir(out_dir)  # the records' default folder is in the working directory
     ckpt = os.path.join(out_dir, "ckpt")
     cfg = ds_config(3, extra={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     cfg["adabatch"].update(
@@ -67,7 +72,8 @@ def main() -> int:
         allow_uneven=False,
     )
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, Regression(n=SAMPLES), loss_fn=mse_loss)
-    engine.load_checkpoint(ckpt)  # none yet on the first start: a fresh start
+    if checkpoints:
+        engine.load_checkpoint(ckpt)  # none yet on the first start: a fresh start
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     limit = simulated_memory_limit(6, ranks=[engine.world_size - 1], phase="mid_forward").install()
     try:
@@ -76,7 +82,7 @@ def main() -> int:
         while engine.global_samples < SAMPLES:
             float(engine.train_batch())  # resolved on every rank, as a user reading the loss would
             record(engine, out_dir, restart)
-            if engine.global_steps % 2 == 0:
+            if checkpoints and engine.global_steps % 2 == 0:
                 engine.save_checkpoint(ckpt)
     except ds_adabatch.UnrecoverableOutOfMemory as exc:
         print(f"rank {engine.global_rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

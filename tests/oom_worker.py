@@ -194,9 +194,12 @@ def run_auto(name: str, stage: int, extra: dict | None, out_dir: str, phase: str
 
 
 def run_unrecoverable(out_dir: str) -> None:
-    """An OOM inside the optimizer step (after the pass agreed) ends with a clear error on that rank."""
+    """An OOM inside the optimizer step (after the pass agreed) ends with a clear error on that rank that
+    says what to change, exit code 1 and no record (a smaller micro-batch would fail the same way)."""
     cfg = _config(1, {}, {"schedule": {"type": "constant", "value": 8}})
     engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(), loss_fn=mse_loss)
+    folder = os.path.join(out_dir, "unrecoverable_ckpt")
+    engine.load_checkpoint(folder)  # none there: the folder records would go to
     opt = engine.deepspeed.optimizer
     original = opt.step
 
@@ -204,15 +207,18 @@ def run_unrecoverable(out_dir: str) -> None:
         raise torch.OutOfMemoryError("simulated out of memory in the optimizer step")
 
     opt.step = failing_step
-    message = ""
+    message, exit_code = "", None
     try:
         with simulated_memory_limit(10**9):  # arms the agreement on the CPU; nothing exceeds it
             engine.train_batch()
     except Exception as exc:  # noqa: BLE001 - the test reads the type and message
         message = f"{type(exc).__name__}: {exc}"
+        exit_code = getattr(exc, "exit_code", None)
     opt.step = original
+    dist.barrier()
     if engine.global_rank == 0:
-        write(out_dir, "unrecoverable_z1", {"message": message})
+        records = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        write(out_dir, "unrecoverable_z1", {"message": message, "exit_code": exit_code, "records": records})
     engine.close()
 
 

@@ -116,10 +116,16 @@ def test_auto_converges_then_grows_back_after_the_budget_rises(results, world, n
     assert all(e["new_global_batch"] == 16 * world for e in r["history"]), "the global batch never changes"
 
 
-def test_oom_inside_the_optimizer_step_is_a_clear_error(results):
-    message = _read(results, 2, "unrecoverable_z1")["message"]
+def test_oom_inside_the_optimizer_step_is_a_clear_error_that_says_what_to_change(results):
+    r = _read(results, 2, "unrecoverable_z1")
+    message = r["message"]
     assert message.startswith("UnrecoverableOutOfMemory"), message
     assert "in the optimizer step of step 0" in message and "cannot be re-planned" in message, message
+    # ZeRO-1 on 2 ranks already partitions the optimizer state: the way out is offloading it.
+    assert "a smaller micro-batch would not help" in message and "offload_optimizer" in message, message
+    # A restart below the micro-batch would fail the same way: no record, exit code 1 (not 75).
+    assert r["exit_code"] == 1 and r["records"] == [], r
+    assert "tensor parallelism" not in message, message
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -146,13 +152,17 @@ def test_the_trainer_imposes_a_restart_record_and_deletes_it_once_a_checkpoint_h
 def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_path):
     # ZeRO-3 with partitioned parameters: an OOM at the start of backward on the last rank comes after
     # the forward's parameter gathers (the pass's agreement point).
-    proc = torchrun(WORKER, str(tmp_path), "partitioned_z3", nproc=2, cwd=HERE, timeout=180)
+    # It runs in tmp_path: with no checkpoint folder known, the record goes to the working directory.
+    proc = torchrun(WORKER, str(tmp_path), "partitioned_z3", nproc=2, cwd=tmp_path, timeout=180)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, "the launch must fail"
     assert "UnrecoverableOutOfMemory: out of memory on rank 1" in log, log[-3000:]
     assert "after the pass's agreement point" in log, log[-3000:]
     message = next(line for line in log.splitlines() if "UnrecoverableOutOfMemory: out of memory" in line)
     assert "tensor parallelism" not in message, f"no tensor parallelism here: {message}"
+    records = list((tmp_path / "adabatch_oom_records").glob("adabatch_oom_rank*.json"))
+    assert [p.name for p in records] == ["adabatch_oom_rank1.json"], "recorded in the default folder"
+    assert "starts from step 0 again (no checkpoint folder is known" in message, message
 
 
 def test_user_micro_batches_are_re_split_exactly(results):

@@ -56,6 +56,19 @@ def test_samples_the_predicted_bound_is_the_largest_size_that_fits(results):
         assert sorted(run["seen"]) == list(range(n)), "every sample exactly once"
 
 
+def test_the_users_peak_memory_is_kept_per_step_and_for_the_process(results):
+    # The predictor resets the allocator's peak counter before each pass; what it read is folded into
+    # each step's peak_memory_bytes and engine.max_memory_allocated() (1000 B + 100 B per sample here).
+    for name in ("with", "without"):
+        run = results["samples"][name]
+        peaks, (process_peak, counter) = run["last_rank"]["peaks"], run["last_rank"]["memory"]
+        if name == "without":  # predict_peak false: nothing is measured, nothing reset
+            assert peaks == [None] * len(peaks), peaks
+            continue
+        assert peaks == [1000 + 100 * m for m in run["micro"]], (peaks, run["micro"])
+        assert process_peak == max(peaks) and counter <= process_peak, (process_peak, counter, peaks)
+
+
 def test_tokens_the_bound_counts_tokens_per_pass(results):
     with_ = results["tokens"]["with"]
     # 1000 B + 10 B per token within 98% of 1400 B: 37 tokens per pass.

@@ -6,7 +6,8 @@ the lower limit next to the checkpoints and exits with code 75; torchrun starts 
 process group forms (restart-safe store namespace), the job resumes from its last complete checkpoint,
 plans below the micro-batch that failed and finishes the epoch. Once with ``train_batch``, once with
 DeepSpeed's forward / backward / step loop over the loader ``initialize`` returns (the error comes from
-``engine(x)`` in the script's own code).
+``engine(x)`` in the script's own code). A third launch never checkpoints: the record goes to the default
+folder in the working directory and the restart trains the epoch again from step 0 below the failed size.
 """
 
 from __future__ import annotations
@@ -67,3 +68,22 @@ def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path,
     assert not list((tmp_path / "ckpt").glob("adabatch_oom_rank*.json")), (
         "the record goes once a complete checkpoint holds what it taught"
     )
+
+
+def test_without_a_checkpoint_folder_the_record_goes_to_the_default_folder_and_the_restart_succeeds(tmp_path):
+    proc = _launch(tmp_path, "--no-checkpoint")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the job did not finish through the restart:\n{log[-5000:]}"
+    assert "exitcode: 75" in log, "the failing rank must exit with the documented code 75, not 1"
+    records = list((tmp_path / "adabatch_oom_records").glob("adabatch_oom_rank*.json"))
+    assert [p.name for p in records] == ["adabatch_oom_rank1.json"], records
+    assert "starts from step 0 again (no checkpoint folder is known" in log, log[-5000:]
+    assert "could not recover at 8 samples per pass" in log, "the next start reads the record when built"
+    record = json.loads(records[0].read_text())
+    assert record["failed"] == 8 and record["run"], record
+
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    after = [r for r in rows if r["restart"] == 1]
+    assert [r["step"] for r in after] == list(range(1, 9)), "the whole epoch again, from step 0"
+    assert sorted(i for r in after for i in r["indices"]) == list(range(96))
+    assert all(r["micro"] < 8 and r["limit"] < 8 for r in after), after

@@ -101,6 +101,17 @@ class MemoryConfig(BaseModel):
             "accelerator's total memory (DeepSpeed's get_accelerator().total_memory())."
         ),
     )
+    record_dir: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Folder (a path every node can read) for the records a process leaves when an out-of-memory "
+            "error ends it (exit code 75), read by the next start when the engine is built. null: the "
+            "checkpoint folder of the last save_checkpoint/load_checkpoint, read by the next start's "
+            "load_checkpoint; before any, adabatch_oom_records in the working directory, read by the "
+            "next start of the same torchrun launch."
+        ),
+    )
 
 
 def memory_problems(max_micro: int | str, memory: MemoryConfig) -> list[ConfigProblem]:

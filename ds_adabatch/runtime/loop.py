@@ -41,6 +41,7 @@ from typing import Any
 
 from .oom import UnrecoverableOutOfMemory, is_out_of_memory
 from .passes import StepPasses
+from .recovery import optimizer_step_oom
 
 __all__ = ["LoopDataLoader", "LoopMixin", "LoopStep"]
 
@@ -189,6 +190,9 @@ class LoopMixin:
         if not is_out_of_memory(exc) or isinstance(exc, UnrecoverableOutOfMemory):
             return
         index = loop.current if loop.current is not None else loop.last
+        if phase == "optimizer step":
+            where = f"in the optimizer step of step {self.global_steps}"
+            raise optimizer_step_oom(self.deepspeed, self.global_rank, where) from exc
         where = f"in the {phase} of micro-batch {index} of step {self.global_steps}"
         error = UnrecoverableOutOfMemory(
             f"out of memory on rank {self.global_rank} {where} (forward / backward / step loop): the loop's "

@@ -24,6 +24,15 @@ and applied to the next step's plan: a probe above it is never tried.
 
 A pass's size is read from the wrapped model's input (a forward pre-hook, no device access): the leading
 dimension of its first tensor (samples), or that tensor's number of elements (tokens).
+
+The allocator has one peak counter per device, and reading a pass's own peak means resetting it before
+the pass (``reset_peak_memory_stats``): while the predictor measures, ``torch.cuda.max_memory_allocated()``
+reads the peak since the current pass began, not since the process started. Every peak is folded into
+the predictor's own counters before each reset, so nothing is lost: ``engine.max_memory_allocated()`` is
+the process's peak (what ``torch.cuda.max_memory_allocated()`` would have read), and each step's JSONL
+record has ``peak_memory_bytes``, the largest peak of that step's passes and optimizer step on the rank
+(rank 0's in the file). A script that resets the counter itself (per-step monitoring) reads these
+instead; ``memory.predict_peak: false`` leaves the counter alone.
 """
 
 from __future__ import annotations
@@ -113,6 +122,9 @@ class PeakPredictor:
         self._open: tuple[Hashable, int] | None = None  # (key, resident bytes) of the running pass
         self._size: int | None = None
         self.reads = 0  # allocator reads so far (benchmarks report them)
+        self._process_peak = 0  # the largest peak read before any reset (bytes)
+        self._step_peak = 0  # the largest peak since take_step_peak()
+        self._counted = False  # the open pass's peak went into the last take_step_peak()
         # with_kwargs: model(**batch) passes its tensors as keyword arguments.
         self._hook = module.register_forward_pre_hook(self._record_size, with_kwargs=True)
 
@@ -140,11 +152,34 @@ class PeakPredictor:
         if counters is None:
             self._open, self._size = None, None
             return
-        self._close(counters)
-        self.reads += 2
+        peak = int(counters.max_memory_allocated())
+        self._process_peak = max(self._process_peak, peak)
+        if not self._counted:
+            self._step_peak = max(self._step_peak, peak)
+        self._counted = False
+        self._close(peak)
+        self.reads += 3
         resident = int(counters.memory_allocated())
         counters.reset_peak_memory_stats()
         self._open, self._size = (self._key(), resident), None
+
+    def max_memory_allocated(self) -> int | None:
+        """The peak allocated since the process started (bytes; every reset folded in), None where
+        nothing is measured."""
+        counters = self._counters()
+        if counters is None:
+            return None
+        return max(self._process_peak, int(counters.max_memory_allocated()))
+
+    def take_step_peak(self) -> int | None:
+        """The largest peak since the last call (bytes), the running pass included; None where nothing
+        is measured or no pass ran."""
+        counters = self._counters()
+        if counters is None or (self._open is None and not self._step_peak):
+            return None
+        peak = max(self._step_peak, int(counters.max_memory_allocated()))
+        self._step_peak, self._counted = 0, True
+        return peak
 
     @property
     def pass_size(self) -> int | None:
@@ -155,12 +190,11 @@ class PeakPredictor:
         """The open pass ran out of memory (on this rank or another): its peak stopped early."""
         self._open = None
 
-    def _close(self, counters: Any) -> None:
+    def _close(self, peak: int) -> None:
         if self._open is None or not self._size:
             return
         key, resident = self._open
-        self.reads += 1
-        self.model.observe(key, self._size, resident, int(counters.max_memory_allocated()))
+        self.model.observe(key, self._size, resident, peak)
         self._open = None
 
     def capacity(self) -> int | None:

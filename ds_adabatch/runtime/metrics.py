@@ -66,6 +66,8 @@ class StepMetrics:
     step_time_s: float
     grad_norm: float | None = None
     noise_scale: float | None = None
+    oom_recovery: str | None = None
+    """What an out-of-memory error in this step would have led to (``engine.oom_recovery``)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

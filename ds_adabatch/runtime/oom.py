@@ -72,7 +72,7 @@ class UnrecoverableOutOfMemory(RuntimeError):
         exit_code: the status to end the process with (``ds_adabatch.finish(exc.exit_code)``): 75 when
             the failing rank recorded a lower limit next to the checkpoints, so that a restart
             (``torchrun --max-restarts``) resumes below it; 1 when a restart cannot help (a micro-batch
-            of one sample does not fit, or no checkpoint folder is known).
+            of one sample does not fit, or the error came from the optimizer step).
         record: the path of that record, or None.
     """
 

@@ -43,7 +43,7 @@ from .oom import (
     is_out_of_memory,
 )
 
-__all__ = ["OomRecovery", "memory_for", "replan_after_oom", "resplit_micro_batches"]
+__all__ = ["OomRecovery", "memory_for", "optimizer_step_oom", "replan_after_oom", "resplit_micro_batches"]
 
 logger = logging.getLogger("ds_adabatch")
 T = TypeVar("T")
@@ -61,6 +61,7 @@ class OomRecovery:
         world_size: int,
         memory: MicroBatchMemory | None = None,
         model_communicates: bool = False,
+        records: restart_record.RestartRecords | None = None,
     ) -> None:
         self.deepspeed = ds_engine
         self.memory = memory if memory is not None else memory_for(config)
@@ -90,7 +91,11 @@ class OomRecovery:
         self.where = ""
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
-        self.records = restart_record.RestartRecords(rank)
+        if records is None:
+            records = restart_record.RestartRecords(rank, config.memory.record_dir)
+            # Records an earlier start of this launch (or memory.record_dir) holds bound the first plan.
+            records.start(self.memory, "tokens" if config.token_budget else "samples")
+        self.records = records  # given: its owner imposed what it holds already
 
     def close(self) -> None:
         """Remove the predictor's module hook (the engine's ``close`` calls it)."""
@@ -148,6 +153,9 @@ class OomRecovery:
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
+            if self.in_optimizer_step:
+                # No smaller plan helps and no record would either: say what to change instead.
+                raise optimizer_step_oom(self.deepspeed, self.rank, self.where) from exc
             # Raises UnrecoverableOutOfMemory (chained to exc) when this pass already agreed.
             try:
                 ranks = self.agreement.report_oom(self.where, self.pass_index)
@@ -155,6 +163,11 @@ class OomRecovery:
                 self._record(unrecoverable)
                 raise unrecoverable from exc
             return False, None, ranks
+
+    @property
+    def in_optimizer_step(self) -> bool:
+        """Whether the code running now is the step's optimizer step (after its last pass)."""
+        return self.pass_index is None and self.where.startswith("in the optimizer step")
 
     def _local_verdict(self) -> int:
         verdict = self.predictor.verdict() if self.predictor is not None else None
@@ -189,6 +202,41 @@ class OomRecovery:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def optimizer_step_oom(ds_engine: Any, rank: int, where: str) -> UnrecoverableOutOfMemory:
+    """The error for an out-of-memory error inside DeepSpeed's optimizer step: exit code 1, no record.
+
+    The optimizer step allocates the optimizer state, the fp32 master weights and the step's buffers,
+    none of which a smaller micro-batch shrinks, so neither an in-step re-plan nor a restart below the
+    failed micro-batch can succeed. The message names the change that can, for this engine's ZeRO
+    stage, offload and data-parallel size.
+    """
+    stage = int(ds_engine.zero_optimization_stage() or 0)
+    offload = getattr(ds_engine.zero_offload_optimizer(), "device", None)
+    offloaded = offload is not None and str(getattr(offload, "value", offload)) != "none"
+    replicas = int(getattr(ds_engine, "dp_world_size", 1) or 1)
+    if stage == 0 and replicas > 1:
+        change = (
+            "partition the optimizer state over the data-parallel ranks: set zero_optimization.stage "
+            "to 1 (2 partitions the gradients as well)"
+        )
+    elif not offloaded:
+        change = (
+            'keep the optimizer state in host memory: zero_optimization.offload_optimizer {"device": '
+            '"cpu"}' + (" with zero_optimization.stage 1 or more" if stage == 0 else "")
+        )
+    else:
+        change = (
+            "the optimizer state is already partitioned and offloaded: spread it over more GPUs, "
+            "use ZeRO-3, or train a smaller model"
+        )
+    return UnrecoverableOutOfMemory(
+        f"out of memory on rank {rank} {where}: the step cannot be re-planned, and a smaller "
+        "micro-batch would not help (the optimizer step allocates the optimizer state, the fp32 master "
+        "weights and its buffers, none of which depends on the micro-batch), so nothing is recorded "
+        f"for a restart. To fit it, {change}. This process exits and the launcher stops the others"
+    )
 
 
 def replan_after_oom(

@@ -123,7 +123,17 @@ class AdaptiveEngineBase(CheckpointMixin):
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
         # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
         memory_cfg = cfg
+        self._oom_off = None if cfg.memory.recover_from_oom else "config"
         if not recovers_from_oom:
+            self._oom_off = self._oom_off or "pipeline"
+            if self._oom_off == "pipeline" and self.rank == 0:
+                # On by default everywhere else: say so once, loudly (the JSONL says it every step).
+                logger.warning(
+                    "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
+                    "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
+                    "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
+                    "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
+                )
             memory_cfg = cfg.model_copy(
                 update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
             )
@@ -174,6 +184,41 @@ class AdaptiveEngineBase(CheckpointMixin):
     @property
     def lr_multiplier(self) -> float:
         return self.lr_coupling.multiplier
+
+    @property
+    def oom_recovery(self) -> str:
+        """What an out-of-memory error in a step leads to now (also in every JSONL step record):
+
+        ``"in_step"``: agreed by every rank, the step re-planned with smaller micro-batches and re-run
+        on the same samples; ``"restart"``: under tensor parallelism (or after a pass's agreement
+        point) recorded next to the checkpoints, the process exits 75 and the next start plans below
+        it; ``"off:pipeline"``: not recovered under pipeline parallelism (the error ends the job);
+        ``"off:config"``: ``memory.recover_from_oom`` is false; ``"off:no_accelerator"``: nothing can
+        raise one here (DeepSpeed's CPU accelerator allocates host memory, whose exhaustion ends the
+        process instead of raising).
+        """
+        if self._oom_off is not None:
+            return f"off:{self._oom_off}"
+        recovery = self.memory_recovery
+        if not recovery.armed:
+            return "off:no_accelerator"
+        return "restart" if recovery.agreement.agree_at_pass_start else "in_step"
+
+    def max_memory_allocated(self) -> int:
+        """This process's peak allocated accelerator memory since it started, in bytes.
+
+        Read it instead of ``torch.cuda.max_memory_allocated()`` while ``memory.predict_peak`` measures:
+        the predictor resets the allocator's peak counter before every pass (it reads each pass's own
+        peak) and folds every reading into this value; see :mod:`ds_adabatch.runtime.memory_model`.
+        Each step's own peak is ``peak_memory_bytes`` in its metrics record.
+        """
+        predictor = self.memory_recovery.predictor
+        measured = predictor.max_memory_allocated() if predictor is not None else None
+        if measured is not None:
+            return measured
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
 
     @property
     def micro_batch_limit(self) -> int:
@@ -410,7 +455,12 @@ class AdaptiveEngineBase(CheckpointMixin):
             lr_multiplier=self.lr_coupling.multiplier,
             step_time_s=time.perf_counter() - started,
             extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
+            oom_recovery=self.oom_recovery,
         )
+        predictor = self.memory_recovery.predictor
+        peak = predictor.take_step_peak() if predictor is not None else None
+        if peak is not None:
+            record.extra["peak_memory_bytes"] = float(peak)
         loss = StepLoss(step, self.resolve_losses)
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):

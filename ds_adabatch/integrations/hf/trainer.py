@@ -270,9 +270,12 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if self.is_deepspeed_enabled and self.batch_state.config.memory.recover_from_oom:
             # Records an exited process left in output_dir bound the first step's plan already (the
             # recovery itself needs the engine, built later); runtime/restart_record.py.
-            self._restart_records = RestartRecords(self.batch_state.rank)
-            unit = "tokens" if self.batch_state.token_budget else "samples"
-            self._restart_records.impose(self.args.output_dir, self.batch_state.memory, unit)
+            state = self.batch_state
+            records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)
+            unit = "tokens" if state.token_budget else "samples"
+            if records.record_dir is not None:
+                records.start(state.memory, unit)
+            records.impose(self.args.output_dir, state.memory, unit)
         if self.is_deepspeed_enabled:
             seed_deepspeed_batch_keys(
                 self.accelerator.state.deepspeed_plugin.deepspeed_config,
@@ -435,14 +438,16 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if self._recovery is None or self._recovery_closed or self._recovery.deepspeed is not engine:
             self._close_recovery()
             self._recovery_closed = False
-            self._recovery = OomRecovery(
-                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory
-            )
             # An unrecoverable error of this run is recorded in output_dir; the records imposed when the
             # batch state was built are deleted once a checkpoint holds them (runtime/restart_record.py).
-            if self._restart_records is not None:
-                self._recovery.records = self._restart_records
-            self._recovery.use_checkpoint_dir(self.args.output_dir)
+            records = self._restart_records
+            if records is None:
+                records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)
+            self._recovery = OomRecovery(
+                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory,
+                records=records,
+            )  # fmt: skip
+            records.folder = self.args.output_dir
         return self._recovery
 
     def _apply_plan(self, plan: BatchPlan) -> None:
