@@ -3,7 +3,7 @@
 Usage: torchrun --nproc-per-node N tests/pipeline_worker.py LAYOUT OUT_DIR
 LAYOUT: ``pipe2x1`` (2 stages x 1 data-parallel, 2 processes), ``pipe2x2`` (2 stages x 2 data-parallel,
 4 processes), ``tensor2x2`` (2 tensor x 2 data-parallel with the data-parallel engine and an mpu, 4
-processes). Each case writes OUT_DIR/<layout>_<case>.json (rank 0) with what every rank measured, so the
+processes), ``pipe_tensor`` (3D: 2 stages x 2 tensor ranks x 1 data-parallel, 4 processes). Each case writes OUT_DIR/<layout>_<case>.json (rank 0) with what every rank measured, so the
 pytest side asserts with readable messages. One launch runs every case of its layout.
 """
 
@@ -21,7 +21,7 @@ import deepspeed.comm as dist  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 from engine_worker import Regression  # noqa: E402
-from tensor_model import TensorGrid, TensorParallelMLP, mlp3, tensor_loss  # noqa: E402
+from tensor_model import TensorBlock, TensorGrid, TensorParallelMLP, mlp3, mlp_3d, tensor_loss  # noqa: E402
 
 import ds_adabatch  # noqa: E402
 
@@ -189,6 +189,7 @@ def run_sequence(out_dir: str, name: str, dp: int, zero: int, bf16: bool, *, los
         "micro_indices": mine,
         "samples": engine.global_samples,
         "ds_samples": engine.deepspeed.global_samples,
+        "oom_recovery": [engine.oom_recovery, engine.last_metrics.oom_recovery],
     }
     write(
         out_dir,
@@ -486,6 +487,44 @@ def run_tensor(out_dir: str, grid: TensorGrid, zero: int, bf16: bool) -> None:
     engine.close()
 
 
+def run_pipe_tensor(out_dir: str, zero: int, bf16: bool) -> None:
+    """3D: each stage's block split over its 2 tensor ranks (the grid's slice group), 1 replica."""
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    coord = topo.get_coord(dist.get_rank())
+    holder: dict = {}
+
+    def group():
+        return holder["module"].mpu().get_slice_parallel_group()
+
+    blocks = [
+        TensorBlock(0, 2, coord.model, group, pre_tanh=False),
+        TensorBlock(4, 2, coord.model, group, pre_tanh=True),
+    ]
+    module = PipelineModule(layers=blocks, topology=topo, loss_fn=mean_mse, partition_method="uniform")
+    holder["module"] = module
+    data = Regression(n=N_SAMPLES)
+    engine, *_ = ds_adabatch.initialize(module, ds_config(zero, bf16), data)
+    batches, plans, losses, mine = run_plans(engine, SEQUENCES[1])
+    ref, ref_losses = reference_layers(batches, data, build=mlp_3d)
+    block = blocks[engine.stage_id]
+    got, want = local_params(engine).double(), block.reference_slices(ref)
+    scale = float(torch.cat([p.detach().flatten() for p in ref.parameters()]).abs().max())
+    record = {
+        **rank_info(engine),
+        "tp_rank": coord.model,
+        "err": float((got - want).abs().max()) / scale,
+        "losses": losses,
+        "micro_indices": mine,
+        "samples": engine.global_samples,
+    }
+    write(
+        out_dir,
+        f"pipe_tensor_z{zero}_{'bf16' if bf16 else 'fp32'}",
+        {"ranks": gather(record), "batches": batches, "plans": plans, "ref_losses": ref_losses},
+    )
+    engine.close()
+
+
 class TensorTokenModel(torch.nn.Module):
     """Token ids -> fixed 5-wide features -> ``TensorParallelMLP``: one output per position."""
 
@@ -541,6 +580,7 @@ def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
             except ds_adabatch.UnrecoverableOutOfMemory as exc:
                 print(f"rank {dist.get_rank()} incarnation {restart}: {exc}", flush=True)
                 ds_adabatch.finish(exc.exit_code)
+            mode = engine.oom_recovery
             step = engine.last_step_batch.global_batch
             steps.append(step.indices.tolist())
             budgets.append(step.budget)
@@ -563,6 +603,7 @@ def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
         "budgets": budgets,
         "oom_retries": retries,
         "limit": engine.micro_batch_limit,
+        "oom_recovery": mode,
     }
     write(out_dir, "tensor2x2_token_oom", {"restart": restart, "ranks": gather(record)})
     engine.close()
@@ -590,8 +631,11 @@ def main() -> None:
             run_checkpoint(out_dir, 2, zero)
     elif layout == "tensor2x2":
         grid = TensorGrid(2)
-        for zero, bf16 in ((0, False), (1, False), (0, True), (1, True)):
+        for zero, bf16 in ((0, False), (1, False), (0, True), (1, True), (2, False), (3, False), (3, True)):
             run_tensor(out_dir, grid, zero, bf16)
+    elif layout == "pipe_tensor":
+        for zero, bf16 in ((0, False), (1, False), (1, True)):
+            run_pipe_tensor(out_dir, zero, bf16)
     elif layout == "tensor2x2_oom":
         run_tensor_token_oom(out_dir, TensorGrid(2))
     else:

@@ -107,3 +107,83 @@ def tensor_loss(engine, batch):
     return (
         (engine(x.to(torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)).float() - y) ** 2
     ).mean()
+
+
+# -- 3D: pipeline stages whose layers are split over the stage's tensor ranks ----------------------------
+def mlp_3d(seed: int = 0) -> list[torch.nn.Module]:
+    """The 3D test's model before it is split: two blocks ``Linear, Tanh, Linear`` (5 -> 16 -> 16 and,
+    after a Tanh, 16 -> 16 -> 1), one per pipeline stage."""
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Linear(5, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 1),
+    ]
+
+
+class _CopyToTensor(torch.autograd.Function):
+    """Identity forward; the input's gradient summed over the tensor group (each rank's columns add)."""
+
+    @staticmethod
+    def forward(ctx, x, group_fn):
+        ctx.group_fn = group_fn
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group_fn())
+        return grad, None
+
+
+class _ReduceFromTensorLazy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_fn):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group_fn())
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TensorBlock(torch.nn.Module):
+    """``[Tanh], Linear(a, 16), Tanh, Linear(16, b)`` of ``mlp_3d`` split over a pipeline stage's tensor
+    ranks (the first Linear by output columns, the second by input rows, the outputs summed), reading the
+    tensor group from the PipelineModule's grid when it runs (``group_fn``): the Megatron layout, whose
+    activations between stages are the same on every tensor rank (DeepSpeed partitions them in transit)."""
+
+    def __init__(self, first: int, tensor: int, tp_rank: int, group_fn, *, pre_tanh: bool) -> None:
+        super().__init__()
+        full = mlp_3d()
+        lin1, lin2 = full[first], full[first + 2]
+        k, r = 16 // tensor, tp_rank
+        self.w1 = torch.nn.Parameter(lin1.weight.detach()[r * k : (r + 1) * k].clone())
+        self.b1 = torch.nn.Parameter(lin1.bias.detach()[r * k : (r + 1) * k].clone())
+        self.w2 = torch.nn.Parameter(lin2.weight.detach()[:, r * k : (r + 1) * k].clone())
+        self.b2 = torch.nn.Parameter(lin2.bias.detach().clone())
+        self.first, self.k, self.r, self.group_fn, self.pre_tanh = first, k, r, group_fn, pre_tanh
+
+    def forward(self, x):
+        if self.pre_tanh:
+            x = torch.tanh(x)
+        x = _CopyToTensor.apply(x, self.group_fn)
+        h = torch.tanh(x @ self.w1.t() + self.b1)
+        return _ReduceFromTensorLazy.apply(h @ self.w2.t(), self.group_fn) + self.b2
+
+    def reference_slices(self, ref: torch.nn.Sequential) -> torch.Tensor:
+        k, r = self.k, self.r
+        lin1, lin2 = ref[self.first], ref[self.first + 2]
+        return torch.cat(
+            [
+                lin1.weight.detach()[r * k : (r + 1) * k].flatten(),
+                lin1.bias.detach()[r * k : (r + 1) * k].flatten(),
+                lin2.weight.detach()[:, r * k : (r + 1) * k].flatten(),
+                lin2.bias.detach().flatten(),
+            ]
+        )

@@ -1,9 +1,9 @@
 """Pipeline and tensor parallelism on real gloo ranks: exact updates, the sample ledger, checkpoints, refusals.
 
-Three launches (``tests/pipeline_worker.py``) serve every test here: 2 stages x 1 data-parallel (2
+Four launches (``tests/pipeline_worker.py``) serve every test here: 2 stages x 1 data-parallel (2
 processes), 2 stages x 2 data-parallel (4 processes; it also resumes the first launch's checkpoints on
-the other data-parallel size), and 2 tensor x 2 data-parallel with the data-parallel engine and an mpu
-(4 processes). Each test reads what its case wrote and asserts on it. One more launch, with a restart:
+the other data-parallel size), 2 tensor x 2 data-parallel with the data-parallel engine and an mpu
+(4 processes), and 3D: 2 stages x 2 tensor ranks x 1 data-parallel (4 processes). Each test reads what its case wrote and asserts on it. One more launch, with a restart:
 an out-of-memory error under tensor parallelism.
 """
 
@@ -30,7 +30,7 @@ PLANS = {
     1: [[4, 4, 1], [16, 4, 4], [12, 4, 3], [6, 3, 2], [13, 4, 4], [1, 1, 1], [3, 3, 1], [16, 4, 4], [16, 4, 4], [9, 3, 3]],
     2: [[8, 4, 1], [32, 4, 4], [24, 4, 3], [6, 3, 1], [13, 4, 2], [1, 1, 1], [3, 2, 1], [9, 3, 2]],
 }  # fmt: skip
-LAYOUTS = (("pipe2x1", 2), ("pipe2x2", 4), ("tensor2x2", 4))
+LAYOUTS = (("pipe2x1", 2), ("pipe2x2", 4), ("tensor2x2", 4), ("pipe_tensor", 4))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,27 @@ def test_plan_changes_match_big_batch_reference(results, layout, dp, zero, dtype
     _check_exact(r, name)
 
 
-@pytest.mark.parametrize("name", ["pipe2x1_z0_fp32", "pipe2x2_z1_fp32", "tensor2x2_z0_fp32"])
+@pytest.mark.parametrize("name", ["tensor2x2_z2_fp32", "tensor2x2_z3_fp32", "tensor2x2_z3_bf16"])
+def test_tensor_parallelism_with_zero_2_and_3_matches_big_batch_reference(results, name):
+    # ZeRO partitions each tensor rank's shard over its data-parallel group (the mpu's).
+    r = read_result(results, name)
+    assert r["plans"] == PLANS[2], f"{name}: plans actually used: {r['plans']}"
+    _check_exact(r, name)
+
+
+@pytest.mark.parametrize("name", ["pipe_tensor_z0_fp32", "pipe_tensor_z1_fp32", "pipe_tensor_z1_bf16"])
+def test_3d_pipeline_x_tensor_x_data_matches_big_batch_reference(results, name):
+    # 2 stages x 2 tensor ranks x 1 replica (4 processes): each stage's block split over the grid's
+    # slice group, DeepSpeed partitioning the activations between stages over the tensor ranks.
+    r = read_result(results, name)
+    assert r["plans"] == PLANS[1], f"{name}: plans actually used: {r['plans']}"
+    _check_exact(r, name)
+    assert sorted((rank["stage"], rank["tp_rank"]) for rank in r["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize(
+    "name", ["pipe2x1_z0_fp32", "pipe2x2_z1_fp32", "tensor2x2_z0_fp32", "pipe_tensor_z0_fp32"]
+)
 def test_every_sample_once_and_every_process_of_a_replica_trains_the_same(results, name):
     r = read_result(results, name)
     dp = 2 if "2x2" in name else 1
@@ -190,6 +210,16 @@ def test_schedules_that_read_the_loss_or_agree(results):
     )
 
 
+def test_oom_recovery_is_off_under_pipelining_and_the_log_and_every_step_record_say_so(results):
+    for name in ("pipe2x1_z0_fp32", "pipe2x2_z1_bf16"):
+        for rank in read_result(results, name)["ranks"]:
+            assert rank["oom_recovery"] == ["off:pipeline", "off:pipeline"], (name, rank["oom_recovery"])
+    log = (results / "pipe2x1.log").read_text()
+    warning = "out-of-memory recovery is off under pipeline parallelism"
+    # Rank 0, once per engine that left recover_from_oom at its default (every case of the launch).
+    assert log.count(warning) >= 5 and "set adabatch.memory.recover_from_oom to false" in log, log[-3000:]
+
+
 def test_what_pipelining_cannot_do_is_refused_with_the_reason(results):
     r = read_result(results, "refusals")
     expect = {
@@ -228,6 +258,7 @@ def test_an_oom_under_tensor_parallelism_is_survived_through_a_restart(tmp_path)
         assert rank["err"] <= 1e-5, f"rank {rank['rank']}: off the token-mean reference by {rank['err']:.2e}"
         assert rank["steps"] == first["steps"] and rank["budgets"] == first["budgets"]
     assert max(first["budgets"]) <= 40 and sum(first["oom_retries"]) == 0, first
+    assert all(rank["oom_recovery"] == "restart" for rank in r["ranks"]), r["ranks"]
     (path,) = (tmp_path / "tensor_oom_ckpt").glob("adabatch_oom_rank*.json")  # no checkpoint saved: kept
     record = json.loads(path.read_text())
     assert path.name == "adabatch_oom_rank3.json" and 40 < record["failed"] <= 64, record
