@@ -5,11 +5,13 @@ Subcommands::
     ds-adabatch validate CONFIG [CONFIG ...] [--world-size N] [--pipeline-stages S] [--tensor-parallel-size T]
     ds-adabatch plan --global-batch B --world-size W --max-micro M [--uneven] [--pipeline-stages S] [--tensor-parallel-size T]
     ds-adabatch schema
+    ds-adabatch config-docs [--output PATH | --check PATH]
     ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
     ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
 
-Exit status: 0 on success; 2 on bad input or an invalid config, with a message on stderr and no
-traceback. The command imports neither DeepSpeed nor torch, so it answers in well under a second.
+Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale; 2 on bad input or
+an invalid config, with a message on stderr and no traceback. The command imports neither DeepSpeed
+nor torch, so it answers in well under a second.
 """
 
 from __future__ import annotations
@@ -307,6 +309,12 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from .config import reference
+
+    return reference.run(args)
+
+
 def _cmd_elastic(args: argparse.Namespace) -> int:
     if args.min_micro > args.max_micro:
         raise UsageError(f"--min-micro ({args.min_micro}) must not exceed --max-micro ({args.max_micro})")
@@ -452,6 +460,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the JSON Schema of the adabatch section (for editors)")
     p.set_defaults(func=_cmd_schema)
+
+    p = sub.add_parser(
+        "config-docs", help="print, write (--output) or check (--check) the adabatch reference page"
+    )
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument(
+        "--output", metavar="PATH", default=None, help="write the page to PATH (default: print it)"
+    )
+    docs.add_argument(
+        "--check", metavar="PATH", default=None, help="exit 1 if PATH differs from the generated page"
+    )
+    p.set_defaults(func=_cmd_config_docs)
 
     p = sub.add_parser("elastic", help="global batch sizes that split evenly on many GPU counts")
     p.add_argument("--max-batch", type=_positive_int, required=True, metavar="B", help="largest global batch")
