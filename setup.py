@@ -29,6 +29,9 @@ setup(
     extras_require={
         "hf": ["transformers>=5.18.0,<6", "accelerate>=1.15.0,<2"],
         "plot": ["matplotlib>=3.7"],
+        # The hf extra plus what transformers' example scripts (examples/pytorch/language-modeling/
+        # run_clm.py) import: datasets, evaluate, and scikit-learn for --do_eval's accuracy metric.
+        "examples": ["ds_adabatch[hf]", "datasets>=3", "evaluate>=0.4", "scikit-learn>=1.3"],
         "dev": [
             "pytest>=8",
             "hypothesis>=6.100",
