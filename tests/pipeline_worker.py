@@ -467,23 +467,35 @@ def run_tensor(out_dir: str, grid: TensorGrid, zero: int, bf16: bool) -> None:
     engine, *_ = ds_adabatch.initialize(model, ds_config(zero, bf16), data, loss_fn=tensor_loss, mpu=grid)
     batches, plans, losses, mine = run_plans(engine, SEQUENCES[grid.dp])
     ref, ref_losses = reference_layers(batches, data, build=mlp3)
+    info = {"rank": dist.get_rank(), "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank}
+    name = f"tensor2x2_z{zero}_{'bf16' if bf16 else 'fp32'}"
+    write_slices(
+        out_dir,
+        name,
+        engine,
+        model.reference_slices(ref),
+        ref,
+        info,
+        (batches, plans, losses, mine),
+        ref_losses,
+    )
+
+
+def write_slices(out_dir, name, engine, want, ref, info, run, ref_losses) -> None:
+    """This rank's parameters against its slices of the reference (``want``), with what ``run_plans``
+    returned (``run``); closes the engine."""
+    batches, plans, losses, mine = run
     got = local_params(engine).double()
-    want = model.reference_slices(ref)
     scale = float(torch.cat([p.detach().flatten() for p in ref.parameters()]).abs().max())
     record = {
-        "rank": dist.get_rank(),
-        "tp_rank": grid.tp_rank,
-        "dp_rank": grid.dp_rank,
+        **info,
         "err": float((got - want).abs().max()) / scale,
         "losses": losses,
         "micro_indices": mine,
         "samples": engine.global_samples,
     }
-    write(
-        out_dir,
-        f"tensor2x2_z{zero}_{'bf16' if bf16 else 'fp32'}",
-        {"ranks": gather(record), "batches": batches, "plans": plans, "ref_losses": ref_losses},
-    )
+    payload = {"ranks": gather(record), "batches": batches, "plans": plans, "ref_losses": ref_losses}
+    write(out_dir, name, payload)
     engine.close()
 
 
@@ -506,23 +518,10 @@ def run_pipe_tensor(out_dir: str, zero: int, bf16: bool) -> None:
     engine, *_ = ds_adabatch.initialize(module, ds_config(zero, bf16), data)
     batches, plans, losses, mine = run_plans(engine, SEQUENCES[1])
     ref, ref_losses = reference_layers(batches, data, build=mlp_3d)
-    block = blocks[engine.stage_id]
-    got, want = local_params(engine).double(), block.reference_slices(ref)
-    scale = float(torch.cat([p.detach().flatten() for p in ref.parameters()]).abs().max())
-    record = {
-        **rank_info(engine),
-        "tp_rank": coord.model,
-        "err": float((got - want).abs().max()) / scale,
-        "losses": losses,
-        "micro_indices": mine,
-        "samples": engine.global_samples,
-    }
-    write(
-        out_dir,
-        f"pipe_tensor_z{zero}_{'bf16' if bf16 else 'fp32'}",
-        {"ranks": gather(record), "batches": batches, "plans": plans, "ref_losses": ref_losses},
-    )
-    engine.close()
+    want = blocks[engine.stage_id].reference_slices(ref)
+    info = {**rank_info(engine), "tp_rank": coord.model}
+    name = f"pipe_tensor_z{zero}_{'bf16' if bf16 else 'fp32'}"
+    write_slices(out_dir, name, engine, want, ref, info, (batches, plans, losses, mine), ref_losses)
 
 
 class TensorTokenModel(torch.nn.Module):
