@@ -420,26 +420,32 @@ def _metadata(annotation: Any) -> list[Any]:
     return out
 
 
+_NUMERIC_BOUNDS = (
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Ge, "ge", ">="),
+    (annotated_types.Lt, "lt", "<"),
+    (annotated_types.Le, "le", "<="),
+    (annotated_types.MultipleOf, "multiple_of", "a multiple of"),
+)
+_LENGTH_BOUNDS = (
+    (annotated_types.MinLen, "min_length", "at least"),
+    (annotated_types.MaxLen, "max_length", "at most"),
+)
+
+
 def _bounds(annotation: Any, metadata: list[Any]) -> str:
     """``>= 1 and < 10``, ``at least 1 item; ...``: what ``metadata`` restricts ``annotation`` to."""
     numeric: list[str] = []
     lengths: list[str] = []
     unit = "character" if annotation is str else "item"
     for item in metadata:
-        if isinstance(item, annotated_types.Gt):
-            numeric.append(f"> {item.gt}")
-        elif isinstance(item, annotated_types.Ge):
-            numeric.append(f">= {item.ge}")
-        elif isinstance(item, annotated_types.Lt):
-            numeric.append(f"< {item.lt}")
-        elif isinstance(item, annotated_types.Le):
-            numeric.append(f"<= {item.le}")
-        elif isinstance(item, annotated_types.MultipleOf):
-            numeric.append(f"a multiple of {item.multiple_of}")
-        elif isinstance(item, annotated_types.MinLen):
-            lengths.append(f"at least {item.min_length} {unit}{'s' if item.min_length != 1 else ''}")
-        elif isinstance(item, annotated_types.MaxLen):
-            lengths.append(f"at most {item.max_length} {unit}{'s' if item.max_length != 1 else ''}")
+        for kind, attr, words in _NUMERIC_BOUNDS:
+            if isinstance(item, kind):
+                numeric.append(f"{words} {getattr(item, attr)}")
+        for kind, attr, words in _LENGTH_BOUNDS:
+            if isinstance(item, kind):
+                n = getattr(item, attr)
+                lengths.append(f"{words} {n} {unit}{'s' if n != 1 else ''}")
     text = " and ".join(numeric + lengths)
     items = _item_bounds(annotation)
     if items:

@@ -174,8 +174,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
                 passes.set_boundary(i)
                 passes.backward(i, self._micro_loss(_to_device(batch, device)))
                 if i == passes.last and armed:
-                    recovery.where = f"in the optimizer step of step {self.global_steps}"
-                    recovery.pass_index = None
+                    recovery.begin_optimizer_step(self.global_steps)
                 ds.step()  # DeepSpeed updates only on the boundary
         finally:
             passes.close()

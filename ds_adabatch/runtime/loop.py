@@ -238,8 +238,7 @@ class LoopMixin:
         last = loop.current == loop.last
         recovery = self.memory_recovery
         if last and recovery.armed:
-            recovery.where = f"in the optimizer step of step {self.global_steps}"
-            recovery.pass_index = None
+            recovery.begin_optimizer_step(self.global_steps)
         try:
             self.deepspeed.step(lr_kwargs=lr_kwargs)
         except Exception as exc:

@@ -90,6 +90,7 @@ class OomRecovery:
                 self.agreement.local_verdict = self._local_verdict
         self.where = ""
         self.pass_index: int | None = None  # the micro-batch running now; None: the optimizer step
+        self.in_optimizer_step = False  # the step's passes are done: DeepSpeed's optimizer step runs
         self.ooms = 0  # out-of-memory events recovered so far (global, identical on every rank)
         if records is None:
             records = restart_record.RestartRecords(rank, config.memory.record_dir)
@@ -109,6 +110,7 @@ class OomRecovery:
     def begin_pass(self, where: str, index: int | None = None) -> None:
         """Called before each micro-batch (``index``: its position in the step): a new pass, with its
         own agreement point."""
+        self.in_optimizer_step = False
         if self.agreement is not None:
             self.where = where
             self.pass_index = index
@@ -164,10 +166,11 @@ class OomRecovery:
                 raise unrecoverable from exc
             return False, None, ranks
 
-    @property
-    def in_optimizer_step(self) -> bool:
-        """Whether the code running now is the step's optimizer step (after its last pass)."""
-        return self.pass_index is None and self.where.startswith("in the optimizer step")
+    def begin_optimizer_step(self, step: int) -> None:
+        """The step's last pass is done: an out-of-memory error from now on is the optimizer step's."""
+        self.where = f"in the optimizer step of step {step}"
+        self.pass_index = None
+        self.in_optimizer_step = True
 
     def _local_verdict(self) -> int:
         verdict = self.predictor.verdict() if self.predictor is not None else None

@@ -123,10 +123,9 @@ class AdaptiveEngineBase(CheckpointMixin):
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
         # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
         memory_cfg = cfg
-        self._oom_off = None if cfg.memory.recover_from_oom else "config"
+        self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
         if not recovers_from_oom:
-            self._oom_off = self._oom_off or "pipeline"
-            if self._oom_off == "pipeline" and self.rank == 0:
+            if self._oom_off is None and self.rank == 0:
                 # On by default everywhere else: say so once, loudly (the JSONL says it every step).
                 logger.warning(
                     "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
@@ -134,6 +133,7 @@ class AdaptiveEngineBase(CheckpointMixin):
                     "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
                     "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
                 )
+            self._oom_off = self._oom_off or "pipeline"
             memory_cfg = cfg.model_copy(
                 update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
             )
