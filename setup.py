@@ -43,5 +43,10 @@ setup(
             "datasets>=3",  # the Trainer's length column read from a datasets.Dataset
         ],
     },
-    entry_points={"console_scripts": ["ds-adabatch=ds_adabatch.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "ds-adabatch=ds_adabatch.cli:main",
+            "ds-adabatch-run=ds_adabatch.launch:main",
+        ]
+    },
 )

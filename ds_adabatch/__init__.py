@@ -23,7 +23,13 @@ from .plan import (
 if TYPE_CHECKING:  # pragma: no cover
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
     from .data import SampleLengths, TokenBudgetSampler
-    from .runtime import AdaptiveBatchEngine, AdaptivePipelineEngine, UnrecoverableOutOfMemory, initialize
+    from .runtime import (
+        AdaptiveBatchEngine,
+        AdaptivePipelineEngine,
+        LiveRecoveryFailed,
+        UnrecoverableOutOfMemory,
+        initialize,
+    )
     from .runtime.comm import finish
     from .runtime.process_group import init_distributed
 
@@ -35,6 +41,7 @@ _LAZY = {
     "AdaptivePipelineEngine": "ds_adabatch.runtime",
     "initialize": "ds_adabatch.runtime",
     "UnrecoverableOutOfMemory": "ds_adabatch.runtime",
+    "LiveRecoveryFailed": "ds_adabatch.runtime",
     "SampleLengths": "ds_adabatch.data",
     "TokenBudgetSampler": "ds_adabatch.data",
     "finish": "ds_adabatch.runtime.comm",
@@ -48,6 +55,7 @@ __all__ = [
     "BatchPlan",
     "CompatibleBatchSize",
     "ConfigError",
+    "LiveRecoveryFailed",
     "LoadedConfig",
     "PlanError",
     "SampleLengths",

@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.save_dir and args.save_every and engine.global_steps % args.save_every == 0:
                 engine.save_checkpoint(args.save_dir, keep_last=args.keep_last)
                 saved_step = engine.global_steps
-    except ds_adabatch.UnrecoverableOutOfMemory as exc:
+    except (ds_adabatch.UnrecoverableOutOfMemory, ds_adabatch.LiveRecoveryFailed) as exc:
         # This rank cannot go on, and the others may be inside a collective it will never join: end
-        # now with the status that says whether a restart resumes below the size that failed.
+        # now with the status that says whether a restart resumes below the size that failed (or,
+        # for a lost node that host memory cannot make up for, from the last complete checkpoint).
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if bar is not None:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import ConfigError, ConfigProblem
+from .live import LiveElasticConfig, live_elastic_problems
 from .memory import AUTO, UNBOUNDED_MICRO_BATCH, MemoryConfig, memory_problems
 from .schedules import ScheduleConfig
 
@@ -214,6 +215,10 @@ class AdaBatchConfig(_Section):
         default_factory=MemoryConfig,
         description="Out-of-memory recovery inside a step and how an 'auto' micro-batch is learned.",
     )
+    live_elastic: LiveElasticConfig = Field(
+        default_factory=LiveElasticConfig,
+        description="Survive a lost node in the same processes, from snapshots in host memory.",
+    )
 
     @property
     def token_budget(self) -> bool:
@@ -258,6 +263,7 @@ class AdaBatchConfig(_Section):
         problems: list[ConfigProblem] = token_budget_problems(self)
         if self.max_micro_batch_per_gpu is not None:
             problems += memory_problems(self.max_micro_batch_per_gpu, self.memory)
+        problems += live_elastic_problems(self.live_elastic)
         lo, hi, g = self.min_global_batch, self.max_global_batch, self.granularity
         bounds_ordered = lo is None or hi is None or lo <= hi
         if not bounds_ordered:

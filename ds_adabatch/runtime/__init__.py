@@ -2,6 +2,7 @@
 
 from .engine import AdaptiveBatchEngine
 from .initialize import initialize
+from .live_recovery import LiveRecoveryFailed
 from .lr import BatchCoupledLR
 from .memory import MicroBatchMemory
 from .metrics import PlanChange, StepMetrics
@@ -13,6 +14,7 @@ __all__ = [
     "AdaptiveBatchEngine",
     "AdaptivePipelineEngine",
     "BatchCoupledLR",
+    "LiveRecoveryFailed",
     "MicroBatchMemory",
     "PlanChange",
     "StepLoss",

@@ -175,6 +175,14 @@ class CheckpointMixin:
             self._loop = None  # a step taken but not started: the loaded cursor replaces it
         self.resolve_losses()  # nothing pending may be folded into the loaded state later
         self.memory_recovery.use_checkpoint_dir(load_dir)  # limits an exited process recorded there
+        live = self.__dict__.get("_live")
+        if live is not None and live.restored_step is not None and tag is None:
+            # This incarnation restored a newer state from host memory (live_recovery.py): a checkpoint
+            # is never newer than the snapshot of the step before the failure.
+            newest = elastic_ckpt.latest_complete_tag(load_dir)
+            info = elastic_ckpt.read_marker(load_dir, newest) if newest else None
+            if info is None or info.global_steps <= live.restored_step:
+                return f"<host memory: step {live.restored_step}>", {}
         ds = self.deepspeed
         if tag is None:
             tag = elastic_ckpt.latest_complete_tag(load_dir)
@@ -216,6 +224,8 @@ class CheckpointMixin:
                 f"checkpoint {path} has no ds_adabatch state: was it saved by engine.save_checkpoint?"
             )
         self.load_adabatch_state_dict(state)
+        if live is not None:
+            live.snapshot_now()  # the loaded state replaces what the snapshots held
         rng_file = os.path.join(os.path.dirname(path), f"adabatch_rng_rank{self.rank}.pt")
         same_layout = state["world_size"] == self.world_size and (
             state.get("processes", state["world_size"]) == _processes()

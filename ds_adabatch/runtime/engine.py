@@ -65,12 +65,24 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         The returned :class:`~ds_adabatch.runtime.StepLoss` is the same on every rank. It is resolved
         every ``adabatch.log.every_steps`` steps without extra cost; reading it sooner (``float(loss)``)
         resolves it at once, which is a collective: read it on every rank.
+
+        With ``adabatch.live_elastic`` on, a step in which a peer is lost is trained again on the
+        survivors (after rolling back to the newest snapshot) before this returns: drive the training
+        loop by ``engine.global_steps`` / ``global_samples``, which may go back by up to
+        ``snapshot_every`` steps across such a call.
         """
         if self._loop is not None:
             raise RuntimeError(
                 "train_batch() while the forward / backward / step loop is inside an optimizer step: "
                 "finish that step (engine.step() after its last micro-batch) or use one way of stepping"
             )
+        live = self.__dict__.get("_live")
+        if live is not None and data_iter is None:
+            # A lost peer is recovered inside: the step runs again on the survivors (live_recovery.py).
+            return live.run_step(self._train_one_batch)
+        return self._train_one_batch(data_iter)
+
+    def _train_one_batch(self, data_iter: Iterator[Any] | None = None) -> StepLoss:
         started = time.perf_counter()
         self.next_plan()
         measure = self._should_measure_noise()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .initialize_args import resolve_call
 from .loop import LoopDataLoader
+from .live_recovery import attach_live_recovery, prepare_live_world
 from .lr import BatchCoupledLR, CurrentBaseLR
 from .op_builds import guard_jit_builds
 from .parallel_layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
@@ -134,83 +136,103 @@ def initialize(
     if not dist.is_initialized():
         _check_deepspeed_sections(loaded)
 
-    _init_distributed(deepspeed, dist, deepspeed_kwargs)
-    layout = parallel_layout(model, deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank())
-    if pipelined:
-        pipeline_problems(model, loaded, training_data, loss_fn, deepspeed_kwargs, layout)
-    else:
-        problems = model_parallel_problems(loaded, layout)
-        if problems:
-            raise ConfigError(problems, loaded.source)
-    world, rank = layout.data_parallel_size, layout.data_parallel_rank
-    loaded = loaded.with_world_size(world)
-    cfg = loaded.adabatch
-    _configure_logging(dist.get_rank())
-
-    controller = BatchSizeController(cfg, world_size=world)
-    dataloader = _build_loader(cfg, training_data, token_sampler, rank, world, collate_fn)
-
-    ds_engine, _, _, ds_scheduler = deepspeed.initialize(
-        args=call.deepspeed_args,
-        model=model,
-        model_parameters=model_parameters if model_parameters is not None else model.parameters(),
+    live = loaded.adabatch.live_elastic
+    _init_distributed(deepspeed, dist, deepspeed_kwargs, live)
+    world_live, live_off = prepare_live_world(
+        live,
+        pipelined=pipelined,
+        mpu=deepspeed_kwargs.get("mpu"),
+        training_data=training_data,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        config=loaded.deepspeed,
-        **deepspeed_kwargs,
     )
-    call.report_local_rank(ds_engine.local_rank)
-    if ds_engine.optimizer is None:
-        raise ConfigError.single(
-            "optimizer", 'training needs an optimizer: add an "optimizer" section or pass optimizer=', None
-        )
-    reference = cfg.lr_scaling.reference_batch or loaded.plan.global_batch_size
-    coupled = BatchCoupledLR(
-        ds_engine.optimizer,
-        ds_scheduler,
-        unit=cfg.lr_schedule_unit,
-        reference_batch=reference,
-        rule=cfg.lr_scaling.rule,
-    )
-    # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
-    # state_dict; the coupled wrapper takes that slot so both go through it.
-    ds_engine.lr_scheduler = coupled
-    bind = getattr(controller.schedule, "bind_base_lr", None)
-    if callable(bind):  # LR-aware schedules (seesaw) read the scheduler's unscaled LR
-        bind(CurrentBaseLR(coupled))
 
-    # Token-budget steps count the clock's tokens from the lengths; only a token loss needs a counter.
-    keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
-    needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
-    if needs_tokens and token_count_fn is None:
-        token_count_fn = pipeline_token_count if pipelined else make_token_counter(model)
-    common = {
-        "loaded_config": loaded,
-        "controller": controller,
-        "lr": coupled,
-        "dataloader": dataloader,
-        "token_count_fn": token_count_fn,
-        "agreement_world": dist.get_world_size(),
-    }
-    if pipelined:
-        engine: AdaptiveBatchEngine | AdaptivePipelineEngine = AdaptivePipelineEngine(
-            ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
+    def build(first: bool = True) -> tuple[Any, Any, Any]:
+        """Everything from the process group on: again after a live shrink (live_recovery.py)."""
+        layout = parallel_layout(model, deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank())
+        if pipelined:
+            pipeline_problems(model, loaded, training_data, loss_fn, deepspeed_kwargs, layout)
+        else:
+            problems = model_parallel_problems(loaded, layout)
+            if problems:
+                raise ConfigError(problems, loaded.source)
+        world, rank = layout.data_parallel_size, layout.data_parallel_rank
+        planned = loaded.with_world_size(world)
+        cfg = planned.adabatch
+        _configure_logging(dist.get_rank())
+
+        controller = BatchSizeController(cfg, world_size=world)
+        sampler = token_sampler if first else token_budget_sampler(cfg, training_data, lengths, length_fn)
+        dataloader = _build_loader(cfg, training_data, sampler, rank, world, collate_fn)
+
+        if world_live is not None:
+            world_live.seed_deepspeed_group()  # before DeepSpeed clones the world (live_world.py)
+        ds_engine, _, _, ds_scheduler = deepspeed.initialize(
+            args=call.deepspeed_args,
+            model=model,
+            model_parameters=model_parameters if model_parameters is not None else model.parameters(),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=planned.deepspeed,
+            **deepspeed_kwargs,
         )
-    else:
-        engine = AdaptiveBatchEngine(
-            ds_engine,
-            loss_fn=loss_fn,
-            world_size=world,
-            # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
-            counts_here=layout.tensor_parallel_rank == 0,
-            # Tensor-parallel forwards and backwards communicate: passes agree when they begin.
-            model_communicates=layout.tensor_parallel_size > 1,
-            **common,
+        call.report_local_rank(ds_engine.local_rank)
+        if ds_engine.optimizer is None:
+            raise ConfigError.single(
+                "optimizer", 'training needs an optimizer: add an "optimizer" section or pass optimizer=', None
+            )
+        reference = cfg.lr_scaling.reference_batch or planned.plan.global_batch_size
+        coupled = BatchCoupledLR(
+            ds_engine.optimizer,
+            ds_scheduler,
+            unit=cfg.lr_schedule_unit,
+            reference_batch=reference,
+            rule=cfg.lr_scaling.rule,
         )
-    if dataloader is not None and not pipelined:
-        # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
-        dataloader = LoopDataLoader(engine, dataloader)
-    return engine, ds_engine.optimizer, dataloader, coupled
+        # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
+        # state_dict; the coupled wrapper takes that slot so both go through it.
+        ds_engine.lr_scheduler = coupled
+        bind = getattr(controller.schedule, "bind_base_lr", None)
+        if callable(bind):  # LR-aware schedules (seesaw) read the scheduler's unscaled LR
+            bind(CurrentBaseLR(coupled))
+
+        # Token-budget steps count the clock's tokens from the lengths; only a token loss needs a counter.
+        keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
+        needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
+        count_fn = token_count_fn
+        if needs_tokens and count_fn is None:
+            count_fn = pipeline_token_count if pipelined else make_token_counter(model)
+        common = {
+            "loaded_config": planned,
+            "controller": controller,
+            "lr": coupled,
+            "dataloader": dataloader,
+            "token_count_fn": count_fn,
+            "agreement_world": dist.get_world_size(),
+        }
+        if pipelined:
+            engine: AdaptiveBatchEngine | AdaptivePipelineEngine = AdaptivePipelineEngine(
+                ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
+            )
+        else:
+            engine = AdaptiveBatchEngine(
+                ds_engine,
+                loss_fn=loss_fn,
+                world_size=world,
+                # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
+                counts_here=layout.tensor_parallel_rank == 0,
+                # Tensor-parallel forwards and backwards communicate: passes agree when they begin.
+                model_communicates=layout.tensor_parallel_size > 1,
+                **common,
+            )
+        if dataloader is not None and not pipelined:
+            # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
+            dataloader = LoopDataLoader(engine, dataloader)
+        return engine, dataloader, coupled
+
+    engine, dataloader, coupled = build()
+    attach_live_recovery(engine, live, world_live, live_off, model, lambda: build(first=False)[0])
+    return engine, engine.deepspeed.optimizer, dataloader, coupled
 
 
 def _build_loader(
@@ -308,12 +330,13 @@ def _check_deepspeed_sections(loaded: Any) -> None:
         ) from None
 
 
-def _init_distributed(deepspeed, dist, kwargs) -> None:
+def _init_distributed(deepspeed, dist, kwargs, live) -> None:
     guard_jit_builds()  # the optimizer's op (FusedAdam, CPUAdam) is JIT-built in deepspeed.initialize
     if dist.is_initialized() or kwargs.get("dist_init_required", True) is False:
         return
     # Restart-safe under torchrun --max-restarts, a world of one without a launcher (process_group.py).
-    init_distributed()
+    # A live-elastic job bounds every collective by its timeout (a hung peer counts as lost after it).
+    init_distributed(timeout=timedelta(seconds=live.collective_timeout_s) if live.enabled else None)
 
 
 def _configure_logging(rank: int) -> None:

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,9 +39,36 @@ import torch
 
 from .op_builds import guard_jit_builds
 
-__all__ = ["init_distributed", "init_process_group_restart_safe"]
+__all__ = ["RestartSafeNamespace", "init_distributed", "init_process_group_restart_safe", "restart_safe_namespace"]
 
 _PREFIX = "ds_adabatch/pg"
+
+
+@dataclass(frozen=True)
+class RestartSafeNamespace:
+    """Where this incarnation's default group was formed: the agent's store and the agreed token."""
+
+    host: str
+    port: int
+    token: str
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix every key of this incarnation lives under (ends without a slash)."""
+        return f"{_PREFIX}/{self.token}"
+
+    def client(self, timeout: timedelta) -> Any:
+        """A new client of the agent's store (one per thread that uses it)."""
+        return torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+
+
+_namespace: RestartSafeNamespace | None = None
+
+
+def restart_safe_namespace() -> RestartSafeNamespace | None:
+    """The namespace this process's default group was formed in by :func:`init_process_group_restart_safe`;
+    None when the group was formed another way (another launcher, the user, a world of one)."""
+    return _namespace
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | None = None) -> None:
@@ -98,6 +126,8 @@ def init_process_group_restart_safe(backend: str, timeout: timedelta, **kwargs: 
     torch.distributed.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
     )
+    global _namespace
+    _namespace = RestartSafeNamespace(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), namespace)
     return True
 
 

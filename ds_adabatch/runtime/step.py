@@ -204,6 +204,24 @@ class AdaptiveEngineBase(CheckpointMixin):
             return "off:no_accelerator"
         return "restart" if recovery.agreement.agree_at_pass_start else "in_step"
 
+    @property
+    def live_elastic(self) -> str:
+        """What a lost peer leads to: ``"on"`` (the survivors recover in their processes,
+        ``adabatch.live_elastic``), or ``"off:<why>"`` (``off:config`` when not enabled; otherwise what
+        this job uses that it does not cover): the restart path."""
+        if self.__dict__.get("_live") is not None:
+            return "on"
+        return self.__dict__.get("_live_off") or "off:config"
+
+    @property
+    def live_events(self) -> list[dict[str, Any]]:
+        """The live recoveries of this process so far: per shrink the failed step, the step rolled back
+        to, the steps trained again, the lost processes (ranks of the first world), the world sizes
+        and the phase times in seconds (teardown, reform, assemble, rebuild, restore, recovery,
+        first_step)."""
+        live = self.__dict__.get("_live")
+        return list(live.events) if live is not None else []
+
     def max_memory_allocated(self) -> int:
         """This process's peak allocated accelerator memory since it started, in bytes.
 
@@ -461,6 +479,8 @@ class AdaptiveEngineBase(CheckpointMixin):
         peak = predictor.take_step_peak() if predictor is not None else None
         if peak is not None:
             record.extra["peak_memory_bytes"] = float(peak)
+        # The first step after a live recovery carries its phase times (live_recovery.py).
+        record.extra.update(self.__dict__.pop("_next_record_extra", {}))
         loss = StepLoss(step, self.resolve_losses)
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
@@ -486,6 +506,9 @@ class AdaptiveEngineBase(CheckpointMixin):
         """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics
         file, remove the memory predictor's module hook."""
         self.resolve_losses()
+        live = self.__dict__.get("_live")
+        if live is not None:
+            live.close()
         self.metrics.close()
         self.memory_recovery.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):

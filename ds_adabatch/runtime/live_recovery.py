@@ -1,0 +1,379 @@
+"""Live elasticity: a lost node costs the survivors seconds and no sample, in the same processes.
+
+``adabatch.live_elastic.enabled`` arms it (``docs/clusters.md``). Each ``engine.train_batch()`` then
+runs inside :meth:`LiveRecovery.run_step`::
+
+    step      the optimizer step, its loss resolved over ranks (a failure surfaces here, not later)
+    snapshot  every snapshot_every steps: own partition + a buddy's copy in host memory (live_snapshot)
+    failure   a collective raised (peer reset, closed, timed out) ->
+      teardown    the DeepSpeed engine, the process groups, partial gradients (live_world)
+      agree       the survivors agree on who is left, on the launcher's store
+      re-form     a new default group among them; DeepSpeed's group seeded with the timeout
+      assemble    the newest step every partition of which a survivor holds, broadcast, made whole
+      rebuild     the same initialize() on the smaller world; the state restored; the same global
+                  batch re-planned (micro-batch / GAS up); the steps after the snapshot trained again
+
+Every failure of that path (a node and its buddy both lost, the store's host lost, a survivor left out,
+the agreement past its timeout, more than ``max_shrinks``) raises :class:`LiveRecoveryFailed` with one
+log line saying why: the process exits, torchrun restarts the workers and the job resumes from the last
+complete checkpoint (the restart path). Workers that torchrun restarts (a node joining, the restart
+path) restore from the host-memory snapshots when every partition is still held, before any checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .live_snapshot import (
+    Assembled,
+    NoCompleteSnapshot,
+    Snapshots,
+    assemble,
+    coverage_problem,
+    prune_families,
+    remove_job_snapshots,
+    restore,
+    snapshot_root,
+)
+from .live_world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
+from .metrics import PlanChange
+from .process_group import restart_safe_namespace
+
+__all__ = ["LiveRecovery", "LiveRecoveryFailed", "attach_live_recovery", "is_peer_failure", "prepare_live_world"]
+
+logger = logging.getLogger("ds_adabatch")
+
+# What torch's gloo and NCCL process groups say when a peer died, hung or left (torch 2.13).
+_PEER_FAILURE_TEXT = (
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket",
+    "by peer",
+    "nccl communicator",
+    "no route to host",
+    "network is unreachable",
+)
+
+
+class LiveRecoveryFailed(RuntimeError):
+    """A lost peer could not be recovered from in memory: exit (``exit_code``) and let torchrun restart
+    the workers, which resume from the last complete checkpoint (the message says why)."""
+
+    exit_code: int = 1
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is how a collective reports a lost or hung peer."""
+    if not isinstance(err, RuntimeError) or isinstance(err, LiveRecoveryFailed):
+        return False
+    text = str(err).lower()
+    return any(t in text for t in _PEER_FAILURE_TEXT)
+
+
+def prepare_live_world(
+    live: Any, *, pipelined: bool, mpu: Any, training_data: Any, optimizer: Any, lr_scheduler: Any
+) -> tuple[LiveWorld | None, str | None]:
+    """The live world for an engine about to be built, or None and why live recovery is off.
+
+    Called before ``deepspeed.initialize`` so that DeepSpeed's group can be seeded with the timeout.
+    """
+    if not live.enabled:
+        return None, "off:config"
+    reason = None
+    if pipelined:
+        reason = "pipeline parallelism (a stage's state has no copy on another stage)"
+    elif mpu is not None:
+        reason = "tensor parallelism (an mpu)"
+    elif training_data is None:
+        reason = "train_batch(data_iter) (micro-batches the job cannot draw again); pass training_data"
+    elif isinstance(training_data, torch.utils.data.IterableDataset):
+        reason = "an IterableDataset (its stream cannot be re-sharded); use a map-style dataset"
+    elif isinstance(optimizer, torch.optim.Optimizer) or (lr_scheduler is not None and not callable(lr_scheduler)):
+        # A rebuild on the smaller world needs a fresh optimizer: DeepSpeed's ZeRO optimizer rewrites
+        # the param_groups of the instance it wraps.
+        reason = (
+            "an optimizer or LR scheduler instance (the engine is rebuilt after a loss: give them in the "
+            "ds_config's optimizer / scheduler sections, or pass callables)"
+        )
+    elif restart_safe_namespace() is None or not torch.distributed.is_initialized():
+        reason = (
+            "a launch whose workers' store is not torchrun's agent store (use torchrun with one agent "
+            "per node: --nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d)"
+        )
+    if reason is not None:
+        return None, f"off:{reason}"
+    world = LiveWorld(
+        restart_safe_namespace(),
+        backend=torch.distributed.get_backend(),
+        timeout=timedelta(seconds=live.collective_timeout_s),
+        heartbeat_period=live.heartbeat_period_s,
+        dead_after=live.dead_after_s,
+        agree_timeout=live.agree_timeout,
+    )
+    return world, None
+
+
+def attach_live_recovery(
+    engine: Any, live: Any, world: LiveWorld | None, off: str | None, model: torch.nn.Module, rebuild: Callable[[], Any]
+) -> None:
+    """Arm live recovery on a freshly built engine, or record why it is off (one warning on rank 0)."""
+    if world is not None:
+        problem = coverage_problem(engine.deepspeed)
+        if problem is not None:
+            world.close()
+            world, off = None, f"off:{problem}"
+    if world is None:
+        engine.__dict__["_live"] = None
+        engine.__dict__["_live_off"] = off
+        if off != "off:config" and engine.rank == 0:
+            logger.warning(
+                "adabatch.live_elastic is enabled but not available with %s: a lost node takes the restart "
+                "path (exit, torchrun restart, resume from the last complete checkpoint)",
+                off[len("off:") :],
+            )
+        return
+    recovery = LiveRecovery(engine, live, world, model, rebuild)
+    engine.__dict__["_live"] = recovery
+    engine.__dict__["_live_off"] = None
+    recovery.start()
+
+
+class LiveRecovery:
+    """The step wrapper and the recovery of one process (see the module docstring)."""
+
+    def __init__(self, engine: Any, live: Any, world: LiveWorld, model: torch.nn.Module, rebuild: Callable[[], Any]) -> None:
+        self.engine = engine
+        self.cfg = live
+        self.world = world
+        self.model = model
+        self.rebuild = rebuild
+        self.root = snapshot_root(live.snapshot_dir)
+        self.shapes = {n: p.shape for n, p in model.named_parameters()}
+        self.shrinks = 0
+        self.events: list[dict[str, Any]] = []
+        self.restored_step: int | None = None
+        self.snapshots: Snapshots | None = None
+        self._group: Any = None
+        self._first_step_after: tuple[float, dict[str, Any]] | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """At engine build: restore from host memory where a restarted incarnation finds a whole
+        snapshot of this launch (a node joined, or the restart path), then take the first snapshot."""
+        started = time.monotonic()
+        try:
+            state = assemble(self.root, self.world.job_id, self.shapes)
+        except NoCompleteSnapshot:
+            state = None
+        if state is not None:
+            self._load(state)
+            self.restored_step = state.step
+            if self.engine.rank == 0:
+                logger.warning(
+                    "restored step %d from host-memory snapshots on %d ranks in %.2f s (world %s of that "
+                    "snapshot); a checkpoint older than it is not loaded",
+                    state.step,
+                    self.world.size,
+                    time.monotonic() - started,
+                    state.family,
+                )
+        self._new_snapshots()
+
+    def _family(self) -> str:
+        return f"{self.world.namespace.token[:12]}g{self.world.generation}"
+
+    def _new_snapshots(self) -> None:
+        self._group = torch.distributed.new_group(
+            ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
+        )
+        self.snapshots = Snapshots(
+            self.engine.deepspeed, root=self.root, job_id=self.world.job_id, family=self._family(), group=self._group
+        )
+        self.snapshot_now()
+        prune_families(self.root, self.world.job_id, keep=self._family())
+
+    def snapshot_now(self) -> None:
+        """Snapshot the engine's state now (after a step, a restore or a checkpoint load)."""
+        self.engine.resolve_losses()
+        self.snapshots.take(self.engine.global_steps, self.engine.adabatch_state_dict())
+
+    # ---------------------------------------------------------------------------------------------
+    def run_step(self, step: Callable[[], Any]) -> Any:
+        """Run one optimizer step; on a lost peer recover and run the step again on the new world."""
+        while True:
+            failure = None
+            try:
+                loss = step()
+                # Resolved inside the step: a peer lost in that collective is caught here too.
+                self.engine.resolve_losses()
+                if self.engine.global_steps % self.cfg.snapshot_every == 0:
+                    self.snapshots.take(self.engine.global_steps, self.engine.adabatch_state_dict())
+            except RuntimeError as err:
+                if not is_peer_failure(err):
+                    raise
+                failure = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            if failure is None:
+                self._after_first_step()
+                return loss
+            # Outside the except block: the exception's frames no longer hold the failed engine.
+            self._recover(failure, time.monotonic())
+
+    def _after_first_step(self) -> None:
+        if self._first_step_after is None:
+            return
+        detected, event = self._first_step_after
+        self._first_step_after = None
+        event["first_step_s"] = time.monotonic() - detected
+        if self.engine.rank == 0:
+            logger.warning("live shrink: first step on %d ranks done %.2f s after the loss was detected", self.world.size, event["first_step_s"])
+
+    def _recover(self, failure: str, detected: float) -> None:
+        engine = self.engine
+        old_size, old_plan, failed_step = self.world.size, engine.plan, engine.global_steps + 1
+        phases: dict[str, float] = {}
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = now - mark
+            mark = now
+
+        try:
+            if self.shrinks >= self.cfg.max_shrinks:
+                raise LiveRecoveryFailed(
+                    f"{self.shrinks} live recoveries already (adabatch.live_elastic.max_shrinks)"
+                )
+            self._release_failed_world()
+            phase("teardown_s")
+            members, lost = self.world.agree_on_survivors()
+            if not lost:
+                raise LiveRecoveryFailed(f"a collective failed but every process is alive ({failure})")
+            self.world.form(members)
+            phase("reform_s")
+            state = assemble(self.root, self.world.job_id, self.shapes)
+            phase("assemble_s")
+            new = self.rebuild()
+            engine.__dict__.clear()
+            engine.__dict__.update(new.__dict__)
+            engine.__dict__["_live"], engine.__dict__["_live_off"] = self, None
+            phase("rebuild_s")
+            self._load(state)
+            self._new_snapshots()
+            phase("restore_s")
+        except LiveRecoveryFailed as err:
+            self._fail(str(err), failure)
+        except (NoCompleteSnapshot, StoreLost, LeftOut, TimeoutError) as err:
+            self._fail(str(err), failure)
+        self.shrinks += 1
+        redo = failed_step - 1 - state.step
+        event = {
+            "kind": "shrink",
+            "failed_step": failed_step,
+            "rolled_back_to": state.step,
+            "steps_redone": redo,
+            "lost": lost,
+            "world_size": self.world.size,
+            "old_world_size": old_size,
+            **phases,
+            "recovery_s": time.monotonic() - detected,
+        }
+        self.events.append(event)
+        self._first_step_after = (detected, event)
+        plan = engine.plan
+        engine.history.append(
+            PlanChange(
+                step=engine.global_steps,
+                samples=engine.global_samples,
+                old_global_batch=old_plan.global_batch_size,
+                new_global_batch=plan.global_batch_size,
+                old_micro_batch_per_gpu=old_plan.micro_batch_per_gpu,
+                new_micro_batch_per_gpu=plan.micro_batch_per_gpu,
+                old_gradient_accumulation_steps=old_plan.gradient_accumulation_steps,
+                new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                world_size=plan.world_size,
+                lr_multiplier=engine.lr_coupling.multiplier,
+                reason=f"shrink: lost {lost} of {old_size} processes",
+            )
+        )
+        engine.__dict__["_next_record_extra"] = {
+            "live_shrink_world_size": float(self.world.size),
+            "live_steps_redone": float(redo),
+            **{f"live_{k}": float(v) for k, v in phases.items()},
+            "live_recovery_s": float(event["recovery_s"]),
+        }
+        if engine.rank == 0:
+            logger.warning(
+                "live shrink: lost process(es) %s in step %d (%s); %d -> %d ranks, rolled back to step %d "
+                "(%d step(s) to train again), global batch %d = %d ranks x micro %d x GAS %d; %s",
+                lost,
+                failed_step,
+                failure,
+                old_size,
+                self.world.size,
+                state.step,
+                redo,
+                plan.global_batch_size,
+                plan.world_size,
+                plan.micro_batch_per_gpu,
+                plan.gradient_accumulation_steps,
+                " ".join(f"{k}={v:.3f}" for k, v in {**phases, "recovery_s": event["recovery_s"]}.items()),
+            )
+
+    def _fail(self, why: str, failure: str) -> None:
+        logger.error(
+            "live recovery not possible, taking the restart path (exit, torchrun restarts the workers, "
+            "resume from the last complete checkpoint): %s; the failure was %s",
+            why,
+            failure,
+        )
+        raise LiveRecoveryFailed(f"live recovery not possible ({why}); the failure was {failure}")
+
+    def _release_failed_world(self) -> None:
+        """Drop everything that references the failed world's groups, then tear them down."""
+        engine = self.engine
+        if self.snapshots is not None:
+            self.snapshots.release()
+        ds = engine.__dict__.get("deepspeed")
+        for close in (
+            lambda: ds.destroy(),  # removes ZeRO's gradient hooks; no collective
+            lambda: engine.metrics.close(),
+            lambda: engine.memory_recovery.close(),
+            lambda: engine.dataloader.close() if hasattr(engine.dataloader, "close") else None,
+        ):
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - a broken world's object may fail to close
+                logger.debug("closing the failed engine: %s", err)
+        engine.__dict__.clear()
+        ds = None
+        self._group = None
+        teardown_process_groups(self.model)
+
+    def _load(self, state: Assembled) -> None:
+        engine = self.engine
+        restore(engine.deepspeed, state)
+        adabatch = state.meta["adabatch"]
+        engine.load_adabatch_state_dict(adabatch)
+        engine.lr_coupling.load_state_dict(adabatch["lr"])
+        engine.deepspeed.global_steps = adabatch["global_steps"]
+        engine.deepspeed.global_samples = adabatch["global_samples"]
+
+    # ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """At the end of the job: stop the heartbeat, delete this node's snapshot files."""
+        if self.snapshots is not None:
+            self.snapshots.finish_exchange(wait=True)
+            self.snapshots = None
+        self.world.close()
+        remove_job_snapshots(self.root, self.world.job_id)

@@ -1,0 +1,237 @@
+"""The generations of a live-elastic job's world: heartbeats, survivor agreement, the new group.
+
+Why (torch 2.13, DeepSpeed 0.19.8, gloo or NCCL). Under torchrun with one agent per node and the c10d
+rendezvous, a node's loss leaves the other nodes' workers running: their next collective fails
+("Connection reset by peer"), or times out where the pending operation waits on another survivor.
+This module re-forms the world among the survivors **in the same processes**, on the store torchrun's
+agent hosts for the workers (the one :mod:`.process_group` forms generation 0 in), under a prefix per
+generation::
+
+    <namespace>/gen<g>/...            the default group of generation g (g >= 1)
+    <namespace>/live/hb/<origin>      a counter each process adds to every heartbeat_period_s
+    <namespace>/live/gen<g>/join/<origin>, .../members   the agreement on generation g
+
+``origin`` is a process's rank in generation 0; members are listed by origin. The agreement: every
+survivor writes its ``join`` key; a member that has not joined counts as lost once its heartbeat counter
+has not moved for ``dead_after_s`` (counters, not clocks: nodes' clocks may differ); once every member
+has joined or is lost, the lowest survivor proposes the member list with a compare-and-set, and everyone
+adopts whatever the key holds (so two survivors with different views still agree). A process left out
+(it was too slow, e.g. stopped) raises :class:`LeftOut` and must exit.
+
+DeepSpeed runs its data-parallel collectives on ``deepspeed.utils.groups._WORLD_GROUP``, a clone of the
+world that ``_clone_world_group`` makes with ``dist.new_group(ranks)`` and no timeout, i.e. torch's
+default (30 minutes for gloo) whatever the default group has; :meth:`LiveWorld.seed_deepspeed_group`
+fills that cache with a clone that has the configured timeout, so a hung peer is bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .process_group import RestartSafeNamespace
+
+__all__ = ["LeftOut", "LiveWorld", "StoreLost", "teardown_process_groups"]
+
+logger = logging.getLogger("ds_adabatch")
+
+
+class LeftOut(RuntimeError):
+    """This process was not admitted to the survivors' new world (it was too slow to join)."""
+
+
+class StoreLost(RuntimeError):
+    """The launcher's store cannot be reached: the node hosting it is lost (take the restart path)."""
+
+
+class _Heartbeat:
+    """A thread that adds 1 to ``key`` every ``period`` seconds, on a store client of its own."""
+
+    def __init__(self, namespace: RestartSafeNamespace, key: str, period: float) -> None:
+        self._namespace, self._key, self._period = namespace, key, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ds_adabatch-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = self._namespace.client(timedelta(seconds=max(5.0, 10 * self._period)))
+        except Exception:  # noqa: BLE001 - the store is gone: the agreement will say so
+            return
+        while not self._stop.is_set():
+            try:
+                store.add(self._key, 1)
+            except Exception:  # noqa: BLE001 - a missed beat; the store's host may be lost
+                pass
+            self._stop.wait(self._period)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LiveWorld:
+    """This process's view of the live-elastic world (see the module docstring).
+
+    Args:
+        namespace: where generation 0 was formed (:func:`.process_group.restart_safe_namespace`).
+        backend: of the default group (``"gloo"``, ``"nccl"``).
+        timeout: of every collective of every group formed here.
+        heartbeat_period, dead_after, agree_timeout: seconds (``adabatch.live_elastic``).
+    """
+
+    def __init__(
+        self,
+        namespace: RestartSafeNamespace,
+        *,
+        backend: str,
+        timeout: timedelta,
+        heartbeat_period: float,
+        dead_after: float,
+        agree_timeout: float,
+    ) -> None:
+        dist = torch.distributed
+        self.namespace = namespace
+        self.backend = backend
+        self.timeout = timeout
+        self.dead_after = dead_after
+        self.agree_timeout = agree_timeout
+        self.origin = dist.get_rank()
+        self.members: list[int] = list(range(dist.get_world_size()))
+        self.generation = 0
+        self.store = namespace.client(timeout)
+        self._live = f"{namespace.prefix}/live"
+        self.job_id = self._job_id()
+        self._heartbeat = _Heartbeat(namespace, f"{self._live}/hb/{self.origin}", heartbeat_period)
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation."""
+        return self.members.index(self.origin)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def _job_id(self) -> str:
+        """An id of this torchrun launch: the same for every incarnation whose workers share the agent's
+        store (restarts, a node joining), new for a new launch (a new store). Snapshots are tagged
+        with it so a new launch never restores an old job's state."""
+        key = f"ds_adabatch/live/job/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+        return self.store.compare_set(key, "", uuid.uuid4().hex).decode()
+
+    def seed_deepspeed_group(self) -> None:
+        """Put a world clone with our timeout where DeepSpeed looks for its data-parallel group."""
+        from deepspeed.utils import groups
+
+        # DeepSpeed 0.19.8: _clone_world_group returns _WORLD_GROUP when it is set, and otherwise makes
+        # one with torch's default timeout (30 minutes on gloo), which would let a hung peer stall the
+        # survivors for that long.
+        groups._WORLD_GROUP = torch.distributed.new_group(
+            ranks=list(range(self.size)), timeout=self.timeout
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    def agree_on_survivors(self) -> tuple[list[int], list[int]]:
+        """Agree with the other survivors on the next generation's members; returns (members, lost).
+
+        Raises :class:`LeftOut` when the others formed it without this process, :class:`StoreLost`
+        when the store cannot be reached, TimeoutError past ``agree_timeout``.
+        """
+        g = self.generation + 1
+        base = f"{self._live}/gen{g}"
+        old = list(self.members)
+        deadline = time.monotonic() + self.agree_timeout
+        try:
+            self.store.set(f"{base}/join/{self.origin}", b"1")
+            beats = {r: (self._beat(r), time.monotonic()) for r in old if r != self.origin}
+            members_key = f"{base}/members"
+            while True:
+                if self.store.check([members_key]):
+                    break
+                joined = [r for r in old if self.store.check([f"{base}/join/{r}"])]
+                now = time.monotonic()
+                lost = []
+                for r in old:
+                    if r in joined:
+                        continue
+                    count = self._beat(r)
+                    if count != beats[r][0]:
+                        beats[r] = (count, now)
+                    elif now - beats[r][1] >= self.dead_after:
+                        lost.append(r)
+                if len(joined) + len(lost) == len(old):
+                    if self.origin == min(joined):
+                        self.store.compare_set(members_key, "", ",".join(map(str, joined)))
+                    break
+                if now > deadline:
+                    raise TimeoutError(
+                        f"the survivors did not agree on generation {g} within {self.agree_timeout:g} s "
+                        "(adabatch.live_elastic.agree_timeout_s)"
+                    )
+                time.sleep(0.02)
+            remaining = max(0.1, deadline - time.monotonic())
+            self.store.wait([members_key], timedelta(seconds=remaining))
+            members = [int(x) for x in self.store.get(members_key).decode().split(",")]
+        except (TimeoutError, LeftOut):
+            raise
+        except Exception as err:  # noqa: BLE001 - a DistStoreError / network error: the store's host
+            raise StoreLost(f"the launcher's store at {self.namespace.host}:{self.namespace.port}: {err}") from err
+        if self.origin not in members:
+            raise LeftOut(
+                f"process {self.origin} was left out of generation {g} (members {members}): it was "
+                "too slow to rejoin"
+            )
+        return members, [r for r in old if r not in members]
+
+    def _beat(self, origin: int) -> int:
+        return self.store.add(f"{self._live}/hb/{origin}", 0)
+
+    def form(self, members: list[int]) -> None:
+        """Form the next generation's default group among ``members`` (after the old one is torn down)."""
+        self.generation += 1
+        self.members = members
+        store = torch.distributed.PrefixStore(f"{self.namespace.prefix}/gen{self.generation}/", self.store)
+        torch.distributed.init_process_group(
+            self.backend, store=store, rank=self.rank, world_size=self.size, timeout=self.timeout
+        )
+        # Ranks as the launcher would have set them for this world (DeepSpeed reads RANK/WORLD_SIZE
+        # in places, e.g. its logging and its accelerator's device selection).
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.size)
+
+    def close(self) -> None:
+        self._heartbeat.stop()
+
+
+def teardown_process_groups(model: torch.nn.Module | None) -> None:
+    """Release every process group of the failed generation, in this process.
+
+    DeepSpeed's ``destroy_process_group`` destroys torch's groups and drops the references its
+    ``groups`` module caches (0.19.8: ``_release_process_group_references``). Each parameter still
+    carries the old data-parallel group and fragment map (``tensor_fragment.link_hp_params``) and the
+    failed step's partial gradient: both go. The last references gone, a collection closes the old
+    gloo pairs, so a peer still blocked in the old group fails at once instead of at its timeout.
+    """
+    import deepspeed.comm as ds_dist
+
+    try:
+        ds_dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - a broken group may fail to destroy: it is dropped anyway
+        logger.debug("destroying the failed process group: %s", err)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if model is not None:
+        for p in model.parameters():
+            for attr in ("_dp_group", "_hp_mapping"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+            p.grad = None
+    gc.collect()

@@ -1,0 +1,201 @@
+"""A live-elastic job for tests/test_live_elastic.py and benchmarks/live_recovery.py.
+
+    python -m torch.distributed.run --nnodes 2:3 --nproc-per-node 1 --rdzv-backend c10d ... \\
+        live_worker.py run OUT STAGE           # one node's worker
+    python live_worker.py reference OUT STAGE  # the same job on one process (the exact reference)
+
+The job: a small regression MLP, Adam with a warm-up LR schedule, a global batch ramping 6 -> 24 in
+multiples of 6 (the same batches on 1, 2 or 3 ranks), ZeRO ``STAGE``, until SAMPLES samples. Rank 0
+appends every step to OUT/ledger.jsonl (sample indices, loss, world size, pid); every process writes
+OUT/start-<pid>.json when it starts and OUT/end-<pid>.json (its live recoveries) when it ends; rank 0
+saves the final parameters to OUT/final.pt.
+
+``LIVE_KILL=ORIGIN:STEP[:DELAY_MS]`` makes the process of first-world rank ORIGIN kill its node (its
+torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation, writing the time
+to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN`` kills that rank's node at the same moment (both buddies).
+``LIVE_WAIT_FOR=FILE:STEP`` holds rank 0 before step STEP until FILE exists (a node to rejoin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ds_adabatch  # noqa: E402
+
+N = 480
+SAMPLES = int(os.environ.get("LIVE_SAMPLES", "360"))
+HIDDEN = int(os.environ.get("LIVE_HIDDEN", "32"))
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n: int = N, dim: int = 8, seed: int = 11):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.sin(self.x[:, :2].sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+    )
+
+
+def mse(engine, batch):
+    x, y = batch
+    return ((engine(x) - y) ** 2).mean()
+
+
+def config(stage: int, live: bool = True) -> dict:
+    return {
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 6, "warmup_type": "linear"},
+        },
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        "adabatch": {
+            "schedule": {"type": "linear", "start": 6, "end": 24, "ramp_samples": 120},
+            "granularity": 6,
+            "max_micro_batch_per_gpu": 4,
+            "lr_schedule_unit": "samples",
+            "data": {"shuffle": True, "seed": 5},
+            "live_elastic": {
+                "enabled": live,
+                "collective_timeout_s": 20.0,
+                "heartbeat_period_s": 0.1,
+                "dead_after_s": 0.6,
+            },
+        },
+    }
+
+
+def _write(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def _kill_plan(origin: int, restart: int) -> tuple[int, float, int | None] | None:
+    spec = os.environ.get("LIVE_KILL")
+    if not spec or restart != 0:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != origin and os.environ.get("LIVE_KILL_ALSO") != str(origin):
+        return None
+    return int(parts[1]), float(parts[2]) / 1000 if len(parts) > 2 else 0.0, None
+
+
+def run(out: str, stage: int) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ds_adabatch.init_distributed()
+    origin = torch.distributed.get_rank()
+    pid = os.getpid()
+    _write(os.path.join(out, f"start-{pid}.json"), {"pid": pid, "origin": origin, "restart": restart, "time": time.time()})
+    engine, *_ = ds_adabatch.initialize(make_model(), config(stage), Regression(), loss_fn=mse)
+    ckpt = os.path.join(out, "ckpt")
+    path, _ = engine.load_checkpoint(ckpt)
+    kill = _kill_plan(origin, restart)
+    wait_for = os.environ.get("LIVE_WAIT_FOR", "")
+    ledger = os.path.join(out, "ledger.jsonl")
+    while engine.global_samples < SAMPLES:
+        step = engine.global_steps + 1
+        if kill is not None and step == kill[0]:
+            threading.Timer(kill[1], _kill_node, args=(out,)).start()
+            kill = None
+        if wait_for and engine.rank == 0:
+            file, at = wait_for.rsplit(":", 1)
+            if step == int(at) and not os.path.exists(file):
+                while not os.path.exists(file):
+                    time.sleep(0.05)
+        loss = float(engine.train_batch())
+        if engine.global_steps % 4 == 0:
+            engine.save_checkpoint(ckpt, keep_last=2)
+        if engine.rank == 0:
+            row = {
+                "step": engine.global_steps,
+                "samples": engine.global_samples,
+                "world_size": engine.world_size,
+                "micro_batch_per_gpu": engine.plan.micro_batch_per_gpu,
+                "gradient_accumulation_steps": engine.plan.gradient_accumulation_steps,
+                "indices": engine.last_step_batch.global_batch.all_indices(),
+                "loss": loss,
+                "time": time.time(),
+                "pid": pid,
+                "restart": restart,
+                "live_events": len(engine.live_events),
+            }
+            with open(ledger, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    events = engine.live_events
+    if engine.rank == 0:
+        torch.save({n: p.detach().clone() for n, p in engine.module.named_parameters()}, os.path.join(out, "final.pt"))
+    _write(
+        os.path.join(out, f"end-{pid}.json"),
+        {
+            "pid": pid,
+            "origin": origin,
+            "rank": engine.rank,
+            "restart": restart,
+            "world_size": engine.world_size,
+            "live_elastic": engine.live_elastic,
+            "events": events,
+            "resumed_from": path,
+            "history": [h.reason for h in engine.history],
+        },
+    )
+    engine.close()
+
+
+def _kill_node(out: str) -> None:
+    """A node's loss: its torchrun agent and this worker, SIGKILL, no goodbye."""
+    with open(os.path.join(out, "kill-time"), "a") as f:
+        f.write(f"{time.time()}\n")
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reference(out: str, stage: int) -> None:
+    """The same job, uninterrupted, in one process."""
+    engine, *_ = ds_adabatch.initialize(make_model(), config(stage, live=False), Regression(), loss_fn=mse)
+    rows = []
+    while engine.global_samples < SAMPLES:
+        loss = float(engine.train_batch())
+        rows.append({"step": engine.global_steps, "indices": engine.last_step_batch.global_batch.all_indices(), "loss": loss})
+    torch.save({n: p.detach().clone() for n, p in engine.module.named_parameters()}, os.path.join(out, f"reference-z{stage}.pt"))
+    with open(os.path.join(out, f"reference-z{stage}.json"), "w") as f:
+        json.dump(rows, f)
+    engine.close()
+
+
+if __name__ == "__main__":
+    mode, out_dir, zero = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.makedirs(out_dir, exist_ok=True)
+    if mode == "run":
+        run(out_dir, zero)
+    else:
+        for s in [zero] if zero >= 0 else [0, 1, 2]:
+            reference(out_dir, s)
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
+            torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+    ds_adabatch.finish()
