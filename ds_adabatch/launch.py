@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 __all__ = ["main"]
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     ours, rest = pre.parse_known_args(argv[:script_at])
     if ours.exit_barrier_timeout < 0:
         raise SystemExit("ds-adabatch-run: --exit-barrier-timeout must be >= 0 seconds")
+    # torch 2.13's agents share one store with their workers by default, and an agent that was rank 0
+    # of an earlier rendezvous round never publishes that store's address in a later round: a node
+    # that joins a running job waits for it until its join timeout. With this variable each incarnation
+    # of the workers has a store of its own, hosted by its rank 0, and a node can join.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.run import main as torchrun_main
 

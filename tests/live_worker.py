@@ -13,7 +13,8 @@ saves the final parameters to OUT/final.pt.
 ``LIVE_KILL=ORIGIN:STEP[:DELAY_MS]`` makes the process of first-world rank ORIGIN kill its node (its
 torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation, writing the time
 to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN`` kills that rank's node at the same moment (both buddies).
-``LIVE_WAIT_FOR=FILE:STEP`` holds rank 0 before step STEP until FILE exists (a node to rejoin).
+``LIVE_WAIT_FOR=STEP:WORLD`` holds rank 0 before step STEP while the world is smaller than WORLD (until
+torchrun restarts the workers for a node that rejoins).
 """
 
 from __future__ import annotations
@@ -94,14 +95,15 @@ def _write(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _kill_plan(origin: int, restart: int) -> tuple[int, float, int | None] | None:
+def _kill_plan(out: str, origin: int, restart: int) -> tuple[int, float] | None:
     spec = os.environ.get("LIVE_KILL")
-    if not spec or restart != 0:
+    # Only the first incarnation kills (workers that torchrun restarts run this again).
+    if not spec or restart != 0 or os.path.exists(os.path.join(out, "kill-time")):
         return None
     parts = spec.split(":")
     if int(parts[0]) != origin and os.environ.get("LIVE_KILL_ALSO") != str(origin):
         return None
-    return int(parts[1]), float(parts[2]) / 1000 if len(parts) > 2 else 0.0, None
+    return int(parts[1]), float(parts[2]) / 1000 if len(parts) > 2 else 0.0
 
 
 def run(out: str, stage: int) -> None:
@@ -113,7 +115,7 @@ def run(out: str, stage: int) -> None:
     engine, *_ = ds_adabatch.initialize(make_model(), config(stage), Regression(), loss_fn=mse)
     ckpt = os.path.join(out, "ckpt")
     path, _ = engine.load_checkpoint(ckpt)
-    kill = _kill_plan(origin, restart)
+    kill = _kill_plan(out, origin, restart)
     wait_for = os.environ.get("LIVE_WAIT_FOR", "")
     ledger = os.path.join(out, "ledger.jsonl")
     while engine.global_samples < SAMPLES:
@@ -122,10 +124,9 @@ def run(out: str, stage: int) -> None:
             threading.Timer(kill[1], _kill_node, args=(out,)).start()
             kill = None
         if wait_for and engine.rank == 0:
-            file, at = wait_for.rsplit(":", 1)
-            if step == int(at) and not os.path.exists(file):
-                while not os.path.exists(file):
-                    time.sleep(0.05)
+            at, world = (int(x) for x in wait_for.split(":"))
+            while step == at and engine.world_size < world:
+                time.sleep(0.05)  # until torchrun restarts this worker for the node that rejoins
         loss = float(engine.train_batch())
         if engine.global_steps % 4 == 0:
             engine.save_checkpoint(ckpt, keep_last=2)

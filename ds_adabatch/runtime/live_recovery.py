@@ -107,8 +107,8 @@ def prepare_live_world(
         )
     elif restart_safe_namespace() is None or not torch.distributed.is_initialized():
         reason = (
-            "a launch whose workers' store is not torchrun's agent store (use torchrun with one agent "
-            "per node: --nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d)"
+            "a launch other than torchrun (use ds-adabatch-run or torchrun with one agent per node: "
+            "--nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d)"
         )
     if reason is not None:
         return None, f"off:{reason}"
@@ -190,7 +190,7 @@ class LiveRecovery:
         self._new_snapshots()
 
     def _family(self) -> str:
-        return f"{self.world.namespace.token[:12]}g{self.world.generation}"
+        return f"{self.world.incarnation[:12]}g{self.world.generation}"
 
     def _new_snapshots(self) -> None:
         self._group = torch.distributed.new_group(

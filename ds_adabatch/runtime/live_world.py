@@ -107,8 +107,12 @@ class LiveWorld:
         self.members: list[int] = list(range(dist.get_world_size()))
         self.generation = 0
         self.store = namespace.client(timeout)
+        # Where rank 0 of this incarnation hosts the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+        # the server lives in the default group's store object: keep it when that group is destroyed.
+        self._default_store = torch.distributed.distributed_c10d._get_default_store()
         self._live = f"{namespace.prefix}/live"
         self.job_id = self._job_id()
+        self.incarnation = self._incarnation()
         self._heartbeat = _Heartbeat(namespace, f"{self._live}/hb/{self.origin}", heartbeat_period)
 
     # ---------------------------------------------------------------------------------------------
@@ -122,11 +126,17 @@ class LiveWorld:
         return len(self.members)
 
     def _job_id(self) -> str:
-        """An id of this torchrun launch: the same for every incarnation whose workers share the agent's
-        store (restarts, a node joining), new for a new launch (a new store). Snapshots are tagged
-        with it so a new launch never restores an old job's state."""
-        key = f"ds_adabatch/live/job/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
-        return self.store.compare_set(key, "", uuid.uuid4().hex).decode()
+        """The job's id, torchrun's ``--rdzv-id``: snapshots are filed under it, so the workers that
+        torchrun restarts (a node joining, the restart path) find them, and a launch with another id
+        never does."""
+        return os.environ.get("TORCHELASTIC_RUN_ID", "none")
+
+    def _incarnation(self) -> str:
+        """An id of this incarnation of the workers, agreed through the store (rank 0 draws it)."""
+        key = f"{self._live}/incarnation"
+        if self.origin == 0:
+            self.store.set(key, uuid.uuid4().hex)
+        return self.store.get(key).decode()
 
     def seed_deepspeed_group(self) -> None:
         """Put a world clone with our timeout where DeepSpeed looks for its data-parallel group."""

@@ -46,7 +46,9 @@ _PREFIX = "ds_adabatch/pg"
 
 @dataclass(frozen=True)
 class RestartSafeNamespace:
-    """Where this incarnation's default group was formed: the agent's store and the agreed token."""
+    """Where this incarnation's default group was formed: the store torchrun's workers share (the agent's,
+    with the token agreed for this incarnation; or one rank 0 hosts for this incarnation alone, token
+    empty)."""
 
     host: str
     port: int
@@ -55,7 +57,7 @@ class RestartSafeNamespace:
     @property
     def prefix(self) -> str:
         """The store prefix every key of this incarnation lives under (ends without a slash)."""
-        return f"{_PREFIX}/{self.token}"
+        return f"{_PREFIX}/{self.token}" if self.token else f"{_PREFIX}/own"
 
     def client(self, timeout: timedelta) -> Any:
         """A new client of the agent's store (one per thread that uses it)."""
@@ -66,8 +68,9 @@ _namespace: RestartSafeNamespace | None = None
 
 
 def restart_safe_namespace() -> RestartSafeNamespace | None:
-    """The namespace this process's default group was formed in by :func:`init_process_group_restart_safe`;
-    None when the group was formed another way (another launcher, the user, a world of one)."""
+    """The store and namespace of this process's default group under torchrun (set by
+    :func:`init_distributed`); None when the group was formed another way (another launcher, the user,
+    a world of one)."""
     return _namespace
 
 
@@ -109,6 +112,11 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | No
     # With torch.distributed initialised, DeepSpeed 0.19.8's init_distributed only wraps the group
     # (comm.init_distributed: "The user initialized torch.dist themselves"); otherwise it forms it.
     deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)
+    global _namespace
+    if _namespace is None and "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_PORT" in os.environ:
+        # torchrun with a workers' store of this incarnation's own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+        # rank 0 hosts it): fresh for every incarnation, so no token is needed.
+        _namespace = RestartSafeNamespace(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "")
 
 
 def init_process_group_restart_safe(backend: str, timeout: timedelta, **kwargs: Any) -> bool:
