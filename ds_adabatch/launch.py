@@ -27,7 +27,9 @@ DEFAULT_EXIT_BARRIER_S = 30.0
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--exit-barrier-timeout", "--exit_barrier_timeout", type=float, default=DEFAULT_EXIT_BARRIER_S)
+    pre.add_argument(
+        "--exit-barrier-timeout", "--exit_barrier_timeout", type=float, default=DEFAULT_EXIT_BARRIER_S
+    )
     # Only options before the training script are the launcher's (the script's own may share names).
     script_at = _script_index(argv)
     ours, rest = pre.parse_known_args(argv[:script_at])

@@ -1,4 +1,5 @@
-"""What the multi-node tests share: the small main job they run and the checks of its per-sample ledger.
+"""What the multi-node tests share: the network-namespace cluster, the small main job they run and the
+checks of its per-sample ledger.
 
 Used by tests/test_cluster.py (network namespaces, processes) and tests/test_container.py (the same in
 containers): the job, the config and every check on the ledger are the same for both.
@@ -6,11 +7,14 @@ containers): the job, the config and every check on the ledger are the same for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -97,3 +101,70 @@ def wait_for_two_node_steps(
         assert proc.poll() is None, log.read_text()[-6000:]
         time.sleep(0.05)
     raise AssertionError(f"the 2-node elastic job never made {steps} steps:\n" + log.read_text()[-6000:])
+
+
+class Cluster:
+    """Nodes ``NAME-n0`` .. of scripts/netns-cluster.sh; :meth:`launch` runs ``job`` on one of them."""
+
+    def __init__(self, name: str, subnet: str, nodes: int, job: Path):
+        self.name, self.subnet, self.nodes, self.job = name, subnet, nodes, job
+
+    def ns(self, k: int) -> str:
+        return f"{self.name}-n{k}"
+
+    def addr(self, k: int) -> str:
+        return f"{self.subnet}.{k + 1}"
+
+    def launch(
+        self, k: int, launcher_args: list[str], job_argv: list[str], log: Path, env: dict | None = None
+    ) -> subprocess.Popen:
+        """``python LAUNCHER_ARGS JOB JOB_ARGS`` on node ``k`` (its own session, output to ``log``)."""
+        env = dict(
+            os.environ,
+            DS_ACCELERATOR="cpu",
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="eth0",  # the node's own interface, not the host's
+            PYTHONPATH=str(ROOT),
+            **(env or {}),
+        )
+        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, *launcher_args, str(self.job), *job_argv]
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def kill_node(self, k: int) -> None:
+        """Node loss: every process in node ``k``'s namespace, SIGKILL."""
+        out = subprocess.run(["ip", "netns", "pids", self.ns(k)], capture_output=True, text=True).stdout
+        for pid in out.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def netns_cluster(nodes: int, job: Path, tag: str = ""):
+    """A cluster of ``nodes`` network namespaces for the duration of the block, always removed."""
+    script = ROOT / "scripts" / "netns-cluster.sh"
+    name = f"dsab{tag}{os.getpid() % 100000}"
+    subnet = f"10.{213 + len(tag)}.{os.getpid() % 250}"
+    up = subprocess.run(
+        ["bash", str(script), "up", str(nodes), name, subnet], capture_output=True, text=True, timeout=60
+    )
+    try:
+        assert up.returncode == 0, f"netns-cluster.sh up failed:\n{up.stdout}{up.stderr}"
+        yield Cluster(name, subnet, nodes, job)
+    finally:
+        subprocess.run(["bash", str(script), "down", name], capture_output=True, timeout=60)
+
+
+def wait_processes(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Exit codes of ``procs``; any still running after ``timeout`` seconds is killed (its session)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            codes.append(p.wait())
+    return codes

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nnodes 2:3 --nproc-per-node 1 --rdzv-backend c10d ... \\
         live_worker.py run OUT STAGE           # one node's worker
     python live_worker.py reference OUT STAGE  # the same job on one process (the exact reference)
+    torchrun --nproc-per-node 2 live_worker.py checks OUT 0   # what is covered / refused (one node)
 
 The job: a small regression MLP, Adam with a warm-up LR schedule, a global batch ramping 6 -> 24 in
 multiples of 6 (the same batches on 1, 2 or 3 ranks), ZeRO ``STAGE``, until SAMPLES samples. Rank 0
@@ -53,7 +54,11 @@ class Regression(torch.utils.data.Dataset):
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+        torch.nn.Linear(8, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
     )
 
 
@@ -67,7 +72,12 @@ def config(stage: int, live: bool = True) -> dict:
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 6, "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 0.01,
+                "warmup_num_steps": 6,
+                "warmup_type": "linear",
+            },
         },
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage},
@@ -81,8 +91,9 @@ def config(stage: int, live: bool = True) -> dict:
             "live_elastic": {
                 "enabled": live,
                 "collective_timeout_s": 20.0,
-                "heartbeat_period_s": 0.1,
-                "dead_after_s": 0.6,
+                # Generous on a shared 2-core machine: a starved heartbeat must not look like a loss.
+                "heartbeat_period_s": float(os.environ.get("LIVE_HEARTBEAT", "0.2")),
+                "dead_after_s": float(os.environ.get("LIVE_DEAD_AFTER", "2.0")),
             },
         },
     }
@@ -111,10 +122,14 @@ def run(out: str, stage: int) -> None:
     ds_adabatch.init_distributed()
     origin = torch.distributed.get_rank()
     pid = os.getpid()
-    _write(os.path.join(out, f"start-{pid}.json"), {"pid": pid, "origin": origin, "restart": restart, "time": time.time()})
+    _write(
+        os.path.join(out, f"start-{pid}.json"),
+        {"pid": pid, "origin": origin, "restart": restart, "time": time.time()},
+    )
     engine, *_ = ds_adabatch.initialize(make_model(), config(stage), Regression(), loss_fn=mse)
     ckpt = os.path.join(out, "ckpt")
     path, _ = engine.load_checkpoint(ckpt)
+    first_step = engine.global_steps
     kill = _kill_plan(out, origin, restart)
     wait_for = os.environ.get("LIVE_WAIT_FOR", "")
     ledger = os.path.join(out, "ledger.jsonl")
@@ -127,7 +142,11 @@ def run(out: str, stage: int) -> None:
             at, world = (int(x) for x in wait_for.split(":"))
             while step == at and engine.world_size < world:
                 time.sleep(0.05)  # until torchrun restarts this worker for the node that rejoins
-        loss = float(engine.train_batch())
+        try:
+            loss = float(engine.train_batch())
+        except ds_adabatch.LiveRecoveryFailed as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            ds_adabatch.finish(exc.exit_code)
         if engine.global_steps % 4 == 0:
             engine.save_checkpoint(ckpt, keep_last=2)
         if engine.rank == 0:
@@ -148,7 +167,10 @@ def run(out: str, stage: int) -> None:
                 f.write(json.dumps(row) + "\n")
     events = engine.live_events
     if engine.rank == 0:
-        torch.save({n: p.detach().clone() for n, p in engine.module.named_parameters()}, os.path.join(out, "final.pt"))
+        torch.save(
+            {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            os.path.join(out, "final.pt"),
+        )
     _write(
         os.path.join(out, f"end-{pid}.json"),
         {
@@ -160,10 +182,46 @@ def run(out: str, stage: int) -> None:
             "live_elastic": engine.live_elastic,
             "events": events,
             "resumed_from": path,
+            "first_step": first_step,
             "history": [h.reason for h in engine.history],
         },
     )
     engine.close()
+
+
+def checks(out: str) -> None:
+    """Under ``torchrun --nproc-per-node 2`` (one node): what live elasticity covers and refuses, and
+    what its snapshots leave in host memory."""
+    ds_adabatch.init_distributed()
+    result = {}
+    for name, stage, kwargs in (
+        ("zero3", 3, {}),
+        ("optimizer_instance", 1, {"optimizer": "instance"}),
+        ("zero1", 1, {}),
+    ):
+        cfg = config(stage)
+        model = make_model()
+        extra = {}
+        if kwargs.get("optimizer") == "instance":
+            cfg.pop("optimizer")
+            cfg.pop("scheduler")
+            extra["optimizer"] = torch.optim.Adam(model.parameters(), lr=0.01)
+        engine, *_ = ds_adabatch.initialize(
+            model=model, config=cfg, training_data=Regression(), loss_fn=mse, **extra
+        )
+        for _ in range(2):
+            engine.train_batch()
+        torch.distributed.barrier()  # every rank's last snapshot is written
+        folder = os.path.join(os.environ["DS_ADABATCH_SNAPSHOT_DIR"], os.environ["TORCHELASTIC_RUN_ID"])
+        files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        engine.close()
+        result[name] = {
+            "live_elastic": engine.live_elastic,
+            "files": files,
+            "files_after_close": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
+        }
+    if torch.distributed.get_rank() == 0:
+        _write(os.path.join(out, "checks.json"), result)
 
 
 def _kill_node(out: str) -> None:
@@ -180,8 +238,17 @@ def reference(out: str, stage: int) -> None:
     rows = []
     while engine.global_samples < SAMPLES:
         loss = float(engine.train_batch())
-        rows.append({"step": engine.global_steps, "indices": engine.last_step_batch.global_batch.all_indices(), "loss": loss})
-    torch.save({n: p.detach().clone() for n, p in engine.module.named_parameters()}, os.path.join(out, f"reference-z{stage}.pt"))
+        rows.append(
+            {
+                "step": engine.global_steps,
+                "indices": engine.last_step_batch.global_batch.all_indices(),
+                "loss": loss,
+            }
+        )
+    torch.save(
+        {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        os.path.join(out, f"reference-z{stage}.pt"),
+    )
     with open(os.path.join(out, f"reference-z{stage}.json"), "w") as f:
         json.dump(rows, f)
     engine.close()
@@ -192,6 +259,8 @@ if __name__ == "__main__":
     os.makedirs(out_dir, exist_ok=True)
     if mode == "run":
         run(out_dir, zero)
+    elif mode == "checks":
+        checks(out_dir)
     else:
         for s in [zero] if zero >= 0 else [0, 1, 2]:
             reference(out_dir, s)

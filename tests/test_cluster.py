@@ -13,11 +13,6 @@ Needs root and iproute2's ``ip``; skipped with the reason otherwise (CI runs as 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,16 +20,17 @@ import pytest
 from _cluster_checks import (
     check_resumed_exactly_once,
     job_args,
+    netns_cluster,
     read_ledger,
     same_steps,
     small_config,
     wait_for_two_node_steps,
+    wait_processes,
     why_no_netns,
 )
 from _util import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "netns-cluster.sh"
 JOB = ROOT / "runners" / "train_lm.py"
 STATIC_SAMPLES = 400
 PORT = 29500  # each namespace has its own ports: no race with anything else on the machine
@@ -47,63 +43,10 @@ pytestmark = [
 ]
 
 
-class Cluster:
-    def __init__(self, name: str, subnet: str, nodes: int):
-        self.name, self.subnet, self.nodes = name, subnet, nodes
-
-    def ns(self, k: int) -> str:
-        return f"{self.name}-n{k}"
-
-    def addr(self, k: int) -> str:
-        return f"{self.subnet}.{k + 1}"
-
-    def launch(self, k: int, launcher_args: list[str], job_argv: list[str], log: Path) -> subprocess.Popen:
-        """``python LAUNCHER_ARGS train_lm.py JOB_ARGS`` on node ``k`` (its own session, output to ``log``)."""
-        env = dict(
-            os.environ,
-            DS_ACCELERATOR="cpu",
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME="eth0",  # the node's own interface, not the host's
-            PYTHONPATH=str(ROOT),
-        )
-        cmd = ["ip", "netns", "exec", self.ns(k), sys.executable, *launcher_args, str(JOB), *job_argv]
-        return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def kill_node(self, k: int) -> None:
-        """Node loss: every process in node ``k``'s namespace, SIGKILL."""
-        out = subprocess.run(["ip", "netns", "pids", self.ns(k)], capture_output=True, text=True).stdout
-        for pid in out.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            codes.append(p.wait())
-    return codes
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    name = f"dsab{os.getpid() % 100000}"
-    subnet = f"10.213.{os.getpid() % 250}"
-    up = subprocess.run(
-        ["bash", str(SCRIPT), "up", "2", name, subnet], capture_output=True, text=True, timeout=60
-    )
-    try:
-        assert up.returncode == 0, f"netns-cluster.sh up failed:\n{up.stdout}{up.stderr}"
-        yield Cluster(name, subnet, 2)
-    finally:
-        subprocess.run(["bash", str(SCRIPT), "down", name], capture_output=True, timeout=60)
+    with netns_cluster(2, JOB) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +87,7 @@ def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path, launcher)
             argv = ["-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh"]
             argv += ["--node_rank", str(k), "--master_addr", cluster.addr(0), "--master_port", str(PORT)]
         procs.append(cluster.launch(k, argv, args, tmp_path / f"node{k}.log"))
-    codes = _wait(procs, 300)
+    codes = wait_processes(procs, 300)
     assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-4000:]
     got = read_ledger(out / "ledger.jsonl")
     assert all(r["world_size"] == 2 for r in got)
@@ -175,7 +118,7 @@ def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
         wait_for_two_node_steps(ledger, procs[0], tmp_path / "node0.log", timeout=240)
         killed_at = time.time()
         cluster.kill_node(1)
-        codes = _wait(procs[:1], 300)
+        codes = wait_processes(procs[:1], 300)
     finally:
         cluster.kill_node(0)
         cluster.kill_node(1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -15,8 +15,8 @@ from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .initialize_args import resolve_call
-from .loop import LoopDataLoader
 from .live_recovery import attach_live_recovery, prepare_live_world
+from .loop import LoopDataLoader
 from .lr import BatchCoupledLR, CurrentBaseLR
 from .op_builds import guard_jit_builds
 from .parallel_layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
@@ -179,7 +179,9 @@ def initialize(
         call.report_local_rank(ds_engine.local_rank)
         if ds_engine.optimizer is None:
             raise ConfigError.single(
-                "optimizer", 'training needs an optimizer: add an "optimizer" section or pass optimizer=', None
+                "optimizer",
+                'training needs an optimizer: add an "optimizer" section or pass optimizer=',
+                None,
             )
         reference = cfg.lr_scaling.reference_batch or planned.plan.global_batch_size
         coupled = BatchCoupledLR(

@@ -45,7 +45,13 @@ from .live_world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
 from .metrics import PlanChange
 from .process_group import restart_safe_namespace
 
-__all__ = ["LiveRecovery", "LiveRecoveryFailed", "attach_live_recovery", "is_peer_failure", "prepare_live_world"]
+__all__ = [
+    "LiveRecovery",
+    "LiveRecoveryFailed",
+    "attach_live_recovery",
+    "is_peer_failure",
+    "prepare_live_world",
+]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -98,7 +104,9 @@ def prepare_live_world(
         reason = "train_batch(data_iter) (micro-batches the job cannot draw again); pass training_data"
     elif isinstance(training_data, torch.utils.data.IterableDataset):
         reason = "an IterableDataset (its stream cannot be re-sharded); use a map-style dataset"
-    elif isinstance(optimizer, torch.optim.Optimizer) or (lr_scheduler is not None and not callable(lr_scheduler)):
+    elif isinstance(optimizer, torch.optim.Optimizer) or (
+        lr_scheduler is not None and not callable(lr_scheduler)
+    ):
         # A rebuild on the smaller world needs a fresh optimizer: DeepSpeed's ZeRO optimizer rewrites
         # the param_groups of the instance it wraps.
         reason = (
@@ -124,7 +132,12 @@ def prepare_live_world(
 
 
 def attach_live_recovery(
-    engine: Any, live: Any, world: LiveWorld | None, off: str | None, model: torch.nn.Module, rebuild: Callable[[], Any]
+    engine: Any,
+    live: Any,
+    world: LiveWorld | None,
+    off: str | None,
+    model: torch.nn.Module,
+    rebuild: Callable[[], Any],
 ) -> None:
     """Arm live recovery on a freshly built engine, or record why it is off (one warning on rank 0)."""
     if world is not None:
@@ -148,10 +161,23 @@ def attach_live_recovery(
     recovery.start()
 
 
+def _remove_module_hooks(ds: Any) -> None:
+    """DeepSpeed 0.19.8 puts a forward pre- and post-hook on the model (``_create_module_forward_*_hook``)
+    that ``destroy()`` leaves: on the model, which outlives the engine, they would keep the failed engine
+    (and its process groups) alive and run in every later forward."""
+    for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+        handle = getattr(ds, name, None)
+        if handle is not None:
+            handle.remove()
+            setattr(ds, name, None)
+
+
 class LiveRecovery:
     """The step wrapper and the recovery of one process (see the module docstring)."""
 
-    def __init__(self, engine: Any, live: Any, world: LiveWorld, model: torch.nn.Module, rebuild: Callable[[], Any]) -> None:
+    def __init__(
+        self, engine: Any, live: Any, world: LiveWorld, model: torch.nn.Module, rebuild: Callable[[], Any]
+    ) -> None:
         self.engine = engine
         self.cfg = live
         self.world = world
@@ -197,7 +223,11 @@ class LiveRecovery:
             ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
         )
         self.snapshots = Snapshots(
-            self.engine.deepspeed, root=self.root, job_id=self.world.job_id, family=self._family(), group=self._group
+            self.engine.deepspeed,
+            root=self.root,
+            job_id=self.world.job_id,
+            family=self._family(),
+            group=self._group,
         )
         self.snapshot_now()
         prune_families(self.root, self.world.job_id, keep=self._family())
@@ -226,6 +256,13 @@ class LiveRecovery:
                 self._after_first_step()
                 return loss
             # Outside the except block: the exception's frames no longer hold the failed engine.
+            logger.warning(
+                "rank %d (process %d of the first world) lost a peer in step %d: %s",
+                self.world.rank,
+                self.world.origin,
+                self.engine.global_steps + 1,
+                failure,
+            )
             self._recover(failure, time.monotonic())
 
     def _after_first_step(self) -> None:
@@ -235,7 +272,11 @@ class LiveRecovery:
         self._first_step_after = None
         event["first_step_s"] = time.monotonic() - detected
         if self.engine.rank == 0:
-            logger.warning("live shrink: first step on %d ranks done %.2f s after the loss was detected", self.world.size, event["first_step_s"])
+            logger.warning(
+                "live shrink: first step on %d ranks done %.2f s after the loss was detected",
+                self.world.size,
+                event["first_step_s"],
+            )
 
     def _recover(self, failure: str, detected: float) -> None:
         engine = self.engine
@@ -346,6 +387,7 @@ class LiveRecovery:
             self.snapshots.release()
         ds = engine.__dict__.get("deepspeed")
         for close in (
+            lambda: _remove_module_hooks(ds),
             lambda: ds.destroy(),  # removes ZeRO's gradient hooks; no collective
             lambda: engine.metrics.close(),
             lambda: engine.memory_recovery.close(),
@@ -355,6 +397,13 @@ class LiveRecovery:
                 close()
             except Exception as err:  # noqa: BLE001 - a broken world's object may fail to close
                 logger.debug("closing the failed engine: %s", err)
+        # The script may still hold the optimizer, LR scheduler or loader initialize() returned; each
+        # reaches the failed world's process groups (the ZeRO optimizer through its hooks' state).
+        # Emptied, they reach nothing, so the groups' sockets close when collected and a survivor
+        # blocked on this one in a collective fails at once instead of at its timeout.
+        for stale in (getattr(ds, "optimizer", None), getattr(ds, "lr_scheduler", None), ds):
+            if stale is not None and hasattr(stale, "__dict__"):
+                stale.__dict__.clear()
         engine.__dict__.clear()
         ds = None
         self._group = None

@@ -32,6 +32,7 @@ of any data-parallel size, as DeepSpeed's universal-checkpoint loader does.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -130,7 +131,12 @@ def _owned_units(ds_engine: Any, names: dict[torch.Tensor, str]) -> tuple[list[_
             m = lp._hp_mapping
             if m is not None:
                 unit.pieces.append(
-                    _Piece(names[lp], m.lp_fragment_address.start, m.lp_fragment_address.numel, m.hp_fragment_address.start)
+                    _Piece(
+                        names[lp],
+                        m.lp_fragment_address.start,
+                        m.lp_fragment_address.numel,
+                        m.hp_fragment_address.start,
+                    )
                 )
         units.append(unit)
     return units, torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -140,7 +146,11 @@ def _state_keys(units: list[_Unit]) -> list[str]:
     """The optimizer-state tensors shaped like the weights (moments), the same on every rank."""
     for unit in units:
         state = unit.optimizer.state.get(unit.hp, {})
-        keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() == unit.hp.numel() and v.numel() > 1)
+        keys = sorted(
+            k
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.numel() == unit.hp.numel() and v.numel() > 1
+        )
         if keys or state:
             return keys
     return []
@@ -261,7 +271,8 @@ class Snapshots:
             "opt_step": opt_step,
             "step_is_tensor": step_is_tensor,
             "param_groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in _base_optimizer(self.ds_engine).param_groups
+                {k: v for k, v in g.items() if k != "params"}
+                for g in _base_optimizer(self.ds_engine).param_groups
             ],
             "adabatch": adabatch_state,
         }
@@ -309,14 +320,10 @@ def remove_job_snapshots(root: str, job_id: str) -> None:
     """Delete this launch's snapshot files on this node (at the end of the job)."""
     folder = os.path.join(root, job_id)
     for path in glob.glob(os.path.join(folder, "*")):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(OSError):
         os.rmdir(folder)
-    except OSError:
-        pass
 
 
 def prune_families(root: str, job_id: str, keep: str) -> None:
@@ -324,10 +331,8 @@ def prune_families(root: str, job_id: str, keep: str) -> None:
     successor, they are superseded)."""
     for path in glob.glob(os.path.join(root, job_id, "*")):
         if not os.path.basename(path).startswith(keep + "."):
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(path)
-            except OSError:
-                pass
 
 
 def _inventory(root: str, job_id: str) -> list[tuple[str, int, int, int, str]]:
@@ -399,7 +404,9 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled
             with open(meta_path, "rb") as f:
                 box[0] = pickle.load(f)
             numel = (1 + len(box[0]["keys"])) * sum(n for _, _, n in box[0]["layout"])
-            local = torch.from_file(meta_path[: -len(".meta")] + ".bin", shared=False, size=max(numel, 1), dtype=torch.float32)
+            local = torch.from_file(
+                meta_path[: -len(".meta")] + ".bin", shared=False, size=max(numel, 1), dtype=torch.float32
+            )
         dist.broadcast_object_list(box, src=src)
         pmeta = box[0]
         width = 1 + len(pmeta["keys"])

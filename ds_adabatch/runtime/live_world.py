@@ -8,8 +8,10 @@ agent hosts for the workers (the one :mod:`.process_group` forms generation 0 in
 generation::
 
     <namespace>/gen<g>/...            the default group of generation g (g >= 1)
-    <namespace>/live/hb/<origin>      a counter each process adds to every heartbeat_period_s
-    <namespace>/live/gen<g>/join/<origin>, .../members   the agreement on generation g
+    <namespace>/live<n>/hb/<origin>   a counter each process adds to every heartbeat_period_s
+    <namespace>/live<n>/gen<g>/join/<origin>, .../members   the agreement on generation g
+
+(``n`` counts the live engines built in this process.)
 
 ``origin`` is a process's rank in generation 0; members are listed by origin. The agreement: every
 survivor writes its ``join`` key; a member that has not joined counts as lost once its heartbeat counter
@@ -26,6 +28,7 @@ fills that cache with a clone that has the configured timeout, so a hung peer is
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -33,7 +36,6 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -42,6 +44,9 @@ from .process_group import RestartSafeNamespace
 __all__ = ["LeftOut", "LiveWorld", "StoreLost", "teardown_process_groups"]
 
 logger = logging.getLogger("ds_adabatch")
+
+
+_worlds_made = 0
 
 
 class LeftOut(RuntimeError):
@@ -67,10 +72,9 @@ class _Heartbeat:
         except Exception:  # noqa: BLE001 - the store is gone: the agreement will say so
             return
         while not self._stop.is_set():
-            try:
+            # A missed beat is harmless; the store's host may be lost (the agreement says so).
+            with contextlib.suppress(Exception):
                 store.add(self._key, 1)
-            except Exception:  # noqa: BLE001 - a missed beat; the store's host may be lost
-                pass
             self._stop.wait(self._period)
 
     def stop(self) -> None:
@@ -110,7 +114,10 @@ class LiveWorld:
         # Where rank 0 of this incarnation hosts the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
         # the server lives in the default group's store object: keep it when that group is destroyed.
         self._default_store = torch.distributed.distributed_c10d._get_default_store()
-        self._live = f"{namespace.prefix}/live"
+        # Keys of each engine built in this process apart (every rank builds the same engines in order).
+        global _worlds_made
+        _worlds_made += 1
+        self._live = f"{namespace.prefix}/live{_worlds_made}"
         self.job_id = self._job_id()
         self.incarnation = self._incarnation()
         self._heartbeat = _Heartbeat(namespace, f"{self._live}/hb/{self.origin}", heartbeat_period)
@@ -145,9 +152,7 @@ class LiveWorld:
         # DeepSpeed 0.19.8: _clone_world_group returns _WORLD_GROUP when it is set, and otherwise makes
         # one with torch's default timeout (30 minutes on gloo), which would let a hung peer stall the
         # survivors for that long.
-        groups._WORLD_GROUP = torch.distributed.new_group(
-            ranks=list(range(self.size)), timeout=self.timeout
-        )
+        groups._WORLD_GROUP = torch.distributed.new_group(ranks=list(range(self.size)), timeout=self.timeout)
 
     # ---------------------------------------------------------------------------------------------
     def agree_on_survivors(self) -> tuple[list[int], list[int]]:
@@ -194,7 +199,9 @@ class LiveWorld:
         except (TimeoutError, LeftOut):
             raise
         except Exception as err:  # noqa: BLE001 - a DistStoreError / network error: the store's host
-            raise StoreLost(f"the launcher's store at {self.namespace.host}:{self.namespace.port}: {err}") from err
+            raise StoreLost(
+                f"the launcher's store at {self.namespace.host}:{self.namespace.port}: {err}"
+            ) from err
         if self.origin not in members:
             raise LeftOut(
                 f"process {self.origin} was left out of generation {g} (members {members}): it was "

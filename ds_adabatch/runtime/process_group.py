@@ -39,7 +39,12 @@ import torch
 
 from .op_builds import guard_jit_builds
 
-__all__ = ["RestartSafeNamespace", "init_distributed", "init_process_group_restart_safe", "restart_safe_namespace"]
+__all__ = [
+    "RestartSafeNamespace",
+    "init_distributed",
+    "init_process_group_restart_safe",
+    "restart_safe_namespace",
+]
 
 _PREFIX = "ds_adabatch/pg"
 

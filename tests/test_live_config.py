@@ -1,0 +1,132 @@
+"""``adabatch.live_elastic``: its config, the launcher it needs, what it covers and refuses (one node).
+
+The recovery itself (a node lost, the survivors going on, a node rejoining) is tested on a network-
+namespace cluster in tests/test_live_elastic.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _util import torchrun
+
+import ds_adabatch
+from ds_adabatch.launch import _script_index
+from ds_adabatch.runtime.live_recovery import is_peer_failure
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "live_worker.py"
+
+
+def _config(live: dict) -> dict:
+    return {
+        "train_batch_size": 8,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "adabatch": {
+            "schedule": {"type": "constant", "value": 8},
+            "max_micro_batch_per_gpu": 4,
+            "live_elastic": live,
+        },
+    }
+
+
+def test_defaults_are_off_and_bounded():
+    live = ds_adabatch.load_ds_config(_config({})).adabatch.live_elastic
+    assert live.enabled is False and live.snapshot_every == 1
+    assert live.agree_timeout == 2 * live.collective_timeout_s + 5 > live.collective_timeout_s
+
+
+@pytest.mark.parametrize(
+    "live,path,words",
+    [
+        (
+            {"dead_after_s": 0.5, "heartbeat_period_s": 0.2},
+            "adabatch.live_elastic.dead_after_s",
+            "3 x heartbeat",
+        ),
+        (
+            {"collective_timeout_s": 30, "agree_timeout_s": 30},
+            "adabatch.live_elastic.agree_timeout_s",
+            "exceed",
+        ),
+        ({"snapshot_every": 0}, "adabatch.live_elastic.snapshot_every", ">= 1"),
+        ({"enabled": "yes"}, "adabatch.live_elastic.enabled", "true or false"),
+        ({"snapshots": 2}, "adabatch.live_elastic.snapshots", "not a known key"),
+    ],
+)
+def test_bad_live_elastic_config_names_the_key(live, path, words):
+    with pytest.raises(ds_adabatch.ConfigError) as err:
+        ds_adabatch.load_ds_config(_config(live))
+    text = str(err.value)
+    assert path in text and words in text, text
+
+
+def test_peer_failures_are_told_from_other_errors():
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.3]:41234"
+    assert is_peer_failure(RuntimeError(gloo))
+    assert is_peer_failure(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:5: Connection reset by peer"))
+    assert is_peer_failure(
+        RuntimeError("[unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation")
+    )
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 5x16)"))
+    assert not is_peer_failure(ValueError("Connection reset by peer"))
+    assert not is_peer_failure(ds_adabatch.LiveRecoveryFailed("timed out"))
+
+
+def test_launcher_finds_the_script_after_torchrun_options():
+    argv = ["--nnodes", "1:3", "--exit-barrier-timeout", "5", "--rdzv-conf", "a=1,b=2", "--standalone"]
+    argv += ["--max-restarts=2", "train.py", "--nnodes", "7"]
+    assert argv[_script_index(argv)] == "train.py"
+    assert _script_index(["train.py"]) == 0
+    assert _script_index(["--exit-barrier-timeout=3", "-m", "pkg"]) == 2  # -m is a flag: pkg is the module
+
+
+def test_launcher_runs_a_job_and_sets_its_store(tmp_path):
+    """``python -m ds_adabatch.launch`` is torchrun: the script runs under its agent, with a workers'
+    store of each incarnation's own (a node can join) and the exit barrier it was given."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('env', os.environ['TORCHELASTIC_RUN_ID'], os.environ.get('TORCH_DISABLE_SHARE_RDZV_TCP_STORE'),"
+        " os.environ['TORCHELASTIC_USE_AGENT_STORE'], sys.argv[1:])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_adabatch.launch", "--exit-barrier-timeout", "2", "--standalone"]
+        + ["--nproc-per-node", "1", str(script), "--nnodes", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "LOGLEVEL": "INFO"},  # the agent's log says how long its exit barrier waits
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("env"))
+    assert line.endswith("1 False ['--nnodes', 'x']"), line
+    assert "Waiting 2.0 seconds for other agents to finish" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
+    """ZeRO 3 and an optimizer instance are refused (the restart path, said once); ZeRO 1 is covered and
+    its snapshots live in the node's folder until the engine is closed."""
+    monkeypatch.setenv("DS_ADABATCH_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    proc = torchrun(WORKER, "checks", str(tmp_path), "0", nproc=2, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = json.loads((tmp_path / "checks.json").read_text())
+    assert got["zero3"]["live_elastic"].startswith("off:ZeRO stage 3")
+    assert got["optimizer_instance"]["live_elastic"].startswith("off:an optimizer or LR scheduler instance")
+    assert proc.stderr.count("adabatch.live_elastic is enabled but not available with ZeRO stage 3") == 1
+    assert got["zero1"]["live_elastic"] == "on"
+    # Two ranks, each its own partition in two alternating slots (data + metadata); no buddy copy on
+    # one node (a node's loss takes both ranks).
+    files = got["zero1"]["files"]
+    assert (
+        len([f for f in files if f.endswith(".bin")]) == 4
+        and len([f for f in files if f.endswith(".meta")]) == 4
+    )
+    assert got["zero1"]["files_after_close"] == []

@@ -1,0 +1,252 @@
+"""Live elasticity on a network-namespace cluster: a lost node costs the survivors seconds, no sample and
+no restart (``adabatch.live_elastic``; tests/live_worker.py is the job).
+
+Three nodes (namespaces) x one rank, each node its own ``ds-adabatch-run`` agent (torchrun, c10d
+rendezvous, ``--nnodes 1:3``) and its own snapshot folder (its "host memory"). A node kills itself (agent
+and worker, SIGKILL) a few milliseconds into a step chosen from a seed. Checked for every job:
+
+- the survivors are the processes that started (no worker restarted), and they end on the smaller world;
+- the trajectory (the last record of every step) trains every sample of the run once, the samples of
+  each step those of an uninterrupted one-process run, and the final parameters equal that run's
+  (fp32, 1e-5 relative): the rollback and the re-done steps lose and repeat nothing;
+- at most one step is trained again.
+
+Launch 1 runs three jobs side by side: ZeRO 0 and ZeRO 1 lose node 2; ZeRO 2 loses nodes 1 and 2 at
+once (node 2's partition and its only copy, on node 1), so the survivor takes the restart path and
+resumes from the last complete checkpoint, still exact. Launch 2: ZeRO 2 loses node 2, then node 2
+comes back: torchrun restarts every worker, they restore from the survivors' host memory (no
+checkpoint, no step redone) and finish on three ranks.
+
+Needs root and iproute2's ``ip``; skipped with the reason otherwise (CI runs as root and installs ``ip``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _cluster_checks import netns_cluster, read_ledger, wait_processes, why_no_netns
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "live_worker.py"
+
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.slow,
+    pytest.mark.skipif(why_no_netns() is not None, reason=why_no_netns() or ""),
+]
+
+
+def kill_point(seed: int) -> str:
+    """``STEP:DELAY_MS`` for a seed: a step of the ramp (not one that saves a checkpoint), 0-8 ms in."""
+    rng = random.Random(seed)
+    step = rng.choice([5, 6, 7, 9, 10])
+    return f"{step}:{rng.uniform(0, 8):.1f}"
+
+
+def launch_job(cluster, k: int, out: Path, stage: int, port: int, log: str, env: dict) -> subprocess.Popen:
+    """Node ``k``'s agent of the job writing to ``out``."""
+    conf = "join_timeout=120,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3"
+    launcher = ["-m", "ds_adabatch.launch", "--exit-barrier-timeout", "5"]
+    launcher += [
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+    ]
+    launcher += [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{cluster.addr(0)}:{port}",
+        "--rdzv-id",
+        out.name,
+    ]
+    # The nodes share the host's hostname: each is told its own address (torchrun infers it on a cluster).
+    launcher += [
+        "--local-addr",
+        cluster.addr(k),
+        "--rdzv-conf",
+        f"{conf},is_host={'true' if k == 0 else 'false'}",
+    ]
+    node_env = {"DS_ADABATCH_SNAPSHOT_DIR": str(out / f"shm{k}"), **env}
+    return cluster.launch(k, launcher, ["run", str(out), str(stage)], out / log, env=node_env)
+
+
+def trajectory(rows: list[dict]) -> list[dict]:
+    """The steps that count: the last record of each step (a step trained again replaces its record)."""
+    last: dict[int, dict] = {}
+    for row in rows:
+        last[row["step"]] = row
+    return [last[s] for s in sorted(last)]
+
+
+def check_exact(out: Path, reference: dict, stage: int) -> list[dict]:
+    rows = read_ledger(out / "ledger.jsonl")
+    final = trajectory(rows)
+    ref_rows = reference[stage]["rows"]
+    assert [r["step"] for r in final] == [r["step"] for r in ref_rows]
+    for got, want in zip(final, ref_rows):
+        assert got["indices"] == want["indices"], f"step {got['step']}: other samples than the reference"
+    seen = [i for r in final for i in r["indices"]]
+    assert len(seen) == len(set(seen)) == final[-1]["samples"], "a sample lost or trained twice"
+    got = torch.load(out / "final.pt")
+    want = reference[stage]["params"]
+    rel = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
+    assert rel <= 1e-5, f"final parameters {rel:.2e} from the uninterrupted run"
+    print(
+        f"{out.name}: final parameters {rel:.1e} from the reference; {len(rows) - len(final)} step(s) redone"
+    )
+    return rows
+
+
+def ends(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("end-*.json"))]
+
+
+def starts(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("start-*.json"))]
+
+
+def kill_time(out: Path) -> float:
+    return float((out / "kill-time").read_text().split()[0])
+
+
+def check_survived_in_place(out: Path, lost: int = 1) -> dict:
+    """Nobody restarted: the processes that ended are those that started, minus the lost node's."""
+    started, ended = starts(out), ends(out)
+    assert len(started) == 3, f"a worker was restarted: {started}"
+    assert {e["pid"] for e in ended} <= {s["pid"] for s in started}
+    assert sorted(e["origin"] for e in ended) == list(range(3 - lost))
+    for e in ended:
+        assert e["world_size"] == 3 - lost and e["live_elastic"] == "on"
+        assert len(e["events"]) == 1 and e["events"][0]["lost"] == list(range(3 - lost, 3))
+        assert e["events"][0]["steps_redone"] <= 1
+        assert any(h.startswith("shrink: lost") for h in e["history"])
+    return next(e for e in ended if e["origin"] == 0)["events"][0]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with netns_cluster(3, JOB, tag="l") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The same job uninterrupted in one process, ZeRO 0, 1 and 2 (one launch)."""
+    out = tmp_path_factory.mktemp("live_reference")
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "reference", str(out), "-1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return {
+        s: {
+            "rows": json.loads((out / f"reference-z{s}.json").read_text()),
+            "params": torch.load(out / f"reference-z{s}.pt"),
+        }
+        for s in (0, 1, 2)
+    }
+
+
+@pytest.fixture(scope="module")
+def launch_one(cluster, tmp_path_factory) -> dict[str, Path]:
+    """ZeRO 0 and 1 lose node 2; ZeRO 2 loses nodes 1 and 2 together: three jobs side by side."""
+    jobs = {
+        "z0": (0, 29711, {"LIVE_KILL": f"2:{kill_point(1)}"}),
+        "z1": (1, 29712, {"LIVE_KILL": f"2:{kill_point(2)}"}),
+        "both": (2, 29713, {"LIVE_KILL": f"2:{kill_point(3)}", "LIVE_KILL_ALSO": "1"}),
+    }
+    outs, procs = {}, []
+    for name, (stage, port, env) in jobs.items():
+        out = outs[name] = tmp_path_factory.mktemp(f"live_{name}")
+        for k in range(3):
+            procs.append(launch_job(cluster, k, out, stage, port, f"node{k}.log", env))
+            time.sleep(0.3)
+    codes = wait_processes(procs, 420)
+    for name, out in outs.items():
+        logs = "\n".join((out / f"node{k}.log").read_text()[-3000:] for k in range(3))
+        # Node 0 (the survivor, the store's host) ends 0; the killed agents end by SIGKILL.
+        assert codes[list(outs).index(name) * 3] == 0, f"{name}:\n{logs}"
+    return outs
+
+
+@pytest.mark.parametrize("name,stage", [("z0", 0), ("z1", 1)])
+def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage):
+    out = launch_one[name]
+    event = check_survived_in_place(out)
+    rows = check_exact(out, reference, stage)
+    assert rows[-1]["world_size"] == 2 and rows[0]["world_size"] == 3
+    assert len({r["pid"] for r in rows}) == 1, "rank 0 was restarted"
+    first_after = next(r for r in rows if r["world_size"] == 2)
+    print(
+        f"ZeRO {stage}: loss in step {event['failed_step']}, first resumed step {first_after['time'] - kill_time(out):.2f} s "
+        f"after the kill; phases {json.dumps({k: round(v, 3) for k, v in event.items() if k.endswith('_s')})}"
+    )
+
+
+def test_node_and_its_buddy_lost_take_the_restart_path(launch_one, reference):
+    out = launch_one["both"]
+    log = (out / "node0.log").read_text()
+    assert "live recovery not possible, taking the restart path" in log
+    assert "no snapshot step whose every partition a survivor holds" in log
+    rows = check_exact(out, reference, 2)
+    restarted = [r for r in rows if r["restart"] > 0]
+    assert restarted and all(r["world_size"] == 1 for r in restarted)
+    (end,) = ends(out)
+    assert end["restart"] == 1 and "global_step" in str(end["resumed_from"]), end
+    assert end["first_step"] % 4 == 0 and end["first_step"] > 0, "resumed from a checkpoint step"
+
+
+def test_node_lost_then_rejoins(cluster, reference, tmp_path):
+    """ZeRO 2: node 2 lost, the survivors go on, node 2 returns: the job ends on three ranks, exact."""
+    out = tmp_path / "grow"
+    out.mkdir()
+    env = {"LIVE_KILL": f"2:{kill_point(4)}", "LIVE_WAIT_FOR": "14:3"}
+    procs = [launch_job(cluster, k, out, 2, 29721, f"node{k}.log", env) for k in range(3)]
+    deadline = time.monotonic() + 300
+    while not (out / "kill-time").exists():
+        assert time.monotonic() < deadline and procs[0].poll() is None, (out / "node0.log").read_text()[
+            -4000:
+        ]
+        time.sleep(0.1)
+    # The node comes back with empty host memory (its snapshots died with it).
+    rows = []
+    while not any(r["world_size"] == 2 for r in rows):
+        assert time.monotonic() < deadline, (out / "node0.log").read_text()[-4000:]
+        time.sleep(0.2)
+        rows = read_ledger(out / "ledger.jsonl")
+    survivors = {s["pid"] for s in starts(out) if s["origin"] < 2}
+    procs.append(launch_job(cluster, 2, out, 2, 29721, "node2-back.log", {"LIVE_WAIT_FOR": "14:3"}))
+    codes = wait_processes([procs[0], procs[1], procs[3]], 360)
+    assert codes == [0, 0, 0], (out / "node0.log").read_text()[-4000:]
+
+    rows = check_exact(out, reference, 2)
+    shrunk = [r for r in rows if r["world_size"] == 2]
+    assert shrunk and {r["pid"] for r in rows[: rows.index(shrunk[-1]) + 1]} == {rows[0]["pid"]}
+    assert rows[-1]["world_size"] == 3
+    # The survivors kept their processes through the shrink; torchrun restarted them for the join.
+    assert {e["pid"] for e in ends(out)}.isdisjoint(survivors)
+    for end in ends(out):
+        assert str(end["resumed_from"]).startswith("<host memory: step"), end
+        assert end["first_step"] == shrunk[-1]["step"], "the grow trained a step again or skipped one"
+    redone = len(rows) - len(trajectory(rows))
+    assert redone <= 1
+    print(
+        f"grow: restored step {shrunk[-1]['step']} from host memory on 3 ranks; {redone} step(s) redone in all"
+    )
