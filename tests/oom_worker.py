@@ -1,6 +1,7 @@
 """Out-of-memory recovery on real gloo ranks, run under torchrun by tests/test_oom.py (one launch).
 
-Usage: torchrun --nproc-per-node N tests/oom_worker.py OUT_DIR
+Usage: torchrun --nproc-per-node N tests/oom_worker.py OUT_DIR [CASE,CASE...|all] [HF_STAGE,HF_STAGE...]
+(HF_STAGE: also run tests/hf_oom_worker.py's Trainer cases for those ZeRO stages, after these.)
 Faults come from ds_adabatch.testing.simulated_memory_limit. Every case writes what it measured into
 OUT_DIR/<case>.json (rank 0); tests/test_oom.py asserts on it.
 """
@@ -374,7 +375,7 @@ def run_tokens(name: str, stage: int, out_dir: str) -> None:
 def main() -> None:
     out_dir = sys.argv[1]
     ds_adabatch.init_distributed()
-    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] != "all" else None
     for name, (stage, extra) in STAGES.items():
         if cases is None or f"recover_{name}" in cases:
             run_recover(f"recover_{name}", stage, extra, out_dir)
@@ -393,6 +394,10 @@ def main() -> None:
             run_tokens(name, stage, out_dir)
     if cases is not None and "partitioned_z3" in cases:  # ends the process group: its own launch
         run_partitioned_z3(out_dir)
+    if len(sys.argv) > 3:  # then the Trainer's cases (tests/hf_oom_worker.py) in the same process group
+        import hf_oom_worker
+
+        hf_oom_worker.main([out_dir, sys.argv[3]])
 
 
 if __name__ == "__main__":

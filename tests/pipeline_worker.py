@@ -1,10 +1,12 @@
 """Pipeline and tensor parallelism on real gloo ranks, run under torchrun by tests/test_pipeline.py.
 
-Usage: torchrun --nproc-per-node N tests/pipeline_worker.py LAYOUT OUT_DIR
+Usage: torchrun --nproc-per-node N tests/pipeline_worker.py LAYOUT[,LAYOUT...] OUT_DIR
 LAYOUT: ``pipe2x1`` (2 stages x 1 data-parallel, 2 processes), ``pipe2x2`` (2 stages x 2 data-parallel,
 4 processes), ``tensor2x2`` (2 tensor x 2 data-parallel with the data-parallel engine and an mpu, 4
 processes), ``pipe_tensor`` (3D: 2 stages x 2 tensor ranks x 1 data-parallel, 4 processes). Each case writes OUT_DIR/<layout>_<case>.json (rank 0) with what every rank measured, so the
-pytest side asserts with readable messages. One launch runs every case of its layout.
+pytest side asserts with readable messages. One launch runs every case of its layouts, in the order given
+(layouts of the same process count share a launch; the data-parallel engine's ``tensor2x2`` goes before
+the pipelines, whose process groups DeepSpeed keeps in module state).
 """
 
 from __future__ import annotations
@@ -609,8 +611,13 @@ def run_tensor_token_oom(out_dir: str, grid: TensorGrid) -> None:
 
 
 def main() -> None:
-    layout, out_dir = sys.argv[1], sys.argv[2]
+    layouts, out_dir = sys.argv[1].split(","), sys.argv[2]
     ds_adabatch.init_distributed()
+    for layout in layouts:
+        run_layout(layout, out_dir)
+
+
+def run_layout(layout: str, out_dir: str) -> None:
     if layout == "pipe2x1":
         for zero in (0, 1):
             for bf16 in (False, True):

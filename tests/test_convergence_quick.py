@@ -1,6 +1,12 @@
-"""The convergence benchmark's --quick mode end to end: every output exists and is well formed.
+"""The benchmarks' --quick modes end to end: every output exists and is well formed.
 
-Only structure is checked, never a timing or a ratio: those depend on the machine and its load.
+``benchmarks/convergence.py --quick`` (the default setting and the cosine setting) and
+``benchmarks/noise_geometry.py --quick``. Only structure is checked, never a timing or a ratio: those
+depend on the machine and its load.
+
+Each run is one process with one thread (``--quick`` runs one rank, ``OMP_NUM_THREADS=1``): the module's
+fixture starts the default setting and, beside it on the second core, the cosine setting and then the
+noise-geometry run, and the tests read what each wrote.
 """
 
 from __future__ import annotations
@@ -9,8 +15,10 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,14 +37,79 @@ CURVE_KEYS = [
     "wall_s",
     "cpu_s",
 ]
+TIMEOUT = 600
+
+
+def _start(logs: Path, script: str, *args: str) -> subprocess.Popen:
+    """Start ``benchmarks/<script> args`` (one thread), its stdout and stderr going to files in ``logs``."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    with (logs / "stdout.txt").open("w") as stdout, (logs / "stderr.txt").open("w") as stderr:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, logs: Path, deadline: float) -> subprocess.CompletedProcess[str]:
+    """The finished run :func:`_start` began (its process group killed and the test failed if it overruns)."""
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(
+            f"{' '.join(proc.args[1:])} ran past {TIMEOUT} s:\n{(logs / 'stderr.txt').read_text()[-4000:]}"
+        )
+    stdout, stderr = ((logs / f"{name}.txt").read_text() for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+# Which run each test reads (the fixture starts only the runs of the tests selected).
+RUN_OF = {
+    "test_results_json": "convergence",
+    "test_runs_share_weights_and_data": "convergence",
+    "test_csv_png_and_table": "convergence",
+    "test_cosine_setting_quick": "cosine",
+    "test_noise_geometry_quick_run_writes_both_geometries": "noise_geometry",
+}
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("convergence")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--out", str(out)]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def benchmark_runs(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The --quick runs on two cores: the default setting on one; cosine, then noise geometry, on the other."""
+    selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
+    wanted = {RUN_OF[name] for name in selected}
+    argv = {
+        "convergence": ["convergence.py", "--quick"],
+        "cosine": ["convergence.py", "--setting", "cosine", "--quick", "--runs", "fixed-8", "seesaw"],
+        "noise_geometry": ["noise_geometry.py", "--quick"],
+    }
+    out = {name: tmp_path_factory.mktemp(name) for name in wanted}
+    logs = {name: tmp_path_factory.mktemp(f"{name}_logs") for name in wanted}
+    deadline = time.monotonic() + TIMEOUT
+    started, done = {}, {}
+
+    def start(name: str) -> None:
+        started[name] = _start(logs[name], *argv[name], "--out", str(out[name]))
+
+    try:
+        if "convergence" in wanted:  # the longest run, alone on one core
+            start("convergence")
+        for name in ("cosine", "noise_geometry"):  # one after the other on the other core
+            if name in wanted:
+                start(name)
+                done[name] = _wait(started[name], logs[name], deadline)
+        if "convergence" in wanted:
+            done["convergence"] = _wait(started["convergence"], logs["convergence"], deadline)
+    finally:  # a failed wait leaves no run behind
+        for proc in started.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {name: (out[name], done[name]) for name in wanted}
+
+
+@pytest.fixture(scope="module")
+def quick_run(benchmark_runs):
+    out, proc = benchmark_runs["convergence"]
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"convergence.py --quick failed:\n{log[-4000:]}"
     assert "Traceback" not in log, log[-4000:]
@@ -133,23 +206,10 @@ def test_csv_png_and_table(quick_run):
 
 
 @pytest.mark.slow
-def test_cosine_setting_quick(tmp_path):
+def test_cosine_setting_quick(benchmark_runs):
     # The decaying-LR setting: every run trains to exactly the sample budget; seesaw grows the batch
     # where the cosine decays, so it takes fewer steps than the baseline for the same samples.
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "convergence.py"),
-        "--setting",
-        "cosine",
-        "--quick",
-        "--runs",
-        "fixed-8",
-        "seesaw",
-        "--out",
-        str(tmp_path),
-    ]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tmp_path, proc = benchmark_runs["cosine"]
     assert proc.returncode == 0, f"convergence.py --setting cosine --quick failed:\n{proc.stderr[-4000:]}"
     results = json.loads((tmp_path / "results.json").read_text())
     cap = results["settings"]["cap"]
@@ -164,3 +224,27 @@ def test_cosine_setting_quick(tmp_path):
     assert sched["type"] == "WarmupCosineLR" and sched["params"]["cos_min_ratio"] == 0.1
     assert (tmp_path / "convergence.png").stat().st_size > 0
     assert "Goal for `seesaw`" in (tmp_path / "summary.md").read_text()
+
+
+# -- benchmarks/noise_geometry.py --quick: both noise-scale geometries are measured and written. Structure and
+# sanity only (finite, positive estimates; one table row per measurement point), never a value that
+# depends on the machine.
+def test_noise_geometry_quick_run_writes_both_geometries(benchmark_runs):
+    tmp_path, proc = benchmark_runs["noise_geometry"]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    doc = json.loads((tmp_path / "noise_geometry.json").read_text())
+    rows = doc["rows"]
+    s = doc["settings"]
+    # 400 samples at batch 8 = 50 steps, one measurement every 10 steps after step 0.
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert [r["samples"] for r in rows] == [r["step"] * s["batch"] for r in rows]
+    for r in rows:
+        for geometry in ("sgd", "adam"):
+            value = r[f"{geometry}_noise_scale"]
+            assert value is not None and math.isfinite(value) and value > 0, (geometry, r)
+            assert math.isfinite(r[f"{geometry}_trace"]) and r[f"{geometry}_trace"] > 0, (geometry, r)
+    assert doc["command"].endswith("--quick --out " + str(tmp_path))
+    table = (tmp_path / "summary.md").read_text()
+    data_rows = [line for line in table.splitlines() if line.startswith("| 0 |")]
+    assert len(data_rows) == 1, table  # every reporting point past 400 samples reads the last measurement
+    assert "B_adam" in table and "B_simple" in table

@@ -1,8 +1,8 @@
 """Out-of-memory recovery on real gloo ranks with injected faults (``ds_adabatch.testing``).
 
 Launches, each under a timeout (a hang fails the test instead of the suite): ``tests/oom_worker.py`` on
-2 ranks (every recoverable case) and on 1 rank (the recovery cases and one 'auto' run);
-``tests/hf_oom_worker.py`` on 2 ranks (the Trainer, ZeRO-2 and ZeRO-3); and one 2-rank launch that must
+2 ranks (every recoverable case, then ``tests/hf_oom_worker.py``'s Trainer cases, ZeRO-2 and ZeRO-3, in
+the same launch) and on 1 rank (the recovery cases and one 'auto' run); and one 2-rank launch that must
 fail fast with a clear error (an unrecoverable OOM under partitioned ZeRO-3).
 """
 
@@ -22,9 +22,9 @@ RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets", "z1_workers", "z0
 ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2,tokens_z2"
 
 
-def _launch(out: Path, nproc: int, cases: str | None = None, worker: Path = WORKER) -> None:
-    args = [str(out)] + ([cases] if cases else [])
-    proc = torchrun(worker, *args, nproc=nproc, cwd=HERE, timeout=600)
+def _launch(out: Path, nproc: int, cases: str, hf_stages: str | None = None) -> None:
+    args = [str(out), cases] + ([hf_stages] if hf_stages else [])
+    proc = torchrun(WORKER, *args, nproc=nproc, cwd=HERE, timeout=600)
     log = proc.stdout + proc.stderr
     (out / "worker.log").write_text(log)
     if proc.returncode != 0:
@@ -34,10 +34,9 @@ def _launch(out: Path, nproc: int, cases: str | None = None, worker: Path = WORK
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, Path]:
     out = {}
-    for nproc, cases in ((2, None), (1, ONE_RANK)):
+    for nproc, cases, hf_stages in ((2, "all", "2,3"), (1, ONE_RANK, None)):
         out[nproc] = tmp_path_factory.mktemp(f"oom{nproc}")
-        _launch(out[nproc], nproc, cases)
-    _launch(out[2], 2, "2,3", worker=HERE / "hf_oom_worker.py")
+        _launch(out[nproc], nproc, cases, hf_stages)
     return out
 
 

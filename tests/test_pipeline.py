@@ -1,10 +1,11 @@
 """Pipeline and tensor parallelism on real gloo ranks: exact updates, the sample ledger, checkpoints, refusals.
 
-Four launches (``tests/pipeline_worker.py``) serve every test here: 2 stages x 1 data-parallel (2
-processes), 2 stages x 2 data-parallel (4 processes; it also resumes the first launch's checkpoints on
-the other data-parallel size), 2 tensor x 2 data-parallel with the data-parallel engine and an mpu
-(4 processes), and 3D: 2 stages x 2 tensor ranks x 1 data-parallel (4 processes). Each test reads what its case wrote and asserts on it. One more launch, with a restart:
-an out-of-memory error under tensor parallelism.
+Two launches (``tests/pipeline_worker.py``) serve every test here: 2 stages x 1 data-parallel (2
+processes), then 4 processes running, one after the other, 2 tensor x 2 data-parallel with the
+data-parallel engine and an mpu, 2 stages x 2 data-parallel (it also resumes the first launch's
+checkpoints on the other data-parallel size), and 3D: 2 stages x 2 tensor ranks x 1 data-parallel. Each
+test reads what its case wrote and asserts on it. One more launch, with a restart: an out-of-memory error
+under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ PLANS = {
     1: [[4, 4, 1], [16, 4, 4], [12, 4, 3], [6, 3, 2], [13, 4, 4], [1, 1, 1], [3, 3, 1], [16, 4, 4], [16, 4, 4], [9, 3, 3]],
     2: [[8, 4, 1], [32, 4, 4], [24, 4, 3], [6, 3, 1], [13, 4, 2], [1, 1, 1], [3, 2, 1], [9, 3, 2]],
 }  # fmt: skip
-LAYOUTS = (("pipe2x1", 2), ("pipe2x2", 4), ("tensor2x2", 4), ("pipe_tensor", 4))
+# The launches: their layouts (one after the other in one launch) and process count. pipe2x2 resumes the
+# checkpoints pipe2x1 wrote; the data-parallel engine's tensor2x2 runs before the 4-process pipelines.
+LAYOUTS = (("pipe2x1", 2), ("tensor2x2,pipe2x2,pipe_tensor", 4))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
-    for layout, nproc in LAYOUTS:  # pipe2x2 resumes the checkpoints pipe2x1 wrote
+    for layout, nproc in LAYOUTS:
         proc = torchrun(WORKER, layout, str(out), nproc=nproc, cwd=HERE, timeout=900)
         log = proc.stdout + proc.stderr
-        (out / f"{layout}.log").write_text(log)
+        (out / f"{layout.replace(',', '+')}.log").write_text(log)
         if proc.returncode != 0:
             pytest.fail(
                 f"pipeline worker {layout} on {nproc} processes failed (exit {proc.returncode}):\n{log[-4000:]}"
