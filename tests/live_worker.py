@@ -68,6 +68,12 @@ def mse(engine, batch):
 
 
 def config(stage: int, live: bool = True) -> dict:
+    fixed = os.environ.get("LIVE_FIXED")  # a constant global batch (benchmarks/live_recovery.py)
+    schedule = (
+        {"type": "constant", "value": int(fixed)}
+        if fixed
+        else {"type": "linear", "start": 6, "end": 24, "ramp_samples": 120}
+    )
     return {
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "scheduler": {
@@ -83,13 +89,15 @@ def config(stage: int, live: bool = True) -> dict:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**6,
         "adabatch": {
-            "schedule": {"type": "linear", "start": 6, "end": 24, "ramp_samples": 120},
+            "schedule": schedule,
             "granularity": 6,
             "max_micro_batch_per_gpu": 4,
             "lr_schedule_unit": "samples",
             "data": {"shuffle": True, "seed": 5},
             "live_elastic": {
                 "enabled": live,
+                # Every step: a loss redoes at most the step in flight (benchmarks also try "auto").
+                "snapshot_every": _every(os.environ.get("LIVE_SNAPSHOT_EVERY", "1")),
                 "collective_timeout_s": 20.0,
                 # Generous on a shared 2-core machine: a starved heartbeat must not look like a loss.
                 "heartbeat_period_s": float(os.environ.get("LIVE_HEARTBEAT", "0.2")),
@@ -97,6 +105,10 @@ def config(stage: int, live: bool = True) -> dict:
             },
         },
     }
+
+
+def _every(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def _write(path: str, payload: dict) -> None:
@@ -126,7 +138,8 @@ def run(out: str, stage: int) -> None:
         os.path.join(out, f"start-{pid}.json"),
         {"pid": pid, "origin": origin, "restart": restart, "time": time.time()},
     )
-    engine, *_ = ds_adabatch.initialize(make_model(), config(stage), Regression(), loss_fn=mse)
+    live = os.environ.get("LIVE_LIVE", "1") == "1"
+    engine, *_ = ds_adabatch.initialize(make_model(), config(stage, live), Regression(), loss_fn=mse)
     ckpt = os.path.join(out, "ckpt")
     path, _ = engine.load_checkpoint(ckpt)
     first_step = engine.global_steps
@@ -166,6 +179,16 @@ def run(out: str, stage: int) -> None:
             with open(ledger, "a") as f:
                 f.write(json.dumps(row) + "\n")
     events = engine.live_events
+    shm = os.environ.get("DS_ADABATCH_SNAPSHOT_DIR", "")
+    snapshot_bytes = (
+        sum(
+            e.stat().st_size
+            for e in os.scandir(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", "")))
+            if e.name.endswith(".bin")
+        )
+        if shm and os.path.isdir(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", "")))
+        else 0
+    )
     if engine.rank == 0:
         torch.save(
             {n: p.detach().clone() for n, p in engine.module.named_parameters()},
@@ -183,6 +206,10 @@ def run(out: str, stage: int) -> None:
             "events": events,
             "resumed_from": path,
             "first_step": first_step,
+            "snapshot_bytes": snapshot_bytes,
+            "snapshot_every": engine.__dict__["_live"]._cadence.every
+            if engine.live_elastic == "on"
+            else None,
             "history": [h.reason for h in engine.history],
         },
     )

@@ -95,7 +95,10 @@ def test_static_two_nodes_equal_one_node(cluster, reference, tmp_path, launcher)
     same_steps(got, reference, rel=1e-5)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+# ZeRO 2's restart path (a lost node, the survivors restarted, the checkpoint converted to universal and
+# resumed on fewer ranks, every sample once) runs in tests/test_live_elastic.py, where a node and its
+# buddy are lost together.
+@pytest.mark.parametrize("stage", [0, 3])
 def test_node_loss_resumes_on_one_node(cluster, reference, tmp_path, stage):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     out.mkdir()

@@ -1,7 +1,8 @@
 """Live elasticity on a network-namespace cluster: a lost node costs the survivors seconds, no sample and
 no restart (``adabatch.live_elastic``; tests/live_worker.py is the job).
 
-Three nodes (namespaces) x one rank, each node its own ``ds-adabatch-run`` agent (torchrun, c10d
+Three nodes (namespaces) x one rank, each node its own ``ds-adabatch-run`` agent (run here as
+``python -m ds_adabatch.launch``: torchrun, c10d
 rendezvous, ``--nnodes 1:3``) and its own snapshot folder (its "host memory"). A node kills itself (agent
 and worker, SIGKILL) a few milliseconds into a step chosen from a seed. Checked for every job:
 

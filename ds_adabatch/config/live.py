@@ -9,6 +9,8 @@ own ZeRO partition and a copy of one other rank's) and re-plan the same global b
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigProblem
@@ -31,12 +33,14 @@ class LiveElasticConfig(BaseModel):
             "ds_adabatch.initialize; elsewhere a lost node takes the restart path (one warning says why)."
         ),
     )
-    snapshot_every: int = Field(
-        1,
-        ge=1,
+    snapshot_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
         description=(
             "Take a host-memory snapshot every this many optimizer steps; a recovery rolls back to the "
-            "newest complete one and trains the steps after it again (at most snapshot_every steps)."
+            "newest complete one and trains the steps after it again (fewer than snapshot_every). "
+            "'auto': the first 3 steps of each world take one each and time it, then the smallest "
+            "interval at which snapshots cost at most 2% of the step time is used (agreed by all ranks: "
+            "the largest any rank needs)."
         ),
     )
     collective_timeout_s: float = Field(

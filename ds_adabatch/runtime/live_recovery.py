@@ -23,6 +23,8 @@ path) restore from the host-memory snapshots when every partition is still held,
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -161,6 +163,50 @@ def attach_live_recovery(
     recovery.start()
 
 
+class SnapshotCadence:
+    """When to snapshot: every ``every`` steps, or with ``"auto"`` the smallest interval at which
+    snapshots cost at most ``AUTO_BUDGET`` of the step time, measured over the first ``AUTO_PROBES``
+    steps of a world (each snapshotted) and agreed over ranks (the largest interval any rank needs), so
+    every rank snapshots the same steps."""
+
+    AUTO_PROBES = 3
+    AUTO_BUDGET = 0.02
+
+    def __init__(self, every: int | str) -> None:
+        self.every = every if isinstance(every, int) else None
+        self.last = 0
+        self._steps: list[float] = []
+        self._snaps: list[float] = []
+
+    def step_done(self, seconds: float) -> None:
+        if self.every is None:
+            self._steps.append(seconds)
+
+    def due(self, step: int) -> bool:
+        if self.every is None:
+            return True  # still measuring
+        return step - self.last >= self.every
+
+    def snapshot_taken(self, step: int, seconds: float, group: Any) -> None:
+        self.last = step
+        if self.every is not None:
+            return
+        self._snaps.append(seconds)
+        if len(self._steps) < self.AUTO_PROBES:
+            return
+        step_s = statistics.median(self._steps)
+        snap_s = statistics.median(self._snaps)
+        need = torch.tensor([max(1, math.ceil(snap_s / (self.AUTO_BUDGET * max(step_s, 1e-9))))])
+        torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=group)
+        self.every = int(need.item())
+        logger.info(
+            "live elasticity: a snapshot costs %.1f ms against a %.1f ms step: one every %d step(s)",
+            snap_s * 1e3,
+            step_s * 1e3,
+            self.every,
+        )
+
+
 def _remove_module_hooks(ds: Any) -> None:
     """DeepSpeed 0.19.8 puts a forward pre- and post-hook on the model (``_create_module_forward_*_hook``)
     that ``destroy()`` leaves: on the model, which outlives the engine, they would keep the failed engine
@@ -190,6 +236,7 @@ class LiveRecovery:
         self.restored_step: int | None = None
         self.snapshots: Snapshots | None = None
         self._group: Any = None
+        self._cadence = SnapshotCadence(live.snapshot_every)
         self._first_step_after: tuple[float, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------------------------------------
@@ -219,6 +266,7 @@ class LiveRecovery:
         return f"{self.world.incarnation[:12]}g{self.world.generation}"
 
     def _new_snapshots(self) -> None:
+        self._cadence = SnapshotCadence(self.cfg.snapshot_every)
         self._group = torch.distributed.new_group(
             ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
         )
@@ -235,7 +283,9 @@ class LiveRecovery:
     def snapshot_now(self) -> None:
         """Snapshot the engine's state now (after a step, a restore or a checkpoint load)."""
         self.engine.resolve_losses()
+        started = time.perf_counter()
         self.snapshots.take(self.engine.global_steps, self.engine.adabatch_state_dict())
+        self._cadence.snapshot_taken(self.engine.global_steps, time.perf_counter() - started, self._group)
 
     # ---------------------------------------------------------------------------------------------
     def run_step(self, step: Callable[[], Any]) -> Any:
@@ -243,11 +293,13 @@ class LiveRecovery:
         while True:
             failure = None
             try:
+                started = time.perf_counter()
                 loss = step()
                 # Resolved inside the step: a peer lost in that collective is caught here too.
                 self.engine.resolve_losses()
-                if self.engine.global_steps % self.cfg.snapshot_every == 0:
-                    self.snapshots.take(self.engine.global_steps, self.engine.adabatch_state_dict())
+                self._cadence.step_done(time.perf_counter() - started)
+                if self._cadence.due(self.engine.global_steps):
+                    self.snapshot_now()
             except RuntimeError as err:
                 if not is_peer_failure(err):
                     raise

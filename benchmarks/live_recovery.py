@@ -1,0 +1,171 @@
+"""Live elasticity against today's restart path, and what the snapshots cost (issue: live elasticity).
+
+    python benchmarks/live_recovery.py recovery [--runs 3]      # a node lost: live vs checkpoint restart
+    python benchmarks/live_recovery.py snapshots [--runs 3]     # steady steps: snapshots on vs off
+
+``recovery``: the job of tests/live_worker.py (ZeRO 2, Adam, a ramping global batch, a checkpoint every
+4 steps) on three "nodes" on this machine (one ``ds-adabatch-run`` agent each, c10d rendezvous over
+loopback, each node its own snapshot folder); node 2 kills itself (agent and worker, SIGKILL) 3 ms into
+step 6. ``live``: ``adabatch.live_elastic`` on; ``restart``: off, ``--max-restarts 1``, the survivors'
+agents restart the workers, which resume from the last complete checkpoint. Launches alternate
+(live, restart, live, ...). Reported per launch: kill -> first step completed on the smaller world,
+the live path's phases, and the optimizer steps trained again.
+
+``snapshots``: two nodes, no loss, 30 steps at a fixed global batch; the median step time (rank 0's
+ledger, steps 6-30) with snapshots every step, and with ``snapshot_every: "auto"``, against the same job
+with live elasticity off, per model size, launches alternating; plus the snapshot files' size per rank
+(host memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "live_worker.py"
+# The config's defaults (heartbeat every 0.2 s, lost after 1 s without one); the tests use more slack.
+DEFAULT_TIMING = {"LIVE_HEARTBEAT": "0.2", "LIVE_DEAD_AFTER": "1.0"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> str:
+    return f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores"
+
+
+def launch(out: Path, nodes: int, stage: int, env: dict, max_restarts: int) -> float:
+    """``nodes`` agents of the job on this machine; returns the wall time of the launch."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    port = _port()
+    conf = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+    procs = []
+    started = time.monotonic()
+    for k in range(nodes):
+        cmd = [sys.executable, "-m", "ds_adabatch.launch", "--exit-barrier-timeout", "3"]
+        cmd += ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", str(max_restarts)]
+        cmd += ["--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-id", out.name, "--rdzv-conf", f"{conf},is_host={'true' if k == 0 else 'false'}"]
+        cmd += [str(JOB), "run", str(out), str(stage)]
+        node_env = {
+            **os.environ,
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "DS_ADABATCH_SNAPSHOT_DIR": str(out / f"shm{k}"),
+            **env,
+        }
+        log = (out / f"node{k}.log").open("w")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+        time.sleep(0.3)
+    for p in procs:
+        p.wait(timeout=600)
+    return time.monotonic() - started
+
+
+def ledger(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines() if line.strip()]
+
+
+def recovery(runs: int, tmp: Path) -> None:
+    print(_load(), "before")
+    results: dict[str, list[dict]] = {"live": [], "restart": []}
+    for i in range(runs):
+        for mode in ("live", "restart"):
+            out = tmp / f"{mode}{i}"
+            env = {"LIVE_KILL": "2:6:3", "LIVE_LIVE": "1" if mode == "live" else "0", **DEFAULT_TIMING}
+            wall = launch(out, 3, 2, env, max_restarts=0 if mode == "live" else 1)
+            rows = ledger(out)
+            kill = float((out / "kill-time").read_text().split()[0])
+            first = next(r for r in rows if r["time"] > kill and r["world_size"] < 3)
+            steps = {r["step"] for r in rows}
+            result = {
+                "kill_to_first_step_s": first["time"] - kill,
+                "steps_redone": len(rows) - len(steps),
+                "launch_s": wall,
+            }
+            if mode == "live":
+                ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
+                event = next(e for e in ends if e["origin"] == 0)["events"][0]
+                result["phases"] = {k: round(v, 3) for k, v in event.items() if k.endswith("_s")}
+            results[mode].append(result)
+            print(mode, json.dumps(result), _load(), flush=True)
+    for mode, rs in results.items():
+        times = [r["kill_to_first_step_s"] for r in rs]
+        print(
+            f"{mode}: kill -> first step on 2 ranks {', '.join(f'{t:.2f}' for t in times)} s (median {statistics.median(times):.2f}); steps redone {[r['steps_redone'] for r in rs]}"
+        )
+    ratios = [
+        slow["kill_to_first_step_s"] / fast["kill_to_first_step_s"]
+        for fast, slow in zip(results["live"], results["restart"])
+    ]
+    print("restart / live per pair:", ", ".join(f"{x:.1f}x" for x in ratios))
+    print(_load(), "after")
+
+
+def snapshots(runs: int, tmp: Path) -> None:
+    print(_load(), "before")
+    for hidden in (1024, 3072):
+        params = 8 * hidden + hidden + hidden * hidden + hidden + hidden + 1
+        meds: dict[str, list[float]] = {"off": [], "1": [], "auto": []}
+        size, chosen = 0, []
+        for i in range(runs):
+            for mode in meds:
+                out = tmp / f"snap{hidden}{mode}{i}"
+                env = {
+                    "LIVE_LIVE": "0" if mode == "off" else "1",
+                    "LIVE_HIDDEN": str(hidden),
+                    "LIVE_FIXED": "12",
+                }
+                env.update(LIVE_SAMPLES=str(12 * 30), LIVE_SNAPSHOT_EVERY="1" if mode == "off" else mode)
+                launch(out, 2, 2, env, max_restarts=0)
+                rows = ledger(out)
+                gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])][5:]
+                meds[mode].append(statistics.median(gaps))
+                ends = [json.loads(f.read_text()) for f in out.glob("end-*.json")]
+                if mode == "1":
+                    size = max(e["snapshot_bytes"] for e in ends)
+                if mode == "auto":
+                    chosen.append(ends[0]["snapshot_every"])
+        base = statistics.median(meds["off"])
+        for mode in ("1", "auto"):
+            ratios = [a / b for a, b in zip(meds[mode], meds["off"])]
+            print(
+                f"{params / 1e6:.2f} M parameters, ZeRO 2, 2 nodes: step {base * 1e3:.0f} ms without snapshots; "
+                f"snapshot_every {mode}{f' (chose {chosen})' if mode == 'auto' else ''}: "
+                f"{', '.join(f'{r:.3f}' for r in ratios)}x per launch pair",
+                flush=True,
+            )
+        print(
+            f"  snapshot files per rank (own + buddy, 2 slots each): {size / 2**20:.1f} MiB; {_load()}",
+            flush=True,
+        )
+    print(_load(), "after")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["recovery", "snapshots"])
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="live_bench_") as tmp:
+        (recovery if args.what == "recovery" else snapshots)(args.runs, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
