@@ -2,6 +2,7 @@
 
     python benchmarks/live_recovery.py recovery [--runs 3]      # a node lost: live vs checkpoint restart
     python benchmarks/live_recovery.py snapshots [--runs 3]     # steady steps: snapshots on vs off
+    python benchmarks/live_recovery.py cost [--runs 3]          # one snapshot's cost, in one launch
 
 ``recovery``: the job of tests/live_worker.py (ZeRO 2, Adam, a ramping global batch, a checkpoint every
 4 steps) on three "nodes" on this machine (one ``ds-adabatch-run`` agent each, c10d rendezvous over
@@ -133,6 +134,7 @@ def snapshots(runs: int, tmp: Path) -> None:
                     "LIVE_FIXED": "12",
                 }
                 env.update(LIVE_SAMPLES=str(12 * 30), LIVE_SNAPSHOT_EVERY="1" if mode == "off" else mode)
+                env["LIVE_SAVE_EVERY"] = "0"
                 launch(out, 2, 2, env, max_restarts=0)
                 rows = ledger(out)
                 gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])][5:]
@@ -158,13 +160,50 @@ def snapshots(runs: int, tmp: Path) -> None:
     print(_load(), "after")
 
 
+def cost(runs: int, tmp: Path) -> None:
+    """In one launch, interleaved: snapshots every 3rd step; per triple, (step with the snapshot + the
+    step after it, which the buddy copy in flight may slow) - 2 x the third step = one snapshot's cost."""
+    print(_load(), "before")
+    for hidden in (1024, 3072):
+        params = 8 * hidden + hidden + hidden * hidden + hidden + hidden + 1
+        ratios, steps = [], []
+        for i in range(runs):
+            out = tmp / f"cost{hidden}_{i}"
+            env = {
+                "LIVE_HIDDEN": str(hidden),
+                "LIVE_FIXED": "12",
+                "LIVE_SAMPLES": str(12 * 42),
+                "LIVE_SNAPSHOT_EVERY": "3",
+            }
+            launch(out, 2, 2, env, max_restarts=0)
+            rows = ledger(out)
+            gap = {b["step"]: b["time"] - a["time"] for a, b in zip(rows, rows[1:])}
+            # Steps 3k are snapshotted (after the step, inside train_batch).
+            triples = [(gap[s], gap[s + 1], gap[s + 2]) for s in range(6, max(gap) - 2, 3) if s % 3 == 0]
+            per = [(g1 + g2 - 2 * g3) / g3 for g1, g2, g3 in triples]
+            ratios.append(statistics.median(per))
+            steps.append(statistics.median(g3 for _, _, g3 in triples))
+        out = tmp / f"auto{hidden}"
+        env.update(LIVE_SNAPSHOT_EVERY="auto")
+        launch(out, 2, 2, env, max_restarts=0)
+        chosen = sorted({json.loads(f.read_text())["snapshot_every"] for f in out.glob("end-*.json")})
+        print(
+            f"{params / 1e6:.2f} M parameters, ZeRO 2, 2 nodes: 'auto' chose every {chosen} step(s); clean step "
+            f"{statistics.median(steps) * 1e3:.0f} ms; one "
+            f"snapshot costs {', '.join(f'{r * 100:.1f}%' for r in ratios)} of a step per launch "
+            f"(every step: that much; every k steps: that / k); {_load()}",
+            flush=True,
+        )
+    print(_load(), "after")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["recovery", "snapshots"])
+    p.add_argument("what", choices=["recovery", "snapshots", "cost"])
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="live_bench_") as tmp:
-        (recovery if args.what == "recovery" else snapshots)(args.runs, Path(tmp))
+        {"recovery": recovery, "snapshots": snapshots, "cost": cost}[args.what](args.runs, Path(tmp))
 
 
 if __name__ == "__main__":

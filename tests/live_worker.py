@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ds_adabatch  # noqa: E402
+from runners.train_lm import ledger_line  # noqa: E402
 
 N = 480
 SAMPLES = int(os.environ.get("LIVE_SAMPLES", "360"))
@@ -144,6 +145,7 @@ def run(out: str, stage: int) -> None:
     path, _ = engine.load_checkpoint(ckpt)
     first_step = engine.global_steps
     kill = _kill_plan(out, origin, restart)
+    save_every = int(os.environ.get("LIVE_SAVE_EVERY", "4"))  # 0: never (the snapshot benchmarks)
     wait_for = os.environ.get("LIVE_WAIT_FOR", "")
     ledger = os.path.join(out, "ledger.jsonl")
     while engine.global_samples < SAMPLES:
@@ -160,22 +162,11 @@ def run(out: str, stage: int) -> None:
         except ds_adabatch.LiveRecoveryFailed as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             ds_adabatch.finish(exc.exit_code)
-        if engine.global_steps % 4 == 0:
+        if save_every and engine.global_steps % save_every == 0:
             engine.save_checkpoint(ckpt, keep_last=2)
         if engine.rank == 0:
-            row = {
-                "step": engine.global_steps,
-                "samples": engine.global_samples,
-                "world_size": engine.world_size,
-                "micro_batch_per_gpu": engine.plan.micro_batch_per_gpu,
-                "gradient_accumulation_steps": engine.plan.gradient_accumulation_steps,
-                "indices": engine.last_step_batch.global_batch.all_indices(),
-                "loss": loss,
-                "time": time.time(),
-                "pid": pid,
-                "restart": restart,
-                "live_events": len(engine.live_events),
-            }
+            # The main job's ledger line, and which process wrote it.
+            row = {**ledger_line(engine, loss), "pid": pid, "live_events": len(engine.live_events)}
             with open(ledger, "a") as f:
                 f.write(json.dumps(row) + "\n")
     events = engine.live_events

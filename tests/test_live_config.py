@@ -37,7 +37,7 @@ def _config(live: dict) -> dict:
 
 def test_defaults_are_off_and_bounded():
     live = ds_adabatch.load_ds_config(_config({})).adabatch.live_elastic
-    assert live.enabled is False and live.snapshot_every == 1
+    assert live.enabled is False and live.snapshot_every == "auto"
     assert live.agree_timeout == 2 * live.collective_timeout_s + 5 > live.collective_timeout_s
 
 

@@ -38,9 +38,10 @@ class LiveElasticConfig(BaseModel):
         description=(
             "Take a host-memory snapshot every this many optimizer steps; a recovery rolls back to the "
             "newest complete one and trains the steps after it again (fewer than snapshot_every). "
-            "'auto': the first 3 steps of each world take one each and time it, then the smallest "
-            "interval at which snapshots cost at most 2% of the step time is used (agreed by all ranks: "
-            "the largest any rank needs)."
+            "'auto': the first steps of each world snapshot every third step and time what a snapshot "
+            "adds (its own time and the slower step while its copy travels), then the smallest interval "
+            "at which snapshots cost at most 2% of the step time is used (agreed by all ranks: the "
+            "largest any rank needs)."
         ),
     )
     collective_timeout_s: float = Field(

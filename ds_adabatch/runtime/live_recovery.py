@@ -165,9 +165,13 @@ def attach_live_recovery(
 
 class SnapshotCadence:
     """When to snapshot: every ``every`` steps, or with ``"auto"`` the smallest interval at which
-    snapshots cost at most ``AUTO_BUDGET`` of the step time, measured over the first ``AUTO_PROBES``
-    steps of a world (each snapshotted) and agreed over ranks (the largest interval any rank needs), so
-    every rank snapshots the same steps."""
+    snapshots cost at most ``AUTO_BUDGET`` of the step time.
+
+    ``"auto"`` measures the first ``3 x AUTO_PROBES`` steps of a world with a snapshot every third
+    step: one snapshot costs its own time plus what the buddy copy in flight adds to the step after it
+    (that step's time minus the third, clean step's). Every rank then takes the largest interval any
+    rank needs (one all-reduce), so all ranks snapshot the same steps.
+    """
 
     AUTO_PROBES = 3
     AUTO_BUDGET = 0.02
@@ -175,33 +179,37 @@ class SnapshotCadence:
     def __init__(self, every: int | str) -> None:
         self.every = every if isinstance(every, int) else None
         self.last = 0
-        self._steps: list[float] = []
-        self._snaps: list[float] = []
+        self._since: list[float] = []  # step times since the last snapshot, while measuring
+        self._costs: list[float] = []
+        self._clean: list[float] = []
+        self._snap_s = 0.0
 
     def step_done(self, seconds: float) -> None:
         if self.every is None:
-            self._steps.append(seconds)
+            self._since.append(seconds)
 
     def due(self, step: int) -> bool:
-        if self.every is None:
-            return True  # still measuring
-        return step - self.last >= self.every
+        return step - self.last >= (self.every or 3)
 
     def snapshot_taken(self, step: int, seconds: float, group: Any) -> None:
         self.last = step
         if self.every is not None:
             return
-        self._snaps.append(seconds)
-        if len(self._steps) < self.AUTO_PROBES:
+        if len(self._since) == 3:  # the step with the last snapshot's copy in flight, then two clean ones
+            after, clean = self._since[0], statistics.median(self._since[1:])
+            self._costs.append(self._snap_s + max(0.0, after - clean))
+            self._clean.append(clean)
+        self._since = []
+        self._snap_s = seconds
+        if len(self._costs) < self.AUTO_PROBES:
             return
-        step_s = statistics.median(self._steps)
-        snap_s = statistics.median(self._snaps)
-        need = torch.tensor([max(1, math.ceil(snap_s / (self.AUTO_BUDGET * max(step_s, 1e-9))))])
+        cost, step_s = statistics.median(self._costs), statistics.median(self._clean)
+        need = torch.tensor([max(1, math.ceil(cost / (self.AUTO_BUDGET * max(step_s, 1e-9))))])
         torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=group)
         self.every = int(need.item())
         logger.info(
             "live elasticity: a snapshot costs %.1f ms against a %.1f ms step: one every %d step(s)",
-            snap_s * 1e3,
+            cost * 1e3,
             step_s * 1e3,
             self.every,
         )
