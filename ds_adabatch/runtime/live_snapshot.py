@@ -359,8 +359,6 @@ class Assembled:
     full: dict[str, dict[str, torch.Tensor]]
     """Per parameter name: ``{"fp32": weights, key: optimizer state, ...}``, full shapes."""
     meta: dict[str, Any]
-    partitions_from: dict[int, int]
-    """Partition -> the new rank that held it."""
 
 
 def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled:
@@ -393,10 +391,8 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled
     paths = {(f, p, s): path for f, p, s, _, path in mine}
     full: dict[str, dict[str, torch.Tensor]] = {}
     meta: dict[str, Any] | None = None
-    froms = {}
     for p in range(partitions):
         src = holders[(family, step, p)]
-        froms[p] = src
         box: list[Any] = [None]
         local = None
         if dist.get_rank() == src:
@@ -424,7 +420,7 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled
                 entry[key].view(-1)[start : start + k] = buf[off : off + k]
                 off += k
     assert meta is not None
-    return Assembled(step, family, full, meta, froms)
+    return Assembled(step, family, full, meta)
 
 
 def restore(ds_engine: Any, state: Assembled) -> None:
