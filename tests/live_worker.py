@@ -13,13 +13,16 @@ saves the final parameters to OUT/final.pt.
 
 ``LIVE_KILL=ORIGIN:STEP[:DELAY_MS]`` makes the process of first-world rank ORIGIN kill its node (its
 torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation, writing the time
-to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN`` kills that rank's node at the same moment (both buddies).
+to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN[,ORIGIN]`` kills those ranks (and their agents) at the same
+moment (both buddies; a node's second rank). ``LIVE_KILL_SIGNAL=STOP`` stops them instead (a hung node:
+its sockets stay open). ``LIVE_UNEVEN=1`` lets a global batch split unevenly (4 ranks).
 ``LIVE_WAIT_FOR=STEP:WORLD`` holds rank 0 before step STEP while the world is smaller than WORLD (until
 torchrun restarts the workers for a node that rejoins).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,6 +97,7 @@ def config(stage: int, live: bool = True) -> dict:
             "granularity": 6,
             "max_micro_batch_per_gpu": 4,
             "lr_schedule_unit": "samples",
+            "allow_uneven": os.environ.get("LIVE_UNEVEN") == "1",
             "data": {"shuffle": True, "seed": 5},
             "live_elastic": {
                 "enabled": live,
@@ -125,7 +129,7 @@ def _kill_plan(out: str, origin: int, restart: int) -> tuple[int, float] | None:
     if not spec or restart != 0 or os.path.exists(os.path.join(out, "kill-time")):
         return None
     parts = spec.split(":")
-    if int(parts[0]) != origin and os.environ.get("LIVE_KILL_ALSO") != str(origin):
+    if int(parts[0]) != origin and str(origin) not in os.environ.get("LIVE_KILL_ALSO", "").split(","):
         return None
     return int(parts[1]), float(parts[2]) / 1000 if len(parts) > 2 else 0.0
 
@@ -145,13 +149,14 @@ def run(out: str, stage: int) -> None:
     path, _ = engine.load_checkpoint(ckpt)
     first_step = engine.global_steps
     kill = _kill_plan(out, origin, restart)
+    agent = os.getppid()
     save_every = int(os.environ.get("LIVE_SAVE_EVERY", "4"))  # 0: never (the snapshot benchmarks)
     wait_for = os.environ.get("LIVE_WAIT_FOR", "")
     ledger = os.path.join(out, "ledger.jsonl")
     while engine.global_samples < SAMPLES:
         step = engine.global_steps + 1
         if kill is not None and step == kill[0]:
-            threading.Timer(kill[1], _kill_node, args=(out,)).start()
+            threading.Timer(kill[1], _kill_node, args=(out, agent)).start()
             kill = None
         if wait_for and engine.rank == 0:
             at, world = (int(x) for x in wait_for.split(":"))
@@ -242,12 +247,15 @@ def checks(out: str) -> None:
         _write(os.path.join(out, "checks.json"), result)
 
 
-def _kill_node(out: str) -> None:
-    """A node's loss: its torchrun agent and this worker, SIGKILL, no goodbye."""
+def _kill_node(out: str, agent: int) -> None:
+    """A node's loss: its torchrun agent and this worker, SIGKILL, no goodbye (or SIGSTOP: hung)."""
+    sig = signal.SIGSTOP if os.environ.get("LIVE_KILL_SIGNAL") == "STOP" else signal.SIGKILL
     with open(os.path.join(out, "kill-time"), "a") as f:
-        f.write(f"{time.time()}\n")
-    os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
+        f.write(f"{time.time()} {os.getpid()} {agent}\n")
+    if agent > 1:
+        with contextlib.suppress(ProcessLookupError):  # a node's other rank got there first
+            os.kill(agent, sig)
+    os.kill(os.getpid(), sig)
 
 
 def reference(out: str, stage: int) -> None:

@@ -1,10 +1,10 @@
 """Live elasticity on a network-namespace cluster: a lost node costs the survivors seconds, no sample and
 no restart (``adabatch.live_elastic``; tests/live_worker.py is the job).
 
-Three nodes (namespaces) x one rank, each node its own ``ds-adabatch-run`` agent (run here as
-``python -m ds_adabatch.launch``: torchrun, c10d
-rendezvous, ``--nnodes 1:3``) and its own snapshot folder (its "host memory"). A node kills itself (agent
-and worker, SIGKILL) a few milliseconds into a step chosen from a seed. Checked for every job:
+Three nodes (namespaces) x one or two ranks, each node its own ``ds-adabatch-run`` agent (run here as
+``python -m ds_adabatch.launch``: torchrun, c10d rendezvous, ``--nnodes 1:3``) and its own snapshot
+folder (its "host memory"). A node kills itself (agent and worker, SIGKILL; or SIGSTOP: hung) a few
+milliseconds into a step chosen from a seed. Checked for every job:
 
 - the survivors are the processes that started (no worker restarted), and they end on the smaller world;
 - the trajectory (the last record of every step) trains every sample of the run once, the samples of
@@ -12,19 +12,25 @@ and worker, SIGKILL) a few milliseconds into a step chosen from a seed. Checked 
   (fp32, 1e-5 relative): the rollback and the re-done steps lose and repeat nothing;
 - at most one step is trained again.
 
-Launch 1 runs three jobs side by side: ZeRO 0 and ZeRO 1 lose node 2; ZeRO 2 loses nodes 1 and 2 at
-once (node 2's partition and its only copy, on node 1), so the survivor takes the restart path and
-resumes from the last complete checkpoint, still exact. Launch 2: ZeRO 2 loses node 2, then node 2
-comes back: torchrun restarts every worker, they restore from the survivors' host memory (no
-checkpoint, no step redone) and finish on three ranks.
+Launch 1 runs four jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 0
+has node 2 hang (its sockets stay open: the watchdog must catch it, long before the collective
+timeout); ZeRO 2 loses nodes 1 and 2 at once (node 2's partition and its only copy, on node 1), so the
+survivor takes the restart path and resumes from the last complete checkpoint, still exact; ZeRO 1
+loses node 0, the store's host: the launch ends in seconds, and launched again on nodes 1 and 2 the
+job restores from their host memory. Launch 2: ZeRO 2 loses node 2, then node 2 comes back: torchrun
+restarts every worker, they restore from the survivors' host memory (no checkpoint, no step redone)
+and finish on three ranks.
 
 Needs root and iproute2's ``ip``; skipped with the reason otherwise (CI runs as root and installs ``ip``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -51,15 +57,18 @@ def kill_point(seed: int) -> str:
     return f"{step}:{rng.uniform(0, 8):.1f}"
 
 
-def launch_job(cluster, k: int, out: Path, stage: int, port: int, log: str, env: dict) -> subprocess.Popen:
-    """Node ``k``'s agent of the job writing to ``out``."""
+def launch_job(
+    cluster, k: int, out: Path, stage: int, port: int, log: str, env: dict, nproc: int = 1, host: int = 0
+) -> subprocess.Popen:
+    """Node ``k``'s agent of the job writing to ``out`` (``nproc`` ranks; node ``host`` hosts the
+    launcher's store)."""
     conf = "join_timeout=120,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3"
     launcher = ["-m", "ds_adabatch.launch", "--exit-barrier-timeout", "5"]
     launcher += [
         "--nnodes",
         "1:3",
         "--nproc-per-node",
-        "1",
+        str(nproc),
         "--max-restarts",
         "1",
         "--monitor-interval",
@@ -69,7 +78,7 @@ def launch_job(cluster, k: int, out: Path, stage: int, port: int, log: str, env:
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"{cluster.addr(0)}:{port}",
+        f"{cluster.addr(host)}:{port}",
         "--rdzv-id",
         out.name,
     ]
@@ -78,7 +87,7 @@ def launch_job(cluster, k: int, out: Path, stage: int, port: int, log: str, env:
         "--local-addr",
         cluster.addr(k),
         "--rdzv-conf",
-        f"{conf},is_host={'true' if k == 0 else 'false'}",
+        f"{conf},is_host={'true' if k == host else 'false'}",
     ]
     node_env = {"DS_ADABATCH_SNAPSHOT_DIR": str(out / f"shm{k}"), **env}
     return cluster.launch(k, launcher, ["run", str(out), str(stage)], out / log, env=node_env)
@@ -123,15 +132,15 @@ def kill_time(out: Path) -> float:
     return float((out / "kill-time").read_text().split()[0])
 
 
-def check_survived_in_place(out: Path, lost: int = 1) -> dict:
+def check_survived_in_place(out: Path, world: int = 3, lost: int = 1) -> dict:
     """Nobody restarted: the processes that ended are those that started, minus the lost node's."""
     started, ended = starts(out), ends(out)
-    assert len(started) == 3, f"a worker was restarted: {started}"
+    assert len(started) == world, f"a worker was restarted: {started}"
     assert {e["pid"] for e in ended} <= {s["pid"] for s in started}
-    assert sorted(e["origin"] for e in ended) == list(range(3 - lost))
+    assert sorted(e["origin"] for e in ended) == list(range(world - lost))
     for e in ended:
-        assert e["world_size"] == 3 - lost and e["live_elastic"] == "on"
-        assert len(e["events"]) == 1 and e["events"][0]["lost"] == list(range(3 - lost, 3))
+        assert e["world_size"] == world - lost and e["live_elastic"] == "on"
+        assert len(e["events"]) == 1 and e["events"][0]["lost"] == list(range(world - lost, world))
         assert e["events"][0]["steps_redone"] <= 1
         assert any(h.startswith("shrink: lost") for h in e["history"])
     return next(e for e in ended if e["origin"] == 0)["events"][0]
@@ -153,7 +162,7 @@ def reference(tmp_path_factory) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {
@@ -165,40 +174,106 @@ def reference(tmp_path_factory) -> dict:
     }
 
 
+# name: (ZeRO stage, rendezvous port, ranks per node, nodes, environment)
+JOBS = {
+    # Two nodes x two ranks: node 1 (ranks 2 and 3) lost; their copies are on node 0.
+    "z1x2": (1, 29712, 2, 2, {"LIVE_KILL": f"2:{kill_point(2)}", "LIVE_KILL_ALSO": "3", "LIVE_UNEVEN": "1"}),
+    "both": (2, 29713, 1, 3, {"LIVE_KILL": f"2:{kill_point(3)}", "LIVE_KILL_ALSO": "1"}),
+    # ZeRO 0, node 2 hangs (SIGSTOP: its sockets stay open, nothing resets): the watchdog catches it.
+    "hung": (0, 29714, 1, 3, {"LIVE_KILL": f"2:{kill_point(5)}", "LIVE_KILL_SIGNAL": "STOP"}),
+    # Node 0 (the store's host) lost: the job ends; nodes 1 and 2 launched again restore from their
+    # host memory (node 0's partition has its copy on node 2).
+    "store": (1, 29715, 1, 3, {"LIVE_KILL": f"0:{kill_point(6)}"}),
+}
+RELAUNCH_PORT = 29716
+
+
+def node_logs(out: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))
+
+
 @pytest.fixture(scope="module")
 def launch_one(cluster, tmp_path_factory) -> dict[str, Path]:
-    """ZeRO 0 and 1 lose node 2; ZeRO 2 loses nodes 1 and 2 together: three jobs side by side."""
-    jobs = {
-        "z0": (0, 29711, {"LIVE_KILL": f"2:{kill_point(1)}"}),
-        "z1": (1, 29712, {"LIVE_KILL": f"2:{kill_point(2)}"}),
-        "both": (2, 29713, {"LIVE_KILL": f"2:{kill_point(3)}", "LIVE_KILL_ALSO": "1"}),
-    }
-    outs, procs = {}, []
-    for name, (stage, port, env) in jobs.items():
+    """The jobs of JOBS side by side, one launch."""
+    outs: dict[str, Path] = {}
+    procs: dict[str, list[subprocess.Popen]] = {}
+    for name, (stage, port, nproc, nodes, env) in JOBS.items():
         out = outs[name] = tmp_path_factory.mktemp(f"live_{name}")
-        for k in range(3):
-            procs.append(launch_job(cluster, k, out, stage, port, f"node{k}.log", env))
+        procs[name] = []
+        for k in range(nodes):
+            procs[name].append(launch_job(cluster, k, out, stage, port, f"node{k}.log", env, nproc))
             time.sleep(0.3)
-    codes = wait_processes(procs, 420)
+    codes = {"store": wait_processes(procs["store"], 300)}
+    store = outs["store"]
+    (store / "ended").write_text(str(time.time()))
+    stage, _, _, _, env = JOBS["store"]
+    relaunch = [
+        launch_job(cluster, k, store, stage, RELAUNCH_PORT, f"relaunch{k}.log", env, host=1) for k in (1, 2)
+    ]
+    survivors = {name: p[:2] if name == "hung" else p for name, p in procs.items() if name != "store"}
+    for name, ps in survivors.items():
+        codes[name] = wait_processes(ps, 420)
+    codes["relaunch"] = wait_processes(relaunch, 300)
+    # The hung node's processes are still stopped: end them.
+    for p in procs["hung"][2:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
     for name, out in outs.items():
-        logs = "\n".join((out / f"node{k}.log").read_text()[-3000:] for k in range(3))
-        # Node 0 (the survivor, the store's host) ends 0; the killed agents end by SIGKILL.
-        assert codes[list(outs).index(name) * 3] == 0, f"{name}:\n{logs}"
+        (out / "codes.json").write_text(json.dumps(codes[name]))
+        if name != "store":
+            # Node 0 (the survivor, the store's host) ends 0; the killed agents end by SIGKILL.
+            assert codes[name][0] == 0, f"{name}:\n{node_logs(out)}"
+    assert codes["relaunch"] == [0, 0], node_logs(store)
     return outs
 
 
-@pytest.mark.parametrize("name,stage", [("z0", 0), ("z1", 1)])
-def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage):
+@pytest.mark.parametrize("name,stage,world,lost", [("z1x2", 1, 4, 2), ("hung", 0, 3, 1)])
+def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage, world, lost):
     out = launch_one[name]
-    event = check_survived_in_place(out)
+    event = check_survived_in_place(out, world, lost)
     rows = check_exact(out, reference, stage)
-    assert rows[-1]["world_size"] == 2 and rows[0]["world_size"] == 3
+    assert rows[-1]["world_size"] == world - lost and rows[0]["world_size"] == world
     assert len({r["pid"] for r in rows}) == 1, "rank 0 was restarted"
     first_after = next(r for r in rows if r["world_size"] == 2)
     print(
         f"ZeRO {stage}: loss in step {event['failed_step']}, first resumed step {first_after['time'] - kill_time(out):.2f} s "
         f"after the kill; phases {json.dumps({k: round(v, 3) for k, v in event.items() if k.endswith('_s')})}"
     )
+
+
+def test_hung_node_caught_by_the_watchdog_before_the_timeout(launch_one):
+    """A stopped node resets no connection: the survivors' watchdog (heartbeat silent for dead_after_s,
+    2 s here, in an overdue step) breaks the step's collectives well before the 20 s timeout."""
+    out = launch_one["hung"]
+    log = node_logs(out)
+    assert "live watchdog: process(es) [2] silent for 2 s" in log, log
+    rows = read_ledger(out / "ledger.jsonl")
+    first_after = next(r for r in rows if r["world_size"] == 2)
+    waited = first_after["time"] - kill_time(out)
+    assert waited < 15.0, f"first step on the survivors {waited:.1f} s after the node hung"
+    print(f"hung node: first resumed step {waited:.2f} s after SIGSTOP")
+
+
+def test_store_host_lost_ends_the_launch_and_a_relaunch_restores_from_memory(launch_one, reference):
+    """Node 0 hosts the launcher's store: without it torchrun's agents on the other nodes fail (they
+    say "The connection to the C10d store has failed") and stop their workers, in seconds, no hang.
+    Launched again on the two survivors (same --rdzv-id), the job restores the newest snapshot from
+    their host memory, not the checkpoint, and ends exact."""
+    out = launch_one["store"]
+    codes = json.loads((out / "codes.json").read_text())
+    assert codes[1] != 0 and codes[2] != 0, codes
+    for k in (1, 2):
+        assert "The connection to the C10d store has failed" in (out / f"node{k}.log").read_text()
+    ended = float((out / "ended").read_text()) - kill_time(out)
+    assert ended < 60, f"the launch ended {ended:.1f} s after the store's host was lost"
+    rows = check_exact(out, reference, 1)
+    relaunched = [e for e in ends(out)]
+    assert len(relaunched) == 2 and all(e["world_size"] == 2 for e in relaunched), relaunched
+    for e in relaunched:
+        assert str(e["resumed_from"]).startswith("<host memory: step"), e
+    assert rows[-1]["world_size"] == 2
+    print(f"store lost: the launch ended {ended:.1f} s after the kill; relaunch restored {relaunched[0]['resumed_from']}")
 
 
 def test_node_and_its_buddy_lost_take_the_restart_path(launch_one, reference):

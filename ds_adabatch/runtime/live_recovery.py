@@ -39,7 +39,6 @@ from .live_snapshot import (
     assemble,
     coverage_problem,
     prune_families,
-    remove_job_snapshots,
     restore,
     snapshot_root,
 )
@@ -285,6 +284,7 @@ class LiveRecovery:
             family=self._family(),
             group=self._group,
         )
+        self.world.publish_ports()
         self.snapshot_now()
         prune_families(self.root, self.world.job_id, keep=self._family())
 
@@ -300,30 +300,42 @@ class LiveRecovery:
         """Run one optimizer step; on a lost peer recover and run the step again on the new world."""
         while True:
             failure = None
+            self.world.step_began()
             try:
                 started = time.perf_counter()
                 loss = step()
                 # Resolved inside the step: a peer lost in that collective is caught here too.
                 self.engine.resolve_losses()
-                self._cadence.step_done(time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self._cadence.step_done(seconds)
                 if self._cadence.due(self.engine.global_steps):
                     self.snapshot_now()
+                self.world.step_ended(seconds)
             except RuntimeError as err:
+                self.world.step_ended(None)
                 if not is_peer_failure(err):
                     raise
+                # First of all: the peers blocked on this process fail now, not at their timeout.
+                self.world.break_connections()
                 failure = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                if self.world.broken_by_watchdog:
+                    failure = f"{self.world.broken_by_watchdog} ({failure})"
+                    self.world.broken_by_watchdog = None
             if failure is None:
                 self._after_first_step()
                 return loss
+            # The step in progress: this one, or the next where the snapshot exchange after it failed
+            # (the rollback then undoes this one too).
+            failed_step = self.engine.global_steps + 1
             # Outside the except block: the exception's frames no longer hold the failed engine.
             logger.warning(
                 "rank %d (process %d of the first world) lost a peer in step %d: %s",
                 self.world.rank,
                 self.world.origin,
-                self.engine.global_steps + 1,
+                failed_step,
                 failure,
             )
-            self._recover(failure, time.monotonic())
+            self._recover(failure, time.monotonic(), failed_step)
 
     def _after_first_step(self) -> None:
         if self._first_step_after is None:
@@ -338,9 +350,9 @@ class LiveRecovery:
                 event["first_step_s"],
             )
 
-    def _recover(self, failure: str, detected: float) -> None:
+    def _recover(self, failure: str, detected: float, failed_step: int) -> None:
         engine = self.engine
-        old_size, old_plan, failed_step = self.world.size, engine.plan, engine.global_steps + 1
+        old_size, old_plan = self.world.size, engine.plan
         phases: dict[str, float] = {}
         mark = time.monotonic()
 
@@ -357,9 +369,10 @@ class LiveRecovery:
                 )
             self._release_failed_world()
             phase("teardown_s")
+            # Every process alive (a transient network failure, a peer slower than the timeout): the
+            # same members form the next generation, and the job goes on from the snapshot as after a
+            # loss (max_shrinks bounds a failure that keeps coming back).
             members, lost = self.world.agree_on_survivors()
-            if not lost:
-                raise LiveRecoveryFailed(f"a collective failed but every process is alive ({failure})")
             self.world.form(members)
             phase("reform_s")
             state = assemble(self.root, self.world.job_id, self.shapes)
@@ -378,8 +391,9 @@ class LiveRecovery:
             self._fail(str(err), failure)
         self.shrinks += 1
         redo = failed_step - 1 - state.step
+        kind = "shrink" if lost else "reform"
         event = {
-            "kind": "shrink",
+            "kind": kind,
             "failed_step": failed_step,
             "rolled_back_to": state.step,
             "steps_redone": redo,
@@ -404,7 +418,11 @@ class LiveRecovery:
                 new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
                 world_size=plan.world_size,
                 lr_multiplier=engine.lr_coupling.multiplier,
-                reason=f"shrink: lost {lost} of {old_size} processes",
+                reason=(
+                    f"shrink: lost {lost} of {old_size} processes"
+                    if lost
+                    else f"reform: a collective failed with all {old_size} processes alive"
+                ),
             )
         )
         engine.__dict__["_next_record_extra"] = {
@@ -415,8 +433,9 @@ class LiveRecovery:
         }
         if engine.rank == 0:
             logger.warning(
-                "live shrink: lost process(es) %s in step %d (%s); %d -> %d ranks, rolled back to step %d "
+                "live %s: lost process(es) %s in step %d (%s); %d -> %d ranks, rolled back to step %d "
                 "(%d step(s) to train again), global batch %d = %d ranks x micro %d x GAS %d; %s",
+                kind,
                 lost,
                 failed_step,
                 failure,
@@ -480,9 +499,9 @@ class LiveRecovery:
 
     # ---------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """At the end of the job: stop the heartbeat, delete this node's snapshot files."""
+        """At the end of the job: stop the heartbeat, delete this rank's snapshot files."""
         if self.snapshots is not None:
             self.snapshots.finish_exchange(wait=True)
+            self.snapshots.remove_files()
             self.snapshots = None
         self.world.close()
-        remove_job_snapshots(self.root, self.world.job_id)

@@ -50,7 +50,6 @@ __all__ = [
     "assemble",
     "coverage_problem",
     "prune_families",
-    "remove_job_snapshots",
     "restore",
     "snapshot_root",
 ]
@@ -316,14 +315,17 @@ class Snapshots:
         self.group = None
 
 
-def remove_job_snapshots(root: str, job_id: str) -> None:
-    """Delete this launch's snapshot files on this node (at the end of the job)."""
-    folder = os.path.join(root, job_id)
-    for path in glob.glob(os.path.join(folder, "*")):
+    def remove_files(self) -> None:
+        """Delete this rank's snapshot files (its own slots and its buddy copies), and the job's folder
+        once the node's last rank has done so. Only its own: the node's other ranks may still be
+        writing theirs (a rank that ends first must not delete a slower one's last snapshot)."""
+        for slot in (*self._own.values(), *self._buddy.values()):
+            for path in (slot.path, slot.meta_path, slot.meta_path + ".tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        self._own, self._buddy = {}, {}
         with contextlib.suppress(OSError):
-            os.remove(path)
-    with contextlib.suppress(OSError):
-        os.rmdir(folder)
+            os.rmdir(self.folder)
 
 
 def prune_families(root: str, job_id: str, keep: str) -> None:

@@ -11,7 +11,18 @@ generation::
     <namespace>/live<n>/hb/<origin>   a counter each process adds to every heartbeat_period_s
     <namespace>/live<n>/gen<g>/join/<origin>, .../members   the agreement on generation g
 
+    <namespace>/live<n>/gen<g>/ports/<origin>   the TCP ports its gloo groups listen on
+
 (``n`` counts the live engines built in this process.)
+
+Detection. A lost node's peers usually see "Connection reset by peer" in the collective they were in;
+the first to see it cuts its own connections of the failed generation (:mod:`.live_sockets`), so every
+survivor blocked on *it* fails at once too. A node that goes silent without closing its sockets (power,
+network, a hung or stopped process) is caught by the watchdog in the heartbeat thread: once a step has
+run past ``max(dead_after_s, 2 x the typical step)``, it reads the members' heartbeat counters, and one
+that has not moved for ``dead_after_s`` breaks the generation's collectives (gloo: the cut; NCCL: the
+groups aborted), which sends every survivor to the agreement. The collective timeout bounds what
+neither catches.
 
 ``origin`` is a process's rank in generation 0; members are listed by origin. The agreement: every
 survivor writes its ``join`` key; a member that has not joined counts as lost once its heartbeat counter
@@ -35,10 +46,13 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from datetime import timedelta
+from typing import Any
 
 import torch
 
+from .live_sockets import cut_connections, listening_ports
 from .process_group import RestartSafeNamespace
 
 __all__ = ["LeftOut", "LiveWorld", "StoreLost", "teardown_process_groups"]
@@ -58,10 +72,13 @@ class StoreLost(RuntimeError):
 
 
 class _Heartbeat:
-    """A thread that adds 1 to ``key`` every ``period`` seconds, on a store client of its own."""
+    """A thread that adds 1 to ``key`` every ``period`` seconds, on a store client of its own, and then
+    calls ``watch(store)`` (the watchdog)."""
 
-    def __init__(self, namespace: RestartSafeNamespace, key: str, period: float) -> None:
-        self._namespace, self._key, self._period = namespace, key, period
+    def __init__(
+        self, namespace: RestartSafeNamespace, key: str, period: float, watch: Any = None
+    ) -> None:
+        self._namespace, self._key, self._period, self._watch = namespace, key, period, watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds_adabatch-heartbeat", daemon=True)
         self._thread.start()
@@ -75,6 +92,11 @@ class _Heartbeat:
             # A missed beat is harmless; the store's host may be lost (the agreement says so).
             with contextlib.suppress(Exception):
                 store.add(self._key, 1)
+            if self._watch is not None:
+                try:
+                    self._watch(store)
+                except Exception as err:  # noqa: BLE001 - the watchdog must never end the heartbeat
+                    logger.debug("live watchdog: %s", err)
             self._stop.wait(self._period)
 
     def stop(self) -> None:
@@ -120,7 +142,15 @@ class LiveWorld:
         self._live = f"{namespace.prefix}/live{_worlds_made}"
         self.job_id = self._job_id()
         self.incarnation = self._incarnation()
-        self._heartbeat = _Heartbeat(namespace, f"{self._live}/hb/{self.origin}", heartbeat_period)
+        # The watchdog's view (written by the main thread, read by the heartbeat thread).
+        self._step_began: float | None = None
+        self._step_times: deque[float] = deque(maxlen=8)
+        self._watched: dict[int, tuple[int, float]] = {}
+        self._ports: tuple[set[int], set[int]] = (set(), set())
+        self.broken_by_watchdog: str | None = None
+        self._heartbeat = _Heartbeat(
+            namespace, f"{self._live}/hb/{self.origin}", heartbeat_period, watch=self._watch
+        )
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -223,6 +253,75 @@ class LiveWorld:
         # Ranks as the launcher would have set them for this world (DeepSpeed reads RANK/WORLD_SIZE
         # in places, e.g. its logging and its accelerator's device selection).
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.size)
+
+    # ---------------------------------------------------------------------------------------------
+    def publish_ports(self) -> None:
+        """Tell the members which ports this process's groups listen on, and learn theirs (once the
+        generation's groups exist: every member calls this at the same point)."""
+        mine = listening_ports() - {self.namespace.port}
+        base = f"{self._live}/gen{self.generation}/ports"
+        self.store.set(f"{base}/{self.origin}", ",".join(map(str, sorted(mine))))
+        theirs: set[int] = set()
+        keys = [f"{base}/{r}" for r in self.members if r != self.origin]
+        if keys:
+            self.store.wait(keys, self.timeout)
+            for value in self.store.multi_get(keys):
+                theirs.update(int(x) for x in value.decode().split(",") if x)
+        self._ports = (theirs - {self.namespace.port}, mine)
+
+    def break_connections(self) -> int:
+        """Make every pending operation of this generation's groups fail now, here and in the peers
+        blocked on this process (gloo: cut the connections; NCCL: abort the groups). Returns the
+        number of connections cut."""
+        peer_ports, own_ports = self._ports
+        cut = cut_connections(peer_ports, own_ports)
+        if self.backend == "nccl" and torch.distributed.is_initialized():
+            with contextlib.suppress(Exception):
+                torch.distributed.distributed_c10d._abort_process_group()
+        return cut
+
+    def step_began(self) -> None:
+        self._watched = {}
+        self._step_began = time.monotonic()
+
+    def step_ended(self, seconds: float | None) -> None:
+        self._step_began = None
+        if seconds is not None:
+            self._step_times.append(seconds)
+
+    def _watch(self, store: Any) -> None:
+        """The watchdog (heartbeat thread): in an overdue step, a member silent for ``dead_after_s``
+        breaks this generation's collectives."""
+        began = self._step_began
+        if began is None:
+            return
+        now = time.monotonic()
+        typical = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else 0.0
+        if now - began < max(self.dead_after, 2 * typical):
+            return
+        others = [r for r in self.members if r != self.origin]
+        counts = store.multi_get([f"{self._live}/hb/{r}" for r in others])
+        silent = []
+        for r, raw in zip(others, counts, strict=True):
+            count = int(raw.decode() or 0)
+            seen = self._watched.get(r)
+            if seen is None or seen[0] != count:
+                self._watched[r] = (count, now)
+            elif now - seen[1] >= self.dead_after:
+                silent.append(r)
+        if silent and self._step_began == began:
+            self._step_began = None
+            self.broken_by_watchdog = (
+                f"process(es) {silent} silent for {self.dead_after:g} s (adabatch.live_elastic.dead_after_s) "
+                f"in a step running {now - began:.1f} s"
+            )
+            cut = self.break_connections()
+            logger.warning(
+                "live watchdog: %s: breaking generation %d's collectives (%d connection(s) cut)",
+                self.broken_by_watchdog,
+                self.generation,
+                cut,
+            )
 
     def close(self) -> None:
         self._heartbeat.stop()
