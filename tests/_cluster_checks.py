@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 2400  # the whole run: about 40 steps of a batch ramping 8 -> 64 over 256 samples
 SMALL_MODEL = ["--layers", "1", "--width", "64", "--context", "32", "--max-bytes", "200000"]
@@ -168,3 +170,53 @@ def wait_processes(procs: list[subprocess.Popen], timeout: float) -> list[int]:
             os.killpg(p.pid, signal.SIGKILL)
             codes.append(p.wait())
     return codes
+
+
+def trajectory(rows: list[dict]) -> list[dict]:
+    """The steps that count: the last record of each step (a step trained again replaces its record)."""
+    last: dict[int, dict] = {}
+    for row in rows:
+        last[row["step"]] = row
+    return [last[s] for s in sorted(last)]
+
+
+def load_reference(folder: Path, stages) -> dict:
+    """What ``live_worker.py reference`` wrote: per stage, the rows of each step and the final parameters."""
+    return {
+        s: {
+            "rows": json.loads((folder / f"reference-z{s}.json").read_text()),
+            "params": torch.load(folder / f"reference-z{s}.pt"),
+        }
+        for s in stages
+    }
+
+
+def check_exact(out: Path, reference: dict, stage: int) -> list[dict]:
+    """A live job's ledger and final parameters against the uninterrupted reference: the same samples
+    in every step, each once, parameters within 1e-5 relative; returns the ledger's rows."""
+    rows = read_ledger(out / "ledger.jsonl")
+    final = trajectory(rows)
+    ref_rows = reference[stage]["rows"]
+    assert [r["step"] for r in final] == [r["step"] for r in ref_rows]
+    for got, want in zip(final, ref_rows):
+        assert got["indices"] == want["indices"], f"step {got['step']}: other samples than the reference"
+    seen = [i for r in final for i in r["indices"]]
+    assert len(seen) == len(set(seen)) == final[-1]["samples"], "a sample lost or trained twice"
+    got = torch.load(out / "final.pt")
+    want = reference[stage]["params"]
+    rel = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
+    assert rel <= 1e-5, f"final parameters {rel:.2e} from the uninterrupted run"
+    print(
+        f"{out.name}: final parameters {rel:.1e} from the reference; {len(rows) - len(final)} step(s) redone"
+    )
+    return rows
+
+
+def ends(out: Path) -> list[dict]:
+    """What each live worker wrote when it ended (end-<pid>.json)."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("end-*.json"))]
+
+
+def starts(out: Path) -> list[dict]:
+    """What each live worker wrote when it started (start-<pid>.json)."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("start-*.json"))]

@@ -15,7 +15,9 @@ saves the final parameters to OUT/final.pt.
 torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation, writing the time
 to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN[,ORIGIN]`` kills those ranks (and their agents) at the same
 moment (both buddies; a node's second rank). ``LIVE_KILL_SIGNAL=STOP`` stops them instead (a hung node:
-its sockets stay open). ``LIVE_UNEVEN=1`` lets a global batch split unevenly (4 ranks).
+its sockets stay open). ``LIVE_KILL_WHAT=worker`` kills the worker alone (a crash on a healthy node:
+torchrun restarts the workers). ``LIVE_UNEVEN=1`` lets a global batch split unevenly (4 ranks);
+``LIVE_BF16=1`` trains in bf16.
 ``LIVE_WAIT_FOR=STEP:WORLD`` holds rank 0 before step STEP while the world is smaller than WORLD (until
 torchrun restarts the workers for a node that rejoins).
 """
@@ -68,7 +70,9 @@ def make_model() -> torch.nn.Module:
 
 def mse(engine, batch):
     x, y = batch
-    return ((engine(x) - y) ** 2).mean()
+    if os.environ.get("LIVE_BF16") == "1":
+        x = x.to(torch.bfloat16)  # the model's dtype under bf16; the loss in fp32
+    return ((engine(x).float() - y) ** 2).mean()
 
 
 def config(stage: int, live: bool = True) -> dict:
@@ -79,7 +83,11 @@ def config(stage: int, live: bool = True) -> dict:
         else {"type": "linear", "start": 6, "end": 24, "ramp_samples": 120}
     )
     return {
-        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        # LIVE_TORCH_ADAM=1: torch's Adam (on a GPU, no FusedAdam build: tests/gpu_live_check.py).
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": 0.01, **({"torch_adam": True} if os.environ.get("LIVE_TORCH_ADAM") else {})},
+        },
         "scheduler": {
             "type": "WarmupLR",
             "params": {
@@ -90,6 +98,7 @@ def config(stage: int, live: bool = True) -> dict:
             },
         },
         "gradient_clipping": 0.0,
+        "bf16": {"enabled": os.environ.get("LIVE_BF16") == "1"},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**6,
         "adabatch": {
@@ -252,7 +261,7 @@ def _kill_node(out: str, agent: int) -> None:
     sig = signal.SIGSTOP if os.environ.get("LIVE_KILL_SIGNAL") == "STOP" else signal.SIGKILL
     with open(os.path.join(out, "kill-time"), "a") as f:
         f.write(f"{time.time()} {os.getpid()} {agent}\n")
-    if agent > 1:
+    if agent > 1 and os.environ.get("LIVE_KILL_WHAT") != "worker":
         with contextlib.suppress(ProcessLookupError):  # a node's other rank got there first
             os.kill(agent, sig)
     os.kill(os.getpid(), sig)

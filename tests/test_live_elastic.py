@@ -37,8 +37,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from _cluster_checks import netns_cluster, read_ledger, wait_processes, why_no_netns
+from _cluster_checks import (
+    check_exact,
+    ends,
+    load_reference,
+    netns_cluster,
+    read_ledger,
+    starts,
+    trajectory,
+    wait_processes,
+    why_no_netns,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "live_worker.py"
@@ -93,41 +102,6 @@ def launch_job(
     return cluster.launch(k, launcher, ["run", str(out), str(stage)], out / log, env=node_env)
 
 
-def trajectory(rows: list[dict]) -> list[dict]:
-    """The steps that count: the last record of each step (a step trained again replaces its record)."""
-    last: dict[int, dict] = {}
-    for row in rows:
-        last[row["step"]] = row
-    return [last[s] for s in sorted(last)]
-
-
-def check_exact(out: Path, reference: dict, stage: int) -> list[dict]:
-    rows = read_ledger(out / "ledger.jsonl")
-    final = trajectory(rows)
-    ref_rows = reference[stage]["rows"]
-    assert [r["step"] for r in final] == [r["step"] for r in ref_rows]
-    for got, want in zip(final, ref_rows):
-        assert got["indices"] == want["indices"], f"step {got['step']}: other samples than the reference"
-    seen = [i for r in final for i in r["indices"]]
-    assert len(seen) == len(set(seen)) == final[-1]["samples"], "a sample lost or trained twice"
-    got = torch.load(out / "final.pt")
-    want = reference[stage]["params"]
-    rel = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
-    assert rel <= 1e-5, f"final parameters {rel:.2e} from the uninterrupted run"
-    print(
-        f"{out.name}: final parameters {rel:.1e} from the reference; {len(rows) - len(final)} step(s) redone"
-    )
-    return rows
-
-
-def ends(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("end-*.json"))]
-
-
-def starts(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("start-*.json"))]
-
-
 def kill_time(out: Path) -> float:
     return float((out / "kill-time").read_text().split()[0])
 
@@ -165,13 +139,7 @@ def reference(tmp_path_factory) -> dict:
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return {
-        s: {
-            "rows": json.loads((out / f"reference-z{s}.json").read_text()),
-            "params": torch.load(out / f"reference-z{s}.pt"),
-        }
-        for s in (0, 1, 2)
-    }
+    return load_reference(out, (0, 1, 2))
 
 
 # name: (ZeRO stage, rendezvous port, ranks per node, nodes, environment)
@@ -273,7 +241,9 @@ def test_store_host_lost_ends_the_launch_and_a_relaunch_restores_from_memory(lau
     for e in relaunched:
         assert str(e["resumed_from"]).startswith("<host memory: step"), e
     assert rows[-1]["world_size"] == 2
-    print(f"store lost: the launch ended {ended:.1f} s after the kill; relaunch restored {relaunched[0]['resumed_from']}")
+    print(
+        f"store lost: the launch ended {ended:.1f} s after the kill; relaunch restored {relaunched[0]['resumed_from']}"
+    )
 
 
 def test_node_and_its_buddy_lost_take_the_restart_path(launch_one, reference):

@@ -314,7 +314,6 @@ class Snapshots:
         self.units = []
         self.group = None
 
-
     def remove_files(self) -> None:
         """Delete this rank's snapshot files (its own slots and its buddy copies), and the job's folder
         once the node's last rank has done so. Only its own: the node's other ranks may still be

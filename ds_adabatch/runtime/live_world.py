@@ -75,9 +75,7 @@ class _Heartbeat:
     """A thread that adds 1 to ``key`` every ``period`` seconds, on a store client of its own, and then
     calls ``watch(store)`` (the watchdog)."""
 
-    def __init__(
-        self, namespace: RestartSafeNamespace, key: str, period: float, watch: Any = None
-    ) -> None:
+    def __init__(self, namespace: RestartSafeNamespace, key: str, period: float, watch: Any = None) -> None:
         self._namespace, self._key, self._period, self._watch = namespace, key, period, watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds_adabatch-heartbeat", daemon=True)
