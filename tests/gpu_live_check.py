@@ -4,7 +4,7 @@
 
 1. Whether NCCL forms a group of two ranks on one GPU (it refuses: "Duplicate GPU detected"), which
    decides whether a lost *peer* can be tested with NCCL on one GPU at all.
-2. A worker crash on a healthy node under torchrun (``--max-restarts 1``), ZeRO 1 and 2 in fp32 and
+2. A worker crash on a healthy node under torchrun (``--max-restarts 1``), ZeRO 0, 1 and 2 in fp32 and
    ZeRO 2 in bf16, on the GPU with the NCCL backend: the restarted worker restores the newest snapshot
    from host memory (GPU -> host -> GPU), not a checkpoint, and the run ends exact against an
    uninterrupted run of the same job on the same world (same samples in every step, each once; final
@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 from _cluster_checks import check_exact, ends, read_ledger, starts  # noqa: E402
 
 JOB = HERE / "live_worker.py"
-CASES = [("z1", 1, False), ("z2", 2, False), ("z2_bf16", 2, True)]
+CASES = [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2_bf16", 2, True)]
 
 
 def _nccl_rank(rank: int, port: int, queue) -> None:

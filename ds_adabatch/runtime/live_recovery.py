@@ -251,8 +251,9 @@ class LiveRecovery:
         """At engine build: restore from host memory where a restarted incarnation finds a whole
         snapshot of this launch (a node joined, or the restart path), then take the first snapshot."""
         started = time.monotonic()
+        self._group = self._host_group()
         try:
-            state = assemble(self.root, self.world.job_id, self.shapes)
+            state = assemble(self.root, self.world.job_id, self.shapes, self._group)
         except NoCompleteSnapshot:
             state = None
         if state is not None:
@@ -272,11 +273,16 @@ class LiveRecovery:
     def _family(self) -> str:
         return f"{self.world.incarnation[:12]}g{self.world.generation}"
 
-    def _new_snapshots(self) -> None:
-        self._cadence = SnapshotCadence(self.cfg.snapshot_every)
-        self._group = torch.distributed.new_group(
+    def _host_group(self) -> Any:
+        """A gloo group of the whole world for what moves host memory (the assembly, the buddy copies,
+        the cadence's agreement), whatever the backend of the default group."""
+        return torch.distributed.new_group(
             ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
         )
+
+    def _new_snapshots(self) -> None:
+        """Snapshots of this world (after :meth:`_host_group`), the first one taken now."""
+        self._cadence = SnapshotCadence(self.cfg.snapshot_every)
         self.snapshots = Snapshots(
             self.engine.deepspeed,
             root=self.root,
@@ -374,8 +380,9 @@ class LiveRecovery:
             # loss (max_shrinks bounds a failure that keeps coming back).
             members, lost = self.world.agree_on_survivors()
             self.world.form(members)
+            self._group = self._host_group()
             phase("reform_s")
-            state = assemble(self.root, self.world.job_id, self.shapes)
+            state = assemble(self.root, self.world.job_id, self.shapes, self._group)
             phase("assemble_s")
             new = self.rebuild()
             engine.__dict__.clear()

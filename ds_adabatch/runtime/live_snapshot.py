@@ -252,14 +252,16 @@ class Snapshots:
         index = step % 2
         own = self._slot(self._own, index, self.partition, width * self.numel)
         _drop_meta(own)
-        blocks = []
+        offset = 0
         for key in (_WEIGHTS, *keys):
             for unit in self.units:
                 src = unit.hp if key == _WEIGHTS else unit.optimizer.state[unit.hp][key]
                 src = src.detach().view(-1)
-                blocks += [src.narrow(0, pc.hp_start, pc.numel) for pc in unit.pieces]
-        if blocks:
-            torch.cat([b.float() for b in blocks], out=own.data[: width * self.numel])
+                for pc in unit.pieces:
+                    # Straight into host memory (from a GPU: one device-to-host copy per piece, no
+                    # staging buffer on the device).
+                    own.data[offset : offset + pc.numel].copy_(src.narrow(0, pc.hp_start, pc.numel))
+                    offset += pc.numel
         opt_step, step_is_tensor = _optimizer_step(self.units)
         common = {
             "job": self.job_id,
@@ -362,15 +364,16 @@ class Assembled:
     meta: dict[str, Any]
 
 
-def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled:
-    """On the new world (call on every rank): agree on the newest complete snapshot and rebuild it.
+def assemble(root: str, job_id: str, shapes: dict[str, torch.Size], group: Any) -> Assembled:
+    """On the new world (call on every rank): agree on the newest complete snapshot and rebuild it, in
+    host memory, over ``group`` (a gloo group of the whole world: NCCL moves no host tensors).
 
     Raises :class:`NoCompleteSnapshot` when no step of one world has every partition held by a rank.
     """
     dist = torch.distributed
     mine = _inventory(root, job_id)
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, [(f, p, s, n) for f, p, s, n, _ in mine])
+    dist.all_gather_object(views, [(f, p, s, n) for f, p, s, n, _ in mine], group=group)
     holders: dict[tuple[str, int, int], int] = {}
     totals: dict[tuple[str, int], int] = {}
     for rank, view in enumerate(views):
@@ -404,12 +407,12 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size]) -> Assembled
             local = torch.from_file(
                 meta_path[: -len(".meta")] + ".bin", shared=False, size=max(numel, 1), dtype=torch.float32
             )
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=group)
         pmeta = box[0]
         width = 1 + len(pmeta["keys"])
         n = sum(k for _, _, k in pmeta["layout"])
         buf = local[: width * n].clone() if local is not None else torch.empty(width * n)
-        dist.broadcast(buf, src=src)
+        dist.broadcast(buf, src=src, group=group)
         if meta is None:
             meta = pmeta
         for ki, key in enumerate((_WEIGHTS, *pmeta["keys"])):
@@ -438,7 +441,7 @@ def restore(ds_engine: Any, state: Assembled) -> None:
     if stage == 0:
         if keys:
             for p, name in names.items():
-                entry = {k: state.full[name][k].clone() for k in keys}
+                entry = {k: state.full[name][k].to(p.device, copy=True) for k in keys}
                 # Every parameter gets the real count (FusedAdam reads the last one's).
                 entry["step"] = step_value.clone() if torch.is_tensor(step_value) else step_value
                 base.state[p] = entry
@@ -455,7 +458,10 @@ def restore(ds_engine: Any, state: Assembled) -> None:
                 a = m.lp_fragment_address
                 entry = state.full[names[lp]]
                 m.hp_fragment.data.copy_(entry[_WEIGHTS].view(-1).narrow(0, a.start, a.numel))
-                m.optim_fragment = {k: entry[k].view(-1).narrow(0, a.start, a.numel).clone() for k in keys}
+                device = m.hp_fragment.device
+                m.optim_fragment = {
+                    k: entry[k].view(-1).narrow(0, a.start, a.numel).to(device, copy=True) for k in keys
+                }
             if keys:
                 base.state[hp]["step"] = step_value
                 # As DeepSpeed's universal-checkpoint loader does (base_optimizer.py,
