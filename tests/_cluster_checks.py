@@ -8,6 +8,7 @@ containers): the job, the config and every check on the ledger are the same for 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -157,6 +158,12 @@ def netns_cluster(nodes: int, job: Path, tag: str = ""):
         yield Cluster(name, subnet, nodes, job)
     finally:
         subprocess.run(["bash", str(script), "down", name], capture_output=True, timeout=60)
+        # DeepSpeed's CPU communication op keeps a 66 MB buffer per process in /dev/shm, named after
+        # the master address, and only a clean exit unlinks it: the workers these tests kill leave
+        # theirs behind.
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{subnet}.*"):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
 
 
 def wait_processes(procs: list[subprocess.Popen], timeout: float) -> list[int]:

@@ -12,12 +12,13 @@ milliseconds into a step chosen from a seed. Checked for every job:
   (fp32, 1e-5 relative): the rollback and the re-done steps lose and repeat nothing;
 - at most one step is trained again.
 
-Launch 1 runs four jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 0
+Launch 1 runs five jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 0
 has node 2 hang (its sockets stay open: the watchdog must catch it, long before the collective
 timeout); ZeRO 2 loses nodes 1 and 2 at once (node 2's partition and its only copy, on node 1), so the
 survivor takes the restart path and resumes from the last complete checkpoint, still exact; ZeRO 1
 loses node 0, the store's host: the launch ends in seconds, and launched again on nodes 1 and 2 the
-job restores from their host memory. Launch 2: ZeRO 2 loses node 2, then node 2 comes back: torchrun
+job restores from their host memory; on one node x two ranks, ZeRO 2, a worker crashes: torchrun
+restarts both, and they restore from the node's host memory. Launch 2: ZeRO 2 loses node 2, then node 2 comes back: torchrun
 restarts every worker, they restore from the survivors' host memory (no checkpoint, no step redone)
 and finish on three ranks.
 
@@ -152,6 +153,9 @@ JOBS = {
     # Node 0 (the store's host) lost: the job ends; nodes 1 and 2 launched again restore from their
     # host memory (node 0's partition has its copy on node 2).
     "store": (1, 29715, 1, 3, {"LIVE_KILL": f"0:{kill_point(6)}"}),
+    # One node x two ranks, ZeRO 2: rank 1's worker crashes (its node is healthy): torchrun restarts
+    # both workers, which restore from the node's host memory.
+    "crash": (2, 29717, 2, 1, {"LIVE_KILL": f"1:{kill_point(7)}", "LIVE_KILL_WHAT": "worker"}),
 }
 RELAUNCH_PORT = 29716
 
@@ -244,6 +248,15 @@ def test_store_host_lost_ends_the_launch_and_a_relaunch_restores_from_memory(lau
     print(
         f"store lost: the launch ended {ended:.1f} s after the kill; relaunch restored {relaunched[0]['resumed_from']}"
     )
+
+
+def test_worker_crash_on_a_healthy_node_restores_from_host_memory(launch_one, reference):
+    out = launch_one["crash"]
+    assert sorted(s["restart"] for s in starts(out)) == [0, 0, 1, 1], starts(out)
+    for end in ends(out):
+        assert str(end["resumed_from"]).startswith("<host memory: step"), end
+    rows = check_exact(out, reference, 2)
+    assert len(rows) - len(trajectory(rows)) <= 1
 
 
 def test_node_and_its_buddy_lost_take_the_restart_path(launch_one, reference):

@@ -63,7 +63,9 @@ class LiveElasticConfig(BaseModel):
         gt=0,
         description=(
             "A process whose heartbeat has not moved for this long, in seconds, counts as lost when "
-            "the survivors agree on the new world (at least 3 x heartbeat_period_s)."
+            "the survivors agree on the new world, and the watchdog breaks a step that has run past "
+            "max(dead_after_s, 2 x the typical step) while a member is that silent (a hung node). At "
+            "least 3 x heartbeat_period_s."
         ),
     )
     agree_timeout_s: float | None = Field(
