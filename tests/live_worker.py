@@ -246,14 +246,39 @@ def checks(out: str) -> None:
         torch.distributed.barrier()  # every rank's last snapshot is written
         folder = os.path.join(os.environ["DS_ADABATCH_SNAPSHOT_DIR"], os.environ["TORCHELASTIC_RUN_ID"])
         files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        torch.distributed.barrier()  # every rank has listed them
         engine.close()
+        torch.distributed.barrier()  # every rank has deleted its own files
         result[name] = {
             "live_elastic": engine.live_elastic,
             "files": files,
             "files_after_close": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
         }
+    result["reform"] = _transient_fault()
     if torch.distributed.get_rank() == 0:
         _write(os.path.join(out, "checks.json"), result)
+
+
+def _transient_fault(steps: int = 8) -> dict:
+    """A collective fails with every process alive (rank 1 cuts its own connections a few ms into step
+    4): the same two ranks re-form and go on; the result against the same job run without the fault."""
+    engine, *_ = ds_adabatch.initialize(make_model(), config(1), Regression(), loss_fn=mse)
+    for step in range(1, steps + 1):
+        if step == 4 and engine.rank == 1:
+            threading.Timer(0.002, engine.__dict__["_live"].world.break_connections).start()
+        engine.train_batch()
+    while engine.global_steps < steps:  # a step the recovery rolled back
+        engine.train_batch()
+    got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    events = [{k: e[k] for k in ("kind", "lost", "world_size", "steps_redone")} for e in engine.live_events]
+    history = [h.reason for h in engine.history]
+    engine.close()
+    plain, *_ = ds_adabatch.initialize(make_model(), config(1, live=False), Regression(), loss_fn=mse)
+    for _ in range(steps):
+        plain.train_batch()
+    rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in plain.module.named_parameters())
+    plain.close()
+    return {"events": events, "history": history, "relative_difference": rel}
 
 
 def _kill_node(out: str, agent: int) -> None:

@@ -113,7 +113,8 @@ def test_launcher_runs_a_job_and_sets_its_store(tmp_path):
 @pytest.mark.multirank
 def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
     """ZeRO 3 and an optimizer instance are refused (the restart path, said once); ZeRO 1 is covered and
-    its snapshots live in the node's folder until the engine is closed."""
+    its snapshots live in the node's folder until the engine is closed; a transient fault (a collective
+    fails, nobody lost) re-forms the same world."""
     monkeypatch.setenv("DS_ADABATCH_SNAPSHOT_DIR", str(tmp_path / "shm"))
     proc = torchrun(WORKER, "checks", str(tmp_path), "0", nproc=2, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -130,3 +131,11 @@ def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
         and len([f for f in files if f.endswith(".meta")]) == 4
     )
     assert got["zero1"]["files_after_close"] == []
+    # A collective failed with both processes alive: they re-formed the same world and went on, exact.
+    reform = got["reform"]
+    assert [e["kind"] for e in reform["events"]] == ["reform"], reform
+    assert reform["events"][0]["lost"] == [] and reform["events"][0]["world_size"] == 2
+    assert any(
+        h.startswith("reform: a collective failed with all 2 processes alive") for h in reform["history"]
+    )
+    assert reform["relative_difference"] <= 1e-6, reform
