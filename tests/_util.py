@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -19,9 +25,10 @@ def free_port() -> int:
 
 
 def torchrun(
-    script: Path, *args: str, nproc: int = 2, cwd: Path, timeout: float
+    script: Path, *args: str, nproc: int = 2, cwd: Path, timeout: float, launcher_args: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m torch.distributed.run`` of ``script`` on ``nproc`` CPU ranks (gloo, one thread each).
+    """``python -m torch.distributed.run`` of ``script`` on ``nproc`` CPU ranks (gloo, one thread each);
+    ``launcher_args`` go to torchrun (``--max-restarts=1``, say).
 
     The free port can be taken by another process before torchrun binds it: that launch is retried once
     on a new port. Returns the finished process (stdout and stderr captured as text).
@@ -33,7 +40,7 @@ def torchrun(
 
     def launch() -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-        cmd += [f"--master-port={free_port()}", str(script), *args]
+        cmd += [f"--master-port={free_port()}", *launcher_args, str(script), *args]
         return run_killing_group(cmd, cwd=cwd, env=env, timeout=timeout)
 
     proc = launch()
@@ -42,13 +49,28 @@ def torchrun(
     return proc
 
 
+# The launches run_killing_group has in flight, and whether an interrupted side_by_side called them off.
+_IN_FLIGHT: set[subprocess.Popen] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+_CANCELLED = threading.Event()
+
+
+class LaunchesCancelled(RuntimeError):
+    """A launch that an interrupted :func:`side_by_side` called off (killed, or never started)."""
+
+
 def run_killing_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on timeout every
     process of it (a launcher's workers included) is killed before ``TimeoutExpired`` is raised, so a
-    hung launch leaves no workers behind to hold ports and cores for the tests after it."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
-    )
+    hung launch leaves no workers behind to hold ports and cores for the tests after it. Inside the lanes
+    of an interrupted :func:`side_by_side`, it raises :class:`LaunchesCancelled` instead."""
+    with _IN_FLIGHT_LOCK:
+        if _CANCELLED.is_set():
+            raise LaunchesCancelled(f"not started (side_by_side was interrupted): {cmd}")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+        )
+        _IN_FLIGHT.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -59,6 +81,10 @@ def run_killing_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(proc)
+    if _CANCELLED.is_set():
+        raise LaunchesCancelled(f"killed (side_by_side was interrupted): {cmd}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -86,3 +112,60 @@ def read_result(results: Path, name: str) -> dict:
     path = results / f"{name}.json"
     assert path.exists(), f"the worker wrote no {path.name}; see the logs in {results}"
     return json.loads(path.read_text())
+
+
+def launches_for(request, module: str, runs_of: dict[str, set[str]]) -> set[str]:
+    """The launches that the tests of ``module`` selected in this session read, so that a module's fixture
+    starts only those. ``runs_of`` maps a test's name with its parameters (``"test_x[a]"``) or without
+    (every parametrization) to the names of the launches it reads."""
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if getattr(getattr(item, "module", None), "__name__", "") == module:
+            wanted |= runs_of.get(item.name, runs_of.get(item.originalname, set()))
+    return wanted
+
+
+def side_by_side(*lanes: Sequence[tuple[str, Callable[[], Any]]]) -> dict[str, Any]:
+    """Run the ``lanes`` at once, one thread each, so that their launches share the cores; a lane makes
+    its ``(name, call)`` launches one after the other. Returns each name's result, or the exception its
+    call raised (``pytest.fail``'s included: a lane goes on with its next launch), which :func:`outcome`
+    raises again in the test that reads it. If the wait is interrupted, every launch in flight
+    (:func:`run_killing_group`) is killed and the lanes start no more."""
+    results: dict[str, Any] = {}
+
+    def run(lane: Sequence[tuple[str, Callable[[], Any]]]) -> None:
+        for name, call in lane:
+            try:
+                results[name] = call()
+            except BaseException as exc:  # pytest.fail raises a BaseException
+                results[name] = exc
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lanes)))
+    try:
+        for future in [pool.submit(run, lane) for lane in lanes]:
+            future.result()
+    except BaseException:
+        with _IN_FLIGHT_LOCK:
+            _CANCELLED.set()
+            for proc in _IN_FLIGHT:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        _CANCELLED.clear()
+    return results
+
+
+def outcome(results: dict[str, Any], name: str) -> Any:
+    """``results[name]`` of :func:`side_by_side`; fails the calling test with the error of that launch if
+    it raised one (with ``pytest.fail``'s message, else the traceback)."""
+    import pytest
+
+    assert name in results, f"launch {name!r} was not started: the module's fixture does not know this test"
+    got = results[name]
+    if isinstance(got, pytest.fail.Exception):
+        pytest.fail(got.msg, pytrace=False)
+    if isinstance(got, BaseException):
+        pytest.fail("".join(traceback.format_exception(got)), pytrace=False)
+    return got

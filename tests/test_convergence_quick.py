@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _util import launches_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ["fixed-8", "fixed-64", "linear", "gradient-noise", "loss-plateau"]
@@ -75,8 +76,7 @@ RUN_OF = {
 @pytest.fixture(scope="module")
 def benchmark_runs(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
     """The --quick runs on two cores: the default setting on one; cosine, then noise geometry, on the other."""
-    selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
-    wanted = {RUN_OF[name] for name in selected}
+    wanted = launches_for(request, __name__, {name: {run} for name, run in RUN_OF.items()})
     argv = {
         "convergence": ["convergence.py", "--quick"],
         "cosine": ["convergence.py", "--setting", "cosine", "--quick", "--runs", "fixed-8", "seesaw"],

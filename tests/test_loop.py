@@ -11,10 +11,16 @@ Every launch uses the ``deepspeed`` launcher on CPU ranks (gloo), as DeepSpeed's
   through ``args``, a ``torch.nn.CrossEntropyLoss()`` module as the pipeline's loss, 2 stages, ZeRO 1
   and 0 (under ZeRO 0 the module is given to ``initialize(loss_fn=...)``); its data-parallel branch
   (``-p 0``: DeepSpeed's ``RepeatingLoader`` over the returned loader) under ZeRO 2.
+
+Each launch is its own, as above; the module's fixture runs them in two lanes side by side on the two
+cores (one launch's single-process phases, the launchers' and the ranks' start-up, overlap the other's
+training) and starts only the launches the selected tests read. Each test fails with its own launch's
+error.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _util import failure_excerpt, free_port, run_killing_group
+from _util import failure_excerpt, free_port, launches_for, outcome, run_killing_group, side_by_side
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -59,12 +65,74 @@ def _exactly_once(ledger: list[list[int]], n: int, epochs: int = 1) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def loop_runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("loop")
-    deepspeed_launch(HERE / "loop_worker.py", "--phase", "exact", "--out", str(out), gpus=2, out=out)
-    deepspeed_launch(HERE / "loop_worker.py", "--phase", "resume", "--out", str(out), gpus=1, out=out)
+# --- The launches -------------------------------------------------------------------------------------
+EXAMPLES = HERE / "ds_examples"
+PIPE_SECTION = {
+    "schedule": {"type": "linear", "start": 8, "end": 32, "ramp_samples": 64},
+    "max_micro_batch_per_gpu": 8,
+    "granularity": 8,
+}
+# pipeline_train.py's launches: ZeRO stage, arguments after --deepspeed_config.
+PIPE_RUNS = {
+    "pipe": (1, ["-p", "2", "--steps", "6"]),
+    "pipe_z0": (0, ["-p", "2", "--steps", "6", "--loss-at-initialize"]),
+    "base": (2, ["-p", "0", "--steps", "6"]),
+}
+# Two lanes, side by side, each one launch after the other: "loop" is loop_worker.py's exact phase on 2
+# ranks, then its resume phase on 1 (which reads the first's checkpoint).
+LANES = (("loop", "cifar"), ("pipe", "pipe_z0", "base"))
+RUNS_OF = {  # the launches each test reads (by name, or by name and parameters)
+    "test_the_tutorial_loop_equals_train_batch": {"loop"},
+    "test_the_loop_equals_the_big_batch_reference": {"loop"},
+    "test_a_checkpoint_inside_a_step_resumes_that_step_on_another_world_size": {"loop"},
+    "test_the_pipeline_example_with_a_loss_module_trains_exactly[pipe]": {"pipe"},
+    "test_the_pipeline_example_with_a_loss_module_trains_exactly[pipe_z0]": {"pipe_z0"},
+    "test_the_examples_data_parallel_branch_with_repeating_loader": {"base"},
+    "test_the_getting_started_tutorial_ramps_and_trains_each_sample_once_per_epoch": {"cifar"},
+}
+
+
+def _example_config(stage: int) -> dict:
+    # SGD so that a plain-PyTorch reference can follow; the rest as in the example's ds_config.json.
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.5}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "adabatch": PIPE_SECTION,
+    }
+
+
+def _launch(name: str, out: Path) -> Path:
+    """The launch (for "loop", the two) ``name``, writing into ``out``; fails unless it exits 0."""
+    if name == "loop":
+        for phase, gpus in (("exact", 2), ("resume", 1)):
+            deepspeed_launch(HERE / "loop_worker.py", "--phase", phase, "--out", str(out), gpus=gpus, out=out)
+        return out
+    if name == "cifar":
+        script, argv = EXAMPLES / "cifar10_deepspeed.py", ["--stage", "2", "--epochs", "2"]
+    else:
+        stage, argv = PIPE_RUNS[name]
+        (out / "ds_config.json").write_text(json.dumps(_example_config(stage)))
+        script, argv = EXAMPLES / "pipeline_train.py", ["--deepspeed_config", "ds_config.json", *argv]
+    (out / "log.txt").write_text(deepspeed_launch(script, *argv, gpus=2, out=out))
     return out
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory) -> dict:
+    """The launches the selected tests read, side by side: name -> the folder it wrote into (or its error)."""
+    wanted = launches_for(request, __name__, RUNS_OF)
+    outs = {name: tmp_path_factory.mktemp(name) for lane in LANES for name in lane if name in wanted}
+    lanes = [[(n, functools.partial(_launch, n, outs[n])) for n in lane if n in outs] for lane in LANES]
+    return side_by_side(*lanes)
+
+
+@pytest.fixture
+def loop_runs(launches) -> Path:
+    return outcome(launches, "loop")
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -109,51 +177,6 @@ def test_a_checkpoint_inside_a_step_resumes_that_step_on_another_world_size(loop
 
 
 # --- DeepSpeed's example scripts, as their users launch them ------------------------------------------
-EXAMPLES = HERE / "ds_examples"
-PIPE_SECTION = {
-    "schedule": {"type": "linear", "start": 8, "end": 32, "ramp_samples": 64},
-    "max_micro_batch_per_gpu": 8,
-    "granularity": 8,
-}
-
-
-def _example_config(stage: int) -> dict:
-    # SGD so that a plain-PyTorch reference can follow; the rest as in the example's ds_config.json.
-    return {
-        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.5}},
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10,
-        "wall_clock_breakdown": False,
-        "adabatch": PIPE_SECTION,
-    }
-
-
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory) -> dict[str, Path]:
-    runs = {}
-    for name, stage, argv, gpus in (
-        ("pipe", 1, ["-p", "2", "--steps", "6"], 2),
-        ("pipe_z0", 0, ["-p", "2", "--steps", "6", "--loss-at-initialize"], 2),
-        ("base", 2, ["-p", "0", "--steps", "6"], 2),
-    ):
-        out = tmp_path_factory.mktemp(name)
-        (out / "ds_config.json").write_text(json.dumps(_example_config(stage)))
-        argv = ["--deepspeed_config", "ds_config.json", *argv]
-        (out / "log.txt").write_text(
-            deepspeed_launch(EXAMPLES / "pipeline_train.py", *argv, gpus=gpus, out=out)
-        )
-        runs[name] = out
-    out = tmp_path_factory.mktemp("cifar")
-    log = deepspeed_launch(
-        EXAMPLES / "cifar10_deepspeed.py", "--stage", "2", "--epochs", "2", gpus=2, out=out
-    )
-    (out / "log.txt").write_text(log)
-    runs["cifar"] = out
-    return runs
-
-
 def _reference(ledger: list[list[int]], named: bool) -> dict:
     """The example's network in plain PyTorch, one big batch per global batch, by parameter name."""
     import torch
@@ -197,8 +220,8 @@ def _compare(params: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("run", ["pipe", "pipe_z0"])
-def test_the_pipeline_example_with_a_loss_module_trains_exactly(examples, run):
-    out = examples[run]
+def test_the_pipeline_example_with_a_loss_module_trains_exactly(launches, run):
+    out = outcome(launches, run)
     ranks = [_read(out, f"pipe_rank{r}") for r in (0, 1)]
     assert ranks[0]["ledger"] == ranks[1]["ledger"], "both stages must load the same samples"
     ledger = ranks[0]["ledger"]
@@ -214,8 +237,8 @@ def test_the_pipeline_example_with_a_loss_module_trains_exactly(examples, run):
     assert "global batch 8 -> " in log and "on 1 replica" in log, "plan-change lines of the ramp"
 
 
-def test_the_examples_data_parallel_branch_with_repeating_loader(examples):
-    out = examples["base"]
+def test_the_examples_data_parallel_branch_with_repeating_loader(launches):
+    out = outcome(launches, "base")
     r = _read(out, "pipe_rank0")
     sizes = [len(s) for s in r["ledger"]]
     assert len(sizes) == 6 and sizes[-1] == 32, f"6 optimizer steps ramping to 32: {sizes}"
@@ -225,8 +248,8 @@ def test_the_examples_data_parallel_branch_with_repeating_loader(examples):
     assert err <= 1e-5, f"RepeatingLoader loop vs the big-batch reference: relative error {err:.2e}"
 
 
-def test_the_getting_started_tutorial_ramps_and_trains_each_sample_once_per_epoch(examples):
-    out = examples["cifar"]
+def test_the_getting_started_tutorial_ramps_and_trains_each_sample_once_per_epoch(launches):
+    out = outcome(launches, "cifar")
     r = _read(out, "cifar_2")
     _exactly_once(r["ledger"], 160, epochs=2)
     batches = [e["new_global_batch"] for e in r["history"]]

@@ -8,39 +8,56 @@ plans below the micro-batch that failed and finishes the epoch. Once with ``trai
 DeepSpeed's forward / backward / step loop over the loader ``initialize`` returns (the error comes from
 ``engine(x)`` in the script's own code). A third launch never checkpoints: the record goes to the default
 folder in the working directory and the restart trains the epoch again from step 0 below the failed size.
+
+The three launches are separate, as described; the module's fixture runs them side by side on the two
+cores (starting only those the selected tests read), and each test asserts on its own launch.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _util import free_port
+from _util import launches_for, outcome, side_by_side, torchrun
 
 pytestmark = pytest.mark.multirank
 
 HERE = Path(__file__).parent
+CASES = {"train_batch": [], "loop": ["--loop"], "no_checkpoint": ["--no-checkpoint"]}  # worker arguments
+LANES = (("train_batch", "no_checkpoint"), ("loop",))  # side by side, each one launch after the other
+RUNS_OF = {  # the launches each test reads
+    "test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once[train_batch]": {"train_batch"},
+    "test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once[loop]": {"loop"},
+    "test_without_a_checkpoint_folder_the_record_goes_to_the_default_folder_and_the_restart_succeeds": {
+        "no_checkpoint"
+    },
+}
 
 
-def _launch(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for _ in range(2):  # the free port can be taken before torchrun binds it: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
-        cmd += [f"--master-port={free_port()}", str(HERE / "oom_restart_worker.py"), str(out), *extra]
-        proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-        if "address already in use" not in (proc.stdout + proc.stderr).lower():
-            break
+def _launch(out: Path, *extra: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    script = HERE / "oom_restart_worker.py"
+    proc = torchrun(script, str(out), *extra, cwd=HERE, timeout=600, launcher_args=["--max-restarts=1"])
     (out / "launch.log").write_text(proc.stdout + proc.stderr)
-    return proc
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory) -> dict:
+    """The selected tests' launches, side by side: case -> (its folder, the finished launch) or its error."""
+    wanted = launches_for(request, __name__, RUNS_OF)
+    outs = {case: tmp_path_factory.mktemp(case) for case in CASES if case in wanted}
+    lanes = [
+        [(c, functools.partial(_launch, outs[c], *CASES[c])) for c in lane if c in outs] for lane in LANES
+    ]
+    return side_by_side(*lanes)
 
 
 @pytest.mark.parametrize("way", ["train_batch", "loop"])
-def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path, way):
-    proc = _launch(tmp_path, *(["--loop"] if way == "loop" else []))
+def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(launches, way):
+    out, proc = outcome(launches, way)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the job did not finish through the restart:\n{log[-5000:]}"
     where = "in the forward of micro-batch 0 of step 4" if way == "loop" else "in micro-batch 0 of step 4"
@@ -49,7 +66,7 @@ def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path,
     assert "connectFullMesh" not in log, "the restarted ranks must form their process group"
     assert "could not recover at 8 samples per pass" in log, "the next start reads the record"
 
-    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     before = [r for r in rows if r["restart"] == 0]
     after = [r for r in rows if r["restart"] == 1]
     assert before and after, f"one step before and after the restart at least: {rows}"
@@ -65,24 +82,24 @@ def test_zero3_mid_forward_oom_finishes_through_a_restart_exactly_once(tmp_path,
     # Step 5 (batch 16) failed at micro 8 on rank 1; after the restart it runs at micro 4 x GAS 2.
     assert all(r["micro"] < 8 and r["limit"] < 8 for r in after), after
     assert after[0]["micro"] * after[0]["gas"] * 2 == 16, "the same global batch"
-    assert not list((tmp_path / "ckpt").glob("adabatch_oom_rank*.json")), (
+    assert not list((out / "ckpt").glob("adabatch_oom_rank*.json")), (
         "the record goes once a complete checkpoint holds what it taught"
     )
 
 
-def test_without_a_checkpoint_folder_the_record_goes_to_the_default_folder_and_the_restart_succeeds(tmp_path):
-    proc = _launch(tmp_path, "--no-checkpoint")
+def test_without_a_checkpoint_folder_the_record_goes_to_the_default_folder_and_the_restart_succeeds(launches):
+    out, proc = outcome(launches, "no_checkpoint")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the job did not finish through the restart:\n{log[-5000:]}"
     assert "exitcode: 75" in log, "the failing rank must exit with the documented code 75, not 1"
-    records = list((tmp_path / "adabatch_oom_records").glob("adabatch_oom_rank*.json"))
+    records = list((out / "adabatch_oom_records").glob("adabatch_oom_rank*.json"))
     assert [p.name for p in records] == ["adabatch_oom_rank1.json"], records
     assert "starts from step 0 again (no checkpoint folder is known" in log, log[-5000:]
     assert "could not recover at 8 samples per pass" in log, "the next start reads the record when built"
     record = json.loads(records[0].read_text())
     assert record["failed"] == 8 and record["run"], record
 
-    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     after = [r for r in rows if r["restart"] == 1]
     assert [r["step"] for r in after] == list(range(1, 9)), "the whole epoch again, from step 0"
     assert sorted(i for r in after for i in r["indices"]) == list(range(96))
