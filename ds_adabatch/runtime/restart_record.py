@@ -176,12 +176,14 @@ class RestartRecords:
         restart, those this launch left in the default folder before it knew a checkpoint folder."""
         if self.record_dir is not None:
             self._impose(self.record_dir, memory, unit, same_run=False)
-        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            self._impose(self.default_dir, memory, unit, same_run=True)
-        else:
-            # A new launch: the records of other launches stay out of it (nothing to gather either,
-            # and every rank takes this branch alike).
             return
+        # The default folder counts only in a restart of this launch (a new launch keeps other
+        # launches' records out). Every rank gathers, also with nothing to add: torchrun's agents can
+        # disagree on the restart count (a failure restarts one node's workers with the count + 1; the
+        # membership change it causes restarts another node's with the count unchanged), and a gather
+        # on some ranks only would leave the others waiting in their next collective.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        self._impose(self.default_dir, memory, unit, same_run=True, read=restarted)
 
     def impose(self, folder: str, memory: Any, unit: str) -> None:
         """Impose every record in ``folder`` not imposed yet on ``memory`` (a ``MicroBatchMemory``), and
@@ -189,9 +191,9 @@ class RestartRecords:
         self.folder = folder
         self._impose(folder, memory, unit, same_run=False)
 
-    def _impose(self, folder: str, memory: Any, unit: str, *, same_run: bool) -> None:
+    def _impose(self, folder: str, memory: Any, unit: str, *, same_run: bool, read: bool = True) -> None:
         run = _run_id()
-        found = [(p, r) for p, r in read_records(folder) if not same_run or r.run == run]
+        found = [(p, r) for p, r in read_records(folder) if not same_run or r.run == run] if read else []
         self._read += [p for p, _ in found if p not in self._read]
         for record in _gather([r for _, r in found]):
             ident = (record.rank, record.written_at)
