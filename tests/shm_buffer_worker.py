@@ -20,6 +20,7 @@ import ds_adabatch  # noqa: E402
 
 ds_adabatch.init_distributed()
 rank = torch.distributed.get_rank()
+torch.distributed.barrier()  # every rank has removed its own name
 left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*")
 t = torch.full((1000,), float(rank + 1))
 ds_dist.inference_all_reduce(t)  # DeepSpeed's shared-memory all-reduce, through the mapped buffers
