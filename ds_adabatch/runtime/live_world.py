@@ -101,6 +101,21 @@ class _Heartbeat:
         self._stop.set()
 
 
+def _silent(
+    seen: dict[int, tuple[int, float]], counts: dict[int, int], now: float, dead_after: float
+) -> list[int]:
+    """Record each process's heartbeat ``counts`` in ``seen`` (count, when it last moved); return those
+    whose count has not moved for ``dead_after`` seconds."""
+    silent = []
+    for r, count in counts.items():
+        last = seen.get(r)
+        if last is None or last[0] != count:
+            seen[r] = (count, now)
+        elif now - last[1] >= dead_after:
+            silent.append(r)
+    return silent
+
+
 class LiveWorld:
     """This process's view of the live-elastic world (see the module docstring).
 
@@ -201,16 +216,9 @@ class LiveWorld:
                 if self.store.check([members_key]):
                     break
                 joined = [r for r in old if self.store.check([f"{base}/join/{r}"])]
+                counts = {r: self._beat(r) for r in old if r not in joined}
                 now = time.monotonic()
-                lost = []
-                for r in old:
-                    if r in joined:
-                        continue
-                    count = self._beat(r)
-                    if count != beats[r][0]:
-                        beats[r] = (count, now)
-                    elif now - beats[r][1] >= self.dead_after:
-                        lost.append(r)
+                lost = _silent(beats, counts, now, self.dead_after)
                 if len(joined) + len(lost) == len(old):
                     if self.origin == min(joined):
                         self.store.compare_set(members_key, "", ",".join(map(str, joined)))
@@ -265,7 +273,7 @@ class LiveWorld:
             self.store.wait(keys, self.timeout)
             for value in self.store.multi_get(keys):
                 theirs.update(int(x) for x in value.decode().split(",") if x)
-        self._ports = (theirs - {self.namespace.port}, mine)
+        self._ports = (theirs, mine)  # each side left the store's port out
 
     def break_connections(self) -> int:
         """Make every pending operation of this generation's groups fail now, here and in the peers
@@ -298,15 +306,9 @@ class LiveWorld:
         if now - began < max(self.dead_after, 2 * typical):
             return
         others = [r for r in self.members if r != self.origin]
-        counts = store.multi_get([f"{self._live}/hb/{r}" for r in others])
-        silent = []
-        for r, raw in zip(others, counts, strict=True):
-            count = int(raw.decode() or 0)
-            seen = self._watched.get(r)
-            if seen is None or seen[0] != count:
-                self._watched[r] = (count, now)
-            elif now - seen[1] >= self.dead_after:
-                silent.append(r)
+        raw = store.multi_get([f"{self._live}/hb/{r}" for r in others])
+        counts = {r: int(value.decode() or 0) for r, value in zip(others, raw, strict=True)}
+        silent = _silent(self._watched, counts, now, self.dead_after)
         if silent and self._step_began == began:
             self._step_began = None
             self.broken_by_watchdog = (
