@@ -27,40 +27,24 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory", "simulated_memory_limit"]
+from .runtime import stand_ins
 
-_installed = 0  # simulated limits installed in this process
-_memories: list[SimulatedMemoryLimit] = []  # installed limits with a simulated memory, newest last
+__all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory", "simulated_memory_limit"]
 
 
 def simulated_limit_installed() -> bool:
     """Whether a :func:`simulated_memory_limit` is installed in this process (it arms the
     out-of-memory agreement on the CPU, where no real out-of-memory error can be recovered)."""
-    return _installed > 0
+    return any(isinstance(s, SimulatedMemoryLimit) for s in stand_ins._oom_stand_ins)
 
 
 def simulated_memory() -> SimulatedMemoryLimit | None:
     """The newest installed :func:`simulated_memory_limit` with a simulated memory
     (``device_memory_bytes``) that applies to this rank, else None. The runtime reads its counters in
-    place of the accelerator's (:mod:`ds_adabatch.runtime.memory_model`)."""
-    for limit in reversed(_memories):
-        if limit._active_here():
-            return limit
-    return None
-
-
-def _first_batched(value: Any) -> torch.Tensor | None:
-    """The first tensor with at least one dimension in a call's arguments (tensors, dicts, sequences)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.dim() else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_batched(item)
-            if found is not None:
-                return found
-    return None
+    place of the accelerator's (:mod:`ds_adabatch.runtime.memory_model`, through
+    :mod:`ds_adabatch.runtime.stand_ins`)."""
+    found = stand_ins.memory_stand_in()
+    return found if isinstance(found, SimulatedMemoryLimit) else None
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -128,6 +112,10 @@ class SimulatedMemoryLimit:
         self._checked = False  # this forward's budget was checked (at its first leaf module)
         self._handles: list[Any] = []
 
+    def applies_here(self) -> bool:
+        """Whether this rank is one of ``ranks`` (the runtime reads a simulated memory only there)."""
+        return self._active_here()
+
     def _active_here(self) -> bool:
         if self.ranks is None:
             return True
@@ -191,7 +179,7 @@ class SimulatedMemoryLimit:
         if self._samples is None:
             # The batch size is the first positional tensor of the outermost call, or (when that call
             # takes keyword arguments only, like model(**batch)) of the first module call below it.
-            first = _first_batched(args)
+            first = stand_ins.first_batched(args)
             if first is not None:
                 self._samples, self._tokens = int(first.shape[0]), int(first.numel())
         if next(module.children(), None) is not None:
@@ -231,12 +219,9 @@ class SimulatedMemoryLimit:
 
     def install(self) -> SimulatedMemoryLimit:
         """Start raising (the context manager calls it)."""
-        global _installed
         hooks = torch.nn.modules.module
         if not self._handles:
-            _installed += 1
-            if self.device_memory_bytes is not None:
-                _memories.append(self)
+            stand_ins.install_oom_stand_in(self, simulates_memory=self.device_memory_bytes is not None)
         self._handles = [
             hooks.register_module_forward_pre_hook(self._pre),
             # always_call: the depth count stays right when a forward (or this pre-hook) raises.
@@ -246,11 +231,8 @@ class SimulatedMemoryLimit:
 
     def remove(self) -> None:
         """Stop raising."""
-        global _installed
         if self._handles:
-            _installed -= 1
-            if self in _memories:
-                _memories.remove(self)
+            stand_ins.remove_oom_stand_in(self)
         for handle in self._handles:
             handle.remove()
         self._handles = []

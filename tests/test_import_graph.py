@@ -206,3 +206,12 @@ def test_the_imports_users_have_still_work():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_no_production_module_imports_the_testing_helpers():
+    # The simulated memory (ds_adabatch.testing) is passed in through runtime/stand_ins.py: the runtime
+    # reads whatever stands in for the accelerator, never the test helpers themselves.
+    graph = import_graph()
+    testing = f"{PACKAGE}.testing"
+    importers = sorted(m for m, edges in graph.items() if testing in edges and m != testing)
+    assert importers == [], f"production modules import {testing}: {importers}"

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..testing import _first_batched, simulated_memory
+from .stand_ins import first_batched, memory_stand_in
 
 __all__ = ["PeakMemoryModel", "PeakPredictor"]
 
@@ -130,15 +130,15 @@ class PeakPredictor:
 
     def _record_size(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._size is None:
-            first = _first_batched(list(args) + list(kwargs.values()))
+            first = first_batched(list(args) + list(kwargs.values()))
             if first is not None:
                 self._size = int(first.shape[0]) if self.unit == "samples" else int(first.numel())
 
     def _counters(self) -> Any:
-        """The simulated allocator when one is installed here, else the accelerator's (None on the CPU)."""
+        """A memory stand-in when one is installed here (stand_ins.py), else the accelerator's (None on the CPU)."""
         if not self.measure:
             return None
-        simulated = simulated_memory()
+        simulated = memory_stand_in()
         if simulated is not None:
             return simulated
         if not self._on_accelerator:

@@ -29,7 +29,8 @@ synchronises a GPU.
 Where it is armed: only where an out-of-memory error can be raised and survived, i.e. on an
 accelerator (CUDA, ...). DeepSpeed's CPU accelerator allocates from host memory, where exhaustion ends
 the process (the kernel's OOM killer) instead of raising, so on the CPU nothing is agreed and a steady
-step stays free of collectives, unless :func:`ds_adabatch.testing.simulated_memory_limit` is installed.
+step stays free of collectives, unless a stand-in that raises them is installed (:mod:`.stand_ins`, e.g.
+:func:`ds_adabatch.testing.simulated_memory_limit`).
 
 :func:`discard_partial_step` then clears what the step accumulated, with each stage's own state.
 """
@@ -41,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ..testing import simulated_limit_installed
 from .agreement import HostAgreement, host_group
+from .stand_ins import oom_stand_in_installed
 
 NO_VERDICT = 1 << 62
 """The predictor verdict of a rank that predicts nothing (the neutral value of the minimum)."""
@@ -125,7 +126,7 @@ class OomAgreement:
         """Whether passes agree: enabled, and an out-of-memory error can be raised here (see above)."""
         if not self.enabled:
             return False
-        return self._can_raise or simulated_limit_installed()
+        return self._can_raise or oom_stand_in_installed()
 
     # -- the agreement ----------------------------------------------------------------------------
     def begin_pass(self) -> None:
