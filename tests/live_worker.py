@@ -153,7 +153,9 @@ def run(out: str, stage: int) -> None:
         {"pid": pid, "origin": origin, "restart": restart, "time": time.time()},
     )
     live = os.environ.get("LIVE_LIVE", "1") == "1"
-    engine, *_ = ds_adabatch.initialize(make_model(), config(stage, live), Regression(), loss_fn=mse)
+    engine, optimizer, loader, scheduler = ds_adabatch.initialize(
+        make_model(), config(stage, live), Regression(), loss_fn=mse
+    )
     ckpt = os.path.join(out, "ckpt")
     path, _ = engine.load_checkpoint(ckpt)
     first_step = engine.global_steps
@@ -181,6 +183,11 @@ def run(out: str, stage: int) -> None:
         if engine.rank == 0:
             # The main job's ledger line, and which process wrote it.
             row = {**ledger_line(engine, loss), "pid": pid, "live_events": len(engine.live_events)}
+            # The script keeps using the four objects initialize returned, across a shrink too.
+            row["handles_ok"] = (
+                optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
+                and loader.state_dict()["sampler"]["samples_consumed"] == engine.global_samples
+            )
             with open(ledger, "a") as f:
                 f.write(json.dumps(row) + "\n")
     events = engine.live_events
@@ -212,9 +219,7 @@ def run(out: str, stage: int) -> None:
             "resumed_from": path,
             "first_step": first_step,
             "snapshot_bytes": snapshot_bytes,
-            "snapshot_every": engine.__dict__["_live"]._cadence.every
-            if engine.live_elastic == "on"
-            else None,
+            "snapshot_every": engine._live_recovery._cadence.every if engine.live_elastic == "on" else None,
             "history": [h.reason for h in engine.history],
         },
     )
@@ -262,14 +267,26 @@ def checks(out: str) -> None:
 def _transient_fault(steps: int = 8) -> dict:
     """A collective fails with every process alive (rank 1 cuts its own connections a few ms into step
     4): the same two ranks re-form and go on; the result against the same job run without the fault."""
-    engine, *_ = ds_adabatch.initialize(make_model(), config(1), Regression(), loss_fn=mse)
+    engine, optimizer, loader, scheduler = ds_adabatch.initialize(
+        make_model(), config(1), Regression(), loss_fn=mse
+    )
     for step in range(1, steps + 1):
         if step == 4 and engine.rank == 1:
-            threading.Timer(0.002, engine.__dict__["_live"].world.break_connections).start()
+            threading.Timer(0.002, engine._live_recovery.world.break_connections).start()
         engine.train_batch()
     while engine.global_steps < steps:  # a step the recovery rolled back
         engine.train_batch()
     got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # The four objects initialize returned, still in use after the engine was rebuilt on the new world.
+    handles = {
+        "optimizer_lr": optimizer.param_groups[0]["lr"],
+        "scheduler_lr": scheduler.get_last_lr()[0],
+        "engine_lr": engine.lr_coupling.get_lr()[0],
+        "optimizer_is_current": optimizer.current is engine.deepspeed.optimizer,
+        "optimizer_state_keys": sorted(optimizer.state_dict())[:3],
+        "loader_samples": loader.state_dict()["sampler"]["samples_consumed"],
+        "engine_samples": engine.global_samples,
+    }
     events = [{k: e[k] for k in ("kind", "lost", "world_size", "steps_redone")} for e in engine.live_events]
     history = [h.reason for h in engine.history]
     engine.close()
@@ -278,7 +295,7 @@ def _transient_fault(steps: int = 8) -> dict:
         plain.train_batch()
     rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in plain.module.named_parameters())
     plain.close()
-    return {"events": events, "history": history, "relative_difference": rel}
+    return {"events": events, "history": history, "relative_difference": rel, "handles": handles}
 
 
 def _kill_node(out: str, agent: int) -> None:

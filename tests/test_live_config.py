@@ -114,7 +114,7 @@ def test_launcher_runs_a_job_and_sets_its_store(tmp_path):
 def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
     """ZeRO 3 and an optimizer instance are refused (the restart path, said once); ZeRO 1 is covered and
     its snapshots live in the node's folder until the engine is closed; a transient fault (a collective
-    fails, nobody lost) re-forms the same world."""
+    fails, nobody lost) re-forms the same world, and the four objects initialize returned stay usable."""
     monkeypatch.setenv("DS_ADABATCH_SNAPSHOT_DIR", str(tmp_path / "shm"))
     proc = torchrun(WORKER, "checks", str(tmp_path), "0", nproc=2, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -139,3 +139,11 @@ def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
         h.startswith("reform: a collective failed with all 2 processes alive") for h in reform["history"]
     )
     assert reform["relative_difference"] <= 1e-6, reform
+    # The engine, optimizer, LR scheduler and loader initialize returned are still the script's after the
+    # DeepSpeed engine was rebuilt: the optimizer is the current one, all three agree on the LR, and the
+    # loader reads the rebuilt loader's cursor.
+    handles = reform["handles"]
+    assert handles["optimizer_is_current"] is True, handles
+    assert handles["optimizer_lr"] == handles["scheduler_lr"] == handles["engine_lr"] > 0, handles
+    assert handles["loader_samples"] == handles["engine_samples"] > 0, handles
+    assert handles["optimizer_state_keys"], handles

@@ -118,6 +118,9 @@ def check_survived_in_place(out: Path, world: int = 3, lost: int = 1) -> dict:
         assert len(e["events"]) == 1 and e["events"][0]["lost"] == list(range(world - lost, world))
         assert e["events"][0]["steps_redone"] <= 1
         assert any(h.startswith("shrink: lost") for h in e["history"])
+    # The script's optimizer, LR scheduler and loader (initialize's) kept working across the shrink.
+    rows = read_ledger(out / "ledger.jsonl")
+    assert rows and all(r["handles_ok"] for r in rows), [r for r in rows if not r["handles_ok"]][:2]
     return next(e for e in ended if e["origin"] == 0)["events"][0]
 
 

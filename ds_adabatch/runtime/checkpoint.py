@@ -175,7 +175,7 @@ class CheckpointMixin:
             self._loop = None  # a step taken but not started: the loaded cursor replaces it
         self.resolve_losses()  # nothing pending may be folded into the loaded state later
         self.memory_recovery.use_checkpoint_dir(load_dir)  # limits an exited process recorded there
-        live = self.__dict__.get("_live")
+        live = self._live_recovery
         if live is not None and live.restored_step is not None and tag is None:
             # This incarnation restored a newer state from host memory (live_recovery.py): a checkpoint
             # is never newer than the snapshot of the step before the failure.

@@ -76,7 +76,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
                 "train_batch() while the forward / backward / step loop is inside an optimizer step: "
                 "finish that step (engine.step() after its last micro-batch) or use one way of stepping"
             )
-        live = self.__dict__.get("_live")
+        live = self._live_recovery
         if live is not None and data_iter is None:
             # A lost peer is recovered inside: the step runs again on the survivors (live_recovery.py).
             return live.run_step(self._train_one_batch)
@@ -258,6 +258,12 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             update_estimator(self.noise, sums, total_samples, sq_big())
 
         return fold
+
+    def release_deepspeed(self) -> None:
+        if self._probe is not None:
+            self._probe.close()  # its hooks are on the failed engine's parameters
+            self._probe = None
+        super().release_deepspeed()
 
     def close(self) -> None:
         """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics file."""

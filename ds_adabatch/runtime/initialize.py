@@ -15,7 +15,7 @@ from ..data.token_loader import TokenBudgetLoader
 from ..schedules import BatchSizeController
 from .engine import AdaptiveBatchEngine
 from .initialize_args import resolve_call
-from .live_recovery import attach_live_recovery, prepare_live_world
+from .live_recovery import CurrentOptimizer, attach_live_recovery, prepare_live_world
 from .loop import LoopDataLoader
 from .lr import BatchCoupledLR, CurrentBaseLR
 from .op_builds import guard_jit_builds
@@ -147,8 +147,9 @@ def initialize(
         lr_scheduler=lr_scheduler,
     )
 
-    def build(first: bool = True) -> tuple[Any, Any, Any]:
-        """Everything from the process group on: again after a live shrink (live_recovery.py)."""
+    def build(into: AdaptiveBatchEngine | None = None) -> AdaptiveBatchEngine | AdaptivePipelineEngine:
+        """Everything from the process group on. After a live recovery (live_recovery.py) it runs again
+        on the new world ``into`` the engine the script holds, which keeps its LR wrapper and loader."""
         layout = parallel_layout(model, deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank())
         if pipelined:
             pipeline_problems(model, loaded, training_data, loss_fn, deepspeed_kwargs, layout)
@@ -162,7 +163,9 @@ def initialize(
         _configure_logging(dist.get_rank())
 
         controller = BatchSizeController(cfg, world_size=world)
-        sampler = token_sampler if first else token_budget_sampler(cfg, training_data, lengths, length_fn)
+        sampler = (
+            token_sampler if into is None else token_budget_sampler(cfg, training_data, lengths, length_fn)
+        )
         dataloader = _build_loader(cfg, training_data, sampler, rank, world, collate_fn)
 
         if world_live is not None:
@@ -184,13 +187,17 @@ def initialize(
                 None,
             )
         reference = cfg.lr_scaling.reference_batch or planned.plan.global_batch_size
-        coupled = BatchCoupledLR(
-            ds_engine.optimizer,
-            ds_scheduler,
-            unit=cfg.lr_schedule_unit,
-            reference_batch=reference,
-            rule=cfg.lr_scaling.rule,
-        )
+        if into is None:
+            coupled = BatchCoupledLR(
+                ds_engine.optimizer,
+                ds_scheduler,
+                unit=cfg.lr_schedule_unit,
+                reference_batch=reference,
+                rule=cfg.lr_scaling.rule,
+            )
+        else:
+            coupled = into.lr_coupling
+            coupled.rebind(ds_engine.optimizer, ds_scheduler, reference_batch=reference)
         # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
         # state_dict; the coupled wrapper takes that slot so both go through it.
         ds_engine.lr_scheduler = coupled
@@ -212,6 +219,16 @@ def initialize(
             "token_count_fn": count_fn,
             "agreement_world": dist.get_world_size(),
         }
+        if into is not None:  # live recovery covers data parallelism only (prepare_live_world)
+            into.rebind(
+                ds_engine,
+                loss_fn=loss_fn,
+                world_size=world,
+                counts_here=layout.tensor_parallel_rank == 0,
+                model_communicates=layout.tensor_parallel_size > 1,
+                **common,
+            )
+            return into
         if pipelined:
             engine: AdaptiveBatchEngine | AdaptivePipelineEngine = AdaptivePipelineEngine(
                 ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
@@ -227,14 +244,18 @@ def initialize(
                 model_communicates=layout.tensor_parallel_size > 1,
                 **common,
             )
-        if dataloader is not None and not pipelined:
-            # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
-            dataloader = LoopDataLoader(engine, dataloader)
-        return engine, dataloader, coupled
+        return engine
 
-    engine, dataloader, coupled = build()
-    attach_live_recovery(engine, live, world_live, live_off, model, lambda: build(first=False)[0])
-    return engine, engine.deepspeed.optimizer, dataloader, coupled
+    engine = build()
+    attach_live_recovery(engine, live, world_live, live_off, model, lambda: build(into=engine))
+    loader = engine.dataloader
+    if loader is not None and not pipelined:
+        # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
+        loader = LoopDataLoader(engine)
+    # With live recovery the DeepSpeed engine (and its optimizer) is rebuilt after a loss: the script's
+    # optimizer is then a handle on the current one (live_recovery.py).
+    returned = CurrentOptimizer(engine) if engine.live_elastic == "on" else engine.deepspeed.optimizer
+    return engine, returned, loader, engine.lr_coupling
 
 
 def _build_loader(

@@ -147,8 +147,7 @@ def attach_live_recovery(
             world.close()
             world, off = None, f"off:{problem}"
     if world is None:
-        engine.__dict__["_live"] = None
-        engine.__dict__["_live_off"] = off
+        engine.attach_live(None, off)
         if off != "off:config" and engine.rank == 0:
             logger.warning(
                 "adabatch.live_elastic is enabled but not available with %s: a lost node takes the restart "
@@ -157,9 +156,37 @@ def attach_live_recovery(
             )
         return
     recovery = LiveRecovery(engine, live, world, model, rebuild)
-    engine.__dict__["_live"] = recovery
-    engine.__dict__["_live_off"] = None
+    engine.attach_live(recovery, None)
     recovery.start()
+
+
+class CurrentOptimizer:
+    """The optimizer ``initialize`` returns while live recovery is armed: the current DeepSpeed engine's.
+
+    A recovery rebuilds the DeepSpeed engine, and with it the optimizer, on the smaller world. A script
+    that kept the optimizer ``initialize`` returned (to read ``param_groups``, save ``state_dict()``, call
+    ``zero_grad()``) keeps this handle, which reads and calls whatever optimizer the engine drives now.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        object.__setattr__(self, "_engine", engine)
+
+    @property
+    def current(self) -> Any:
+        """The DeepSpeed engine's optimizer now (None during a recovery)."""
+        ds = object.__getattribute__(self, "_engine").deepspeed
+        return None if ds is None else ds.optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.current, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.current, name, value)
+
+    def __repr__(self) -> str:
+        return f"CurrentOptimizer({self.current!r})"
 
 
 class SnapshotCadence:
@@ -384,10 +411,7 @@ class LiveRecovery:
             phase("reform_s")
             state = assemble(self.root, self.world.job_id, self.shapes, self._group)
             phase("assemble_s")
-            new = self.rebuild()
-            engine.__dict__.clear()
-            engine.__dict__.update(new.__dict__)
-            engine.__dict__["_live"], engine.__dict__["_live_off"] = self, None
+            self.rebuild()  # the same engine object, driving a DeepSpeed engine of the new world
             phase("rebuild_s")
             self._load(state)
             self._new_snapshots()
@@ -432,7 +456,7 @@ class LiveRecovery:
                 ),
             )
         )
-        engine.__dict__["_next_record_extra"] = {
+        engine._record_extra = {
             "live_shrink_world_size": float(self.world.size),
             "live_steps_redone": float(redo),
             **{f"live_{k}": float(v) for k, v in phases.items()},
@@ -467,30 +491,26 @@ class LiveRecovery:
         raise LiveRecoveryFailed(f"live recovery not possible ({why}); the failure was {failure}")
 
     def _release_failed_world(self) -> None:
-        """Drop everything that references the failed world's groups, then tear them down."""
+        """Drop everything that references the failed world's groups, then tear them down.
+
+        The engine, the optimizer handle, the LR wrapper and the loader the script holds stay valid: the
+        engine lets go of the DeepSpeed engine (and the LR wrapper of its optimizer), so nothing the
+        script holds reaches the failed world's groups; they close when collected, and the rebuild
+        gives the engine the new world's.
+        """
         engine = self.engine
         if self.snapshots is not None:
             self.snapshots.release()
-        ds = engine.__dict__.get("deepspeed")
+        ds = engine.deepspeed
         for close in (
             lambda: _remove_module_hooks(ds),
             lambda: ds.destroy(),  # removes ZeRO's gradient hooks; no collective
-            lambda: engine.metrics.close(),
-            lambda: engine.memory_recovery.close(),
-            lambda: engine.dataloader.close() if hasattr(engine.dataloader, "close") else None,
         ):
             try:
                 close()
             except Exception as err:  # noqa: BLE001 - a broken world's object may fail to close
                 logger.debug("closing the failed engine: %s", err)
-        # The script may still hold the optimizer, LR scheduler or loader initialize() returned; each
-        # reaches the failed world's process groups (the ZeRO optimizer through its hooks' state).
-        # Emptied, they reach nothing, so the groups' sockets close when collected and a survivor
-        # blocked on this one in a collective fails at once instead of at its timeout.
-        for stale in (getattr(ds, "optimizer", None), getattr(ds, "lr_scheduler", None), ds):
-            if stale is not None and hasattr(stale, "__dict__"):
-                stale.__dict__.clear()
-        engine.__dict__.clear()
+        engine.release_deepspeed()
         ds = None
         self._group = None
         teardown_process_groups(self.model)

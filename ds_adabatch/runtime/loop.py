@@ -69,15 +69,22 @@ class LoopStep:
 
 class LoopDataLoader:
     """The loader ``initialize(..., training_data=...)`` returns: iterate it for the forward / backward /
-    step loop (see the module docstring). Everything else is the wrapped
-    :class:`~ds_adabatch.data.ElasticDataLoader` (``next_step``, ``sampler``, ``state_dict``, ...)."""
+    step loop (see the module docstring). Everything else is the engine's current
+    :class:`~ds_adabatch.data.ElasticDataLoader` (``next_step``, ``sampler``, ``state_dict``, ...): after a
+    live recovery rebuilt it for the smaller world, this object reads the new one."""
 
-    def __init__(self, engine: Any, loader: Any) -> None:
-        self.__dict__["engine"] = engine
-        self.__dict__["loader"] = loader
+    engine: Any = None  # a class default, so __getattr__ never runs for it
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def loader(self) -> Any:
+        """The engine's loader for this rank of the current world."""
+        return self.engine.dataloader
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
+        return getattr(self.engine.dataloader, name)
 
     def __iter__(self) -> Iterator[Any]:
         return _EpochIterator(self.engine)

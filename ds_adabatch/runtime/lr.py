@@ -40,6 +40,8 @@ class BatchCoupledLR:
         rule: ``"none"``, ``"linear"`` or ``"sqrt"``.
     """
 
+    scheduler: Any = None  # a class default, so __getattr__ never runs for it
+
     def __init__(self, optimizer: Any, scheduler: Any, *, unit: str, reference_batch: int, rule: str):
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -68,6 +70,18 @@ class BatchCoupledLR:
     def set_samples(self, samples: int) -> None:
         """Tell the wrapper how many samples have been consumed once this optimizer step completes."""
         self.samples = samples
+
+    def rebind(self, optimizer: Any, scheduler: Any, *, reference_batch: int) -> None:
+        """Wrap the optimizer and scheduler of a rebuilt DeepSpeed engine (a live recovery on another
+        world): this object, the one ``initialize`` returned, stays the script's scheduler. The counts
+        start afresh, as in a new wrapper; the caller then loads the saved state."""
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.reference_batch = reference_batch
+        self.multiplier, self.samples, self.inner_steps = 1.0, 0, 0
+
+    def release(self) -> None:
+        """Let go of a failed world's optimizer and scheduler until :meth:`rebind`."""
+        self.optimizer = self.scheduler = None
 
     # -- what DeepSpeed calls ---------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -123,10 +137,9 @@ class BatchCoupledLR:
 
     def __getattr__(self, name: str) -> Any:
         # Anything else (last_batch_iteration, warmup_num_steps, ...) is the wrapped scheduler's.
-        scheduler = self.__dict__.get("scheduler")
-        if scheduler is None:
+        if self.scheduler is None or name.startswith("__"):
             raise AttributeError(name)
-        return getattr(scheduler, name)
+        return getattr(self.scheduler, name)
 
     # -- internals --------------------------------------------------------------------------------
     def _rescale(self, new: float) -> None:

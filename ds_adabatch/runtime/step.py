@@ -66,6 +66,11 @@ class AdaptiveEngineBase(CheckpointMixin):
     """
 
     _plan_unit = "rank"  # what a plan's world size counts, in log lines
+    # Live elasticity (live_recovery.py): the recovery armed on this engine, or why it is off; the extra
+    # fields the first step after a recovery writes into its record.
+    _live_recovery: Any = None
+    _live_off: str = "off:config"
+    _record_extra: dict[str, float] | None = None
 
     def __init__(
         self,
@@ -84,8 +89,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         model_communicates: bool = False,
     ) -> None:
         cfg = loaded_config.adabatch
-        # Attribute names are set through __dict__ so __getattr__ (delegation) never sees them missing.
-        self.__dict__["deepspeed"] = ds_engine
+        self.deepspeed = ds_engine
         self.config = cfg
         self.loaded_config = loaded_config
         self.controller = controller
@@ -151,13 +155,53 @@ class AdaptiveEngineBase(CheckpointMixin):
     # ---------------------------------------------------------------------------------------------
     # Delegation
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["deepspeed"], name)
+        # Only names this class does not define reach here; object.__getattribute__ does not fall back to
+        # __getattr__, so a missing ``deepspeed`` (before __init__ set it) raises instead of recursing.
+        return getattr(object.__getattribute__(self, "deepspeed"), name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.deepspeed(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.plan.describe()}, step {self.global_steps})"
+
+    # ---------------------------------------------------------------------------------------------
+    # The DeepSpeed engine this engine drives, and its replacement after a live recovery
+    def attach_live(self, recovery: Any, off: str | None) -> None:
+        """Arm live recovery (``recovery``), or record why it is off (``off``: ``"off:<why>"``)."""
+        self._live_recovery = recovery
+        self._live_off = "off:config" if off is None else off
+
+    def release_deepspeed(self) -> None:
+        """Let go of the DeepSpeed engine and of what is bound to its process groups (their world failed
+        and is torn down next): the metrics file, the memory hooks, the data workers, the LR wrapper's
+        optimizer. :meth:`rebind` gives this engine the rebuilt one."""
+        for close in (
+            self.metrics.close,
+            self.memory_recovery.close,
+            getattr(self.dataloader, "close", None),
+        ):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - an object of a broken world may fail to close
+                logger.debug("closing what the failed engine held: %s", err)
+        self.lr_coupling.release()
+        self.deepspeed = None
+        self.memory_recovery = None
+
+    def rebind(self, ds_engine: Any, **parts: Any) -> None:
+        """Drive ``ds_engine``, a DeepSpeed engine rebuilt on another world (a live recovery).
+
+        This object stays the one the script holds. Everything the constructor derives from the DeepSpeed
+        engine and the world (``parts``: the constructor's keywords for the new world) is derived again,
+        as in a new engine; the run's state — counts, schedule, sampler cursor, LR, signals — is then
+        loaded from the snapshot by the caller. Live recovery stays attached.
+        """
+        live, off = self._live_recovery, self._live_off
+        type(self).__init__(self, ds_engine, **parts)
+        self._live_recovery, self._live_off = live, off
 
     # ---------------------------------------------------------------------------------------------
     # Public state
@@ -209,9 +253,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         """What a lost peer leads to: ``"on"`` (the survivors recover in their processes,
         ``adabatch.live_elastic``), or ``"off:<why>"`` (``off:config`` when not enabled; otherwise what
         this job uses that it does not cover): the restart path."""
-        if self.__dict__.get("_live") is not None:
-            return "on"
-        return self.__dict__.get("_live_off") or "off:config"
+        return "on" if self._live_recovery is not None else self._live_off
 
     @property
     def live_events(self) -> list[dict[str, Any]]:
@@ -219,7 +261,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         to, the steps trained again, the lost processes (ranks of the first world), the world sizes
         and the phase times in seconds (teardown, reform, assemble, rebuild, restore, recovery,
         first_step)."""
-        live = self.__dict__.get("_live")
+        live = self._live_recovery
         return list(live.events) if live is not None else []
 
     def max_memory_allocated(self) -> int:
@@ -480,7 +522,9 @@ class AdaptiveEngineBase(CheckpointMixin):
         if peak is not None:
             record.extra["peak_memory_bytes"] = float(peak)
         # The first step after a live recovery carries its phase times (live_recovery.py).
-        record.extra.update(self.__dict__.pop("_next_record_extra", {}))
+        if self._record_extra:
+            record.extra.update(self._record_extra)
+            self._record_extra = None
         loss = StepLoss(step, self.resolve_losses)
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
@@ -506,9 +550,8 @@ class AdaptiveEngineBase(CheckpointMixin):
         """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics
         file, remove the memory predictor's module hook."""
         self.resolve_losses()
-        live = self.__dict__.get("_live")
-        if live is not None:
-            live.close()
+        if self._live_recovery is not None:
+            self._live_recovery.close()
         self.metrics.close()
         self.memory_recovery.close()
         if self.dataloader is not None and hasattr(self.dataloader, "close"):
