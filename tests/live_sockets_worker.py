@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ds_adabatch.runtime.live_recovery import is_peer_failure  # noqa: E402
 from ds_adabatch.runtime.live_sockets import cut_connections, listening_ports  # noqa: E402
 
 
@@ -55,6 +56,8 @@ def main(rank: int, mode: str, store_port: int, service_port: int, out: str) -> 
             result["raised"] = None
         except RuntimeError as err:
             result["raised"] = str(err)
+            # Told from a user's error by where it was raised (inside torch.distributed), not its words.
+            result["peer_failure"] = is_peer_failure(err)
         result["blocked_s"] = time.monotonic() - started
         store.set("done0", b"1")
     # What must survive the cut: the store, and a connection to something else.

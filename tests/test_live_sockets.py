@@ -72,6 +72,7 @@ def test_cut_wakes_a_blocked_collective_and_spares_the_rest(tmp_path, mode):
     cutter = r1 if mode == "peer" else r0
     assert cutter["cut"] >= 1
     assert r0["raised"] is not None and "closed" in r0["raised"].lower(), r0
+    assert r0["peer_failure"] is True, r0
     # Blocked for the 0.5 s before the cut, not for the group's 30 s timeout.
     assert r0["blocked_s"] < 5.0, r0
     for r in (r0, r1):

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import comm
+
 __all__ = ["HostAgreement", "host_group"]
 
 _OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -120,7 +122,7 @@ class HostAgreement:
         # Both sides post their send before receiving: neither waits for the other to start.
         sent = torch.distributed.isend(tensor, peer, group=self.group)
         theirs = self._recv(torch.empty_like(tensor), peer)
-        sent.wait()
+        comm.wait_for(sent, "the agreement's send")
         return theirs
 
 

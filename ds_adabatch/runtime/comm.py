@@ -17,7 +17,30 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["all_reduce_sum", "all_reduce_sum_async", "barrier", "broadcast_int", "finish"]
+__all__ = [
+    "CollectiveError",
+    "all_reduce_sum",
+    "all_reduce_sum_async",
+    "barrier",
+    "broadcast_int",
+    "finish",
+    "wait_for",
+]
+
+
+class CollectiveError(RuntimeError):
+    """A collective that ds_adabatch issued without waiting failed when it was waited for (a peer lost,
+    hung or cut off). Raised from the backend's error, which is its ``__cause__``: live recovery tells a
+    lost peer by this type, not by the words of the backend's message."""
+
+
+def wait_for(work: object, what: str) -> None:
+    """``work.wait()`` of an asynchronous ``torch.distributed`` operation; its failure raised as
+    :class:`CollectiveError` (``what`` names the operation)."""
+    try:
+        work.wait()  # type: ignore[attr-defined]
+    except RuntimeError as err:
+        raise CollectiveError(f"{what} failed: {err}") from err
 
 
 def _active() -> bool:
@@ -55,7 +78,7 @@ def all_reduce_sum_async(
 
     def wait() -> list[torch.Tensor]:
         if work is not None:
-            work.wait()
+            wait_for(work, "the step's all-reduce")
         return list(packed.unbind())
 
     return wait

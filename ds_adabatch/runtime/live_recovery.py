@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .comm import CollectiveError
 from .live_snapshot import (
     Assembled,
     NoCompleteSnapshot,
@@ -56,20 +57,24 @@ __all__ = [
 
 logger = logging.getLogger("ds_adabatch")
 
-# What torch's gloo and NCCL process groups say when a peer died, hung or left (torch 2.13).
-_PEER_FAILURE_TEXT = (
-    "connection reset",
-    "connection closed",
-    "connection refused",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "socket",
-    "by peer",
-    "nccl communicator",
-    "no route to host",
-    "network is unreachable",
-)
+# Where a frame of a failed step's traceback says that a collective raised (DeepSpeed 0.19.8, torch 2.11+):
+# torch.distributed's functions, DeepSpeed's communication layer over them, and ZeRO-3's all-gather
+# handles, which DeepSpeed waits on in its own ``wait`` methods (partition_parameters.py).
+_COLLECTIVE_MODULES = ("torch.distributed", "deepspeed.comm")
+_DEEPSPEED_HANDLE_MODULES = ("deepspeed.runtime.zero",)
+
+
+def _raised_in_a_collective(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(_COLLECTIVE_MODULES):
+            return True
+        if module.startswith(_DEEPSPEED_HANDLE_MODULES) and frame.f_code.co_name == "wait":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class LiveRecoveryFailed(RuntimeError):
@@ -80,11 +85,22 @@ class LiveRecoveryFailed(RuntimeError):
 
 
 def is_peer_failure(err: BaseException) -> bool:
-    """Whether ``err`` is how a collective reports a lost or hung peer."""
-    if not isinstance(err, RuntimeError) or isinstance(err, LiveRecoveryFailed):
+    """Whether ``err`` is a collective's failure (a peer lost, hung, or cut off by the watchdog), told by
+    what failed, never by the words of the message.
+
+    A collective failed when the error is torch's distributed error type (``DistError``: NCCL, the
+    store, the network), ds_adabatch's own :class:`~ds_adabatch.runtime.comm.CollectiveError` (a wait
+    on an operation it issued), or a ``RuntimeError`` raised inside ``torch.distributed`` or DeepSpeed's
+    communication layer (gloo raises plain ``RuntimeError``). Anything else — a user's ``loss_fn``, the
+    dataset, a shape error — is the user's own error and is raised to them untouched. Whether the peer
+    is gone or every process is still alive is decided afterwards by the survivors' agreement.
+    """
+    if isinstance(err, LiveRecoveryFailed) or not isinstance(err, RuntimeError):
         return False
-    text = str(err).lower()
-    return any(t in text for t in _PEER_FAILURE_TEXT)
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if isinstance(err, CollectiveError) or (dist_error is not None and isinstance(err, dist_error)):
+        return True
+    return _raised_in_a_collective(err)
 
 
 def prepare_live_world(

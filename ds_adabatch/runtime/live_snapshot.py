@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from . import comm
+
 __all__ = [
     "Assembled",
     "NoCompleteSnapshot",
@@ -299,7 +301,7 @@ class Snapshots:
         self._pending = None
         if wait:
             for w in works:
-                w.wait()
+                comm.wait_for(w, "the snapshot's buddy copy")
         else:
             # After a failure: the copy counts only if it arrived whole. A dead sender's socket is
             # closed, so this returns (or raises) at once; a live one's completes.
