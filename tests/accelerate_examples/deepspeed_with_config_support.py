@@ -1,3 +1,4 @@
+# ruff: noqa: B007, SIM102, SIM118  (the example's own code, kept as accelerate writes it)
 """accelerate's ``examples/by_feature/deepspeed_with_config_support.py`` (accelerate 1.15), as a user of
 ds_adabatch runs it: ``accelerator.prepare(...)`` replaced by ``prepare(accelerator, ...)``, an
 ``"adabatch"`` section in the DeepSpeed config file, and the engine closed at the end. The rest is the
@@ -195,8 +196,9 @@ def main():
             optimizer, total_num_steps=args.max_train_steps, warmup_num_steps=args.num_warmup_steps
         )
 
-    out = os.environ.get("ADABATCH_TEST_OUT")  # test instrumentation
-    if out and accelerator.is_main_process and not args.resume_from_checkpoint:
+    out = os.environ.get("ADABATCH_TEST_OUT")  # test instrumentation (one writer, also under torchrun)
+    writer = accelerator.is_main_process and os.environ.get("RANK", "0") == "0"
+    if out and writer and not args.resume_from_checkpoint:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}/initial.pt")
     if args.without_adabatch:  # test instrumentation: the same loop without ds_adabatch
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
@@ -270,8 +272,9 @@ def main():
         logger.info(f"epoch {epoch}: perplexity: {perplexity} eval_loss: {eval_loss}")
         record["eval"].append(float(eval_loss))
 
-    if out and accelerator.is_main_process:  # test instrumentation
+    if out and writer:  # test instrumentation
         record["completed_steps"] = completed_steps
+        record["train_ids"] = [list(ids) for ids in train_dataset["input_ids"]]
         if not args.without_adabatch:
             record["history"] = [
                 [c.step, c.new_global_batch, c.new_gradient_accumulation_steps] for c in model.history
@@ -281,7 +284,7 @@ def main():
             json.dump(record, f)
     if out:
         state = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
+        if writer:
             torch.save(state, f"{out}/{args.run_name}.pt")
     accelerator.end_training()
     if not args.without_adabatch:

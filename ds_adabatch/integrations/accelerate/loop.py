@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["AdaptiveTrainDataLoader", "PlanBackward", "StepsAsAccelerate", "skip_nothing"]
+__all__ = ["AdaptiveTrainDataLoader", "PlanBackward", "StepsAsAccelerate", "skip_nothing", "unwrap_through"]
 
 
 class AdaptiveTrainDataLoader:
@@ -164,6 +164,16 @@ def skip_nothing(loader: AdaptiveTrainDataLoader, original: Callable[..., Any]) 
         return original(dataloader, num_batches)
 
     return skip_first_batches
+
+
+def unwrap_through(engine: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``accelerator.unwrap_model`` that unwraps ds_adabatch's engine as accelerate unwraps DeepSpeed's."""
+
+    @functools.wraps(original)
+    def unwrap_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(engine.deepspeed if model is engine else model, *args, **kwargs)
+
+    return unwrap_model
 
 
 def _to_device(batch: Any, device: Any) -> Any:

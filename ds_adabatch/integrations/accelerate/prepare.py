@@ -26,7 +26,7 @@ import torch
 from ...config import ConfigError, load_ds_config
 from ...config.loader import BATCH_KEYS, SECTION
 from ...runtime.initialize import initialize, refuse_replaced_deepspeed_initialize
-from .loop import AdaptiveTrainDataLoader, PlanBackward, StepsAsAccelerate, skip_nothing
+from .loop import AdaptiveTrainDataLoader, PlanBackward, StepsAsAccelerate, skip_nothing, unwrap_through
 
 __all__ = ["prepare"]
 
@@ -197,8 +197,11 @@ def _attach(accelerator: Any, engine: Any, loader: AdaptiveTrainDataLoader) -> N
     # micro-batch, so no_sync has nothing left to save: it is a no-op on this engine.
     engine.no_sync = _no_sync
     # load_state puts the loader at the saved step; skip_first_batches must not skip again.
-    original = accelerator.skip_first_batches
-    accelerator.skip_first_batches = skip_nothing(loader, original)
+    accelerator.skip_first_batches = skip_nothing(loader, accelerator.skip_first_batches)
+    # accelerate 1.15 extract_model_from_parallel unwraps a DeepSpeedEngine by type; the engine here
+    # holds one (engine.deepspeed). Unwrapping it gives the user's model back, for unwrap_model and for
+    # get_state_dict (which unwraps through the instance's unwrap_model).
+    accelerator.unwrap_model = unwrap_through(engine, accelerator.unwrap_model)
 
 
 def _no_sync() -> Any:
