@@ -49,7 +49,8 @@ def ds_config(folder: Path, name: str, section: dict | None, stage: int = 2) -> 
         "train_batch_size": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage},
+        # ZeRO 3: accelerator.get_state_dict gathers the full parameters only with this key.
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
         "steps_per_print": 10**6,
     }
     if section is not None:

@@ -3,21 +3,26 @@
 ``tests/accelerate_examples/deepspeed_with_config_support.py`` is the example with the documented change
 (docs/accelerate.md), run on CPU ranks with a tiny GPT-2 and local text (``_accelerate_fixtures``):
 
-* under ``accelerate launch`` (one process, ZeRO 2) at a constant batch of 4, against the same script
+* under ``accelerate launch`` (one process, ZeRO 3) at a constant batch of 4, against the same script
   without ds_adabatch (``accelerator.prepare``): the same loss for every micro-batch (the linear LR
   decay included) and the same evaluation;
-* on two ranks (ZeRO 2, a batch ramping 4 -> 12 in uneven plans, GAS changing, a constant LR): every
+* on two ranks (ZeRO 1, a batch ramping 4 -> 12 in uneven plans, GAS changing, a constant LR): every
   sample of the epoch once, ``sync_gradients`` true exactly on each plan's last micro-batch, and final
   parameters equal to a plain-PyTorch big-batch reference over the same steps (<= 1e-6 relative, fp32);
 * ``accelerator.load_state`` of that run's step-6 checkpoint on one process (another world size): the
-  rest of the epoch takes the same samples per step and ends at the same parameters.
+  rest of the epoch takes the same samples per step and ends at the same parameters;
+* DeepSpeed-Chat's step-1 ``main.py`` with the loop swap (``tests/ds_examples/dschat_step1_main.py``,
+  docs/engine.md) on two ranks under the ``deepspeed`` launcher (ZeRO 2), against a big-batch reference;
+* the refusals (one process, no launcher): the ``deepspeed.initialize`` swap, no DeepSpeed plugin, no
+  section, a batch key that disagrees with the plan.
 
 Two ranks run under torchrun with accelerate's DeepSpeed settings in the environment (as ``accelerate
 launch`` sets them): accelerate 1.15 cannot run DeepSpeed on two CPU processes itself. Its
 ``PartialState`` finds no distributed backend on a machine without an accelerator device unless
 ``--cpu`` is given, and ``--cpu`` turns DeepSpeed off (``ACCELERATE_USE_DEEPSPEED`` is read only
 ``and not cpu``); so each process sees ``num_processes == 1`` while DeepSpeed's group holds both, and
-``accelerator.prepare`` fails DeepSpeed's batch-size check. The engine ds_adabatch builds takes its
+``accelerator.prepare`` fails DeepSpeed's batch-size check (and ``gather_for_metrics`` gathers one tensor
+over a group of two, so the two-rank launch skips the example's evaluation: ``--no_eval``). The engine ds_adabatch builds takes its
 world from DeepSpeed, so the run is right on both ranks; accelerate's own view (both ranks "main") only
 touches what the example logs and saves.
 """
@@ -142,7 +147,7 @@ def runs(request, tmp_path_factory) -> dict:
 
     def const(plain: bool):
         out = folder("plain" if plain else "ours")
-        config = ds_config(out, "ds", CONSTANT)
+        config = ds_config(out, "ds", CONSTANT, stage=3)
         extra = ["--without_adabatch"] if plain else []
         accelerate_launch(
             out, config, *data, *COMMON, "--no_shuffle", *extra, "--run_name", "run", what="const"
@@ -153,14 +158,15 @@ def runs(request, tmp_path_factory) -> dict:
 
     def ramp():
         out = folder("ramp")
-        config = ds_config(out, "ds", RAMP)
+        config = ds_config(out, "ds", RAMP, stage=1)
         args = [*data, *COMMON, "--lr_scheduler_type", "constant", "--checkpointing_steps", "6"]
-        torchrun_2(out, config, *args, "--output_dir", "ckpt", "--run_name", "run", what="two ranks")
+        args += ["--output_dir", "ckpt", "--run_name", "run", "--no_eval"]  # accelerate cannot gather here
+        torchrun_2(out, config, *args, what="two ranks")
         return out
 
     def resume():
         out = folder("resume")
-        config = ds_config(out, "ds", RAMP)
+        config = ds_config(out, "ds", RAMP, stage=1)
         args = [*data, *COMMON, "--lr_scheduler_type", "constant", "--run_name", "run"]
         args += ["--resume_from_checkpoint", str(ramp_dir / "ckpt" / "step_6")]
         accelerate_launch(out, config, *args, what="resume on one process")

@@ -12,7 +12,8 @@ DeepSpeed config has an optimizer / scheduler, the ``accumulate()`` loop, checkp
         --config_name tiny_gpt2 --tokenizer_name tiny_gpt2 --block_size 16 --seed 0
 
 Test instrumentation only: ``--without_adabatch`` calls ``accelerator.prepare`` (the same loop without
-ds_adabatch), ``--no_shuffle`` builds the training loader with ``shuffle=False``, and
+ds_adabatch), ``--no_shuffle`` builds the training loader with ``shuffle=False``, ``--no_eval`` skips the evaluation
+(accelerate's ``gather_for_metrics`` cannot run on two CPU ranks, see tests/test_accelerate.py), and
 ADABATCH_TEST_OUT=<dir> makes the main process write the loss of every micro-batch, the samples of every
 optimizer step and the parameters into <dir>/<--run_name>.json / .pt.
 """
@@ -64,6 +65,7 @@ def parse_args():
     parser.add_argument("--without_adabatch", action="store_true")
     parser.add_argument("--no_shuffle", action="store_true")
     parser.add_argument("--run_name", type=str, default="run")
+    parser.add_argument("--no_eval", action="store_true")
     return parser.parse_args()
 
 
@@ -268,6 +270,8 @@ def main():
             if completed_steps >= args.max_train_steps:
                 break
 
+        if args.no_eval:  # test instrumentation: see tests/test_accelerate.py on two CPU ranks
+            continue
         perplexity, eval_loss = evaluate(args, model, eval_dataloader, accelerator, eval_dataset)
         logger.info(f"epoch {epoch}: perplexity: {perplexity} eval_loss: {eval_loss}")
         record["eval"].append(float(eval_loss))
