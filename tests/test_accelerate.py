@@ -198,6 +198,7 @@ def _relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_constant_batch_matches_accelerate_without_adabatch(runs):
     ours, plain = _record(outcome(runs, "const_ours")), _record(outcome(runs, "const_plain"))
     assert len(ours["losses"]) == len(plain["losses"]) > 10, "both loops must run the same micro-batches"
@@ -211,6 +212,7 @@ def test_constant_batch_matches_accelerate_without_adabatch(runs):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_two_ranks_match_a_big_batch_reference(runs):
     import torch
 
@@ -232,6 +234,7 @@ def test_two_ranks_match_a_big_batch_reference(runs):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_load_state_resumes_on_another_world_size(runs):
     import torch
 
@@ -261,6 +264,7 @@ def _big_batch_reference(out: Path, ledger: list[list[int]], train_ids: list[lis
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_deepspeed_chat_step1_trains_the_plan_exactly(runs):
     """DeepSpeed-Chat's step 1 with the loop swap (docs/engine.md): the plan's batches, exactly."""
     import torch
@@ -323,6 +327,7 @@ refused("WRAPPER", lambda: deepspeed.initialize(model=model, config=config))
 """
 
 
+@pytest.mark.slow
 def test_refusals_are_sentences(tmp_path):
     """The swap users try, a wrapper around it, no DeepSpeed plugin, no section, a disagreeing number."""
     env = {
