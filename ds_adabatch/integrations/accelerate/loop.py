@@ -32,18 +32,14 @@ class AdaptiveTrainDataLoader:
     Anything else (``state_dict``, ``sampler``, ...) is the engine's loader.
     """
 
-    def __init__(self, accelerator: Any, engine: Any, loop_loader: Any) -> None:
-        self.__dict__.update(accelerator=accelerator, engine=engine, loop_loader=loop_loader)
+    def __init__(self, accelerator: Any, engine: Any, loop_loader: Any, dataset: Any) -> None:
+        self.__dict__.update(accelerator=accelerator, engine=engine, loop_loader=loop_loader, dataset=dataset)
         self.__dict__["end_of_dataloader"] = False
 
     # accelerate 1.15 GradientState reads these of the active dataloader (gather_for_metrics, _do_sync).
     @property
     def remainder(self) -> int:
         return -1  # no sample is duplicated to even out the ranks: nothing to drop in gather_for_metrics
-
-    @property
-    def dataset(self) -> Any:
-        return self.engine.dataloader.dataset
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loop_loader"], name)

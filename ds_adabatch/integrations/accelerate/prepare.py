@@ -107,7 +107,7 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
                 else:
                     ds_config[key] = value
     engine = built["engine"]
-    loader = AdaptiveTrainDataLoader(accelerator, engine, built["loader"])
+    loader = AdaptiveTrainDataLoader(accelerator, engine, built["loader"], train_loader.dataset)
     result[slot] = loader
     _attach(accelerator, engine, loader)
     return result[0] if len(result) == 1 else tuple(result)
