@@ -4,6 +4,8 @@
 name is first touched, so importing this package (or ``ds_adabatch``) stays free of it. The Trainer
 integration is the package :mod:`ds_adabatch.integrations.hf` (its ``__init__`` says what each module
 does); ``ds_adabatch.integrations.transformers`` re-exports it under its first published name.
+Custom loops under Hugging Face accelerate use :func:`ds_adabatch.integrations.accelerate.prepare` (the
+package :mod:`ds_adabatch.integrations.accelerate`, imported by name).
 """
 
 from __future__ import annotations

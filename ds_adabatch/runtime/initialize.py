@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,9 +26,19 @@ from .process_group import init_distributed
 from .token_setup import token_budget_sampler
 from .weights import make_token_counter, pipeline_token_count
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "refuse_replaced_deepspeed_initialize"]
 
 logger = logging.getLogger("ds_adabatch")
+
+_REPLACED = (
+    "deepspeed.initialize has been replaced by ds_adabatch.initialize: ds_adabatch.initialize builds its "
+    "engine with DeepSpeed's own deepspeed.initialize, which it can no longer reach (it would call itself). "
+    "Leave deepspeed.initialize as DeepSpeed defines it and call ds_adabatch.initialize(...) where your "
+    "script calls deepspeed.initialize; under Hugging Face accelerate, which calls deepspeed.initialize "
+    "itself, replace accelerator.prepare(...) with "
+    "ds_adabatch.integrations.accelerate.prepare(accelerator, ...) (docs/accelerate.md)"
+)
+_calling_deepspeed = False  # inside initialize's own deepspeed.initialize call (a re-entry is a swap)
 
 
 def initialize(
@@ -105,7 +116,11 @@ def initialize(
             anything, and before any process group is created when the problem does not depend on the
             world size.
         TypeError: an argument DeepSpeed would not accept either (named in the message).
+        RuntimeError: ``deepspeed.initialize`` was replaced by this function (it would call itself).
     """
+    deepspeed_module = sys.modules.get("deepspeed")
+    if _calling_deepspeed or deepspeed_module is not None:
+        refuse_replaced_deepspeed_initialize(getattr(deepspeed_module, "initialize", None))
     call = resolve_call(
         positional,
         args=args,
@@ -170,7 +185,8 @@ def initialize(
 
         if world_live is not None:
             world_live.seed_deepspeed_group()  # before DeepSpeed clones the world (live_world.py)
-        ds_engine, _, _, ds_scheduler = deepspeed.initialize(
+        ds_engine, _, _, ds_scheduler = _deepspeed_initialize(
+            deepspeed,
             args=call.deepspeed_args,
             model=model,
             model_parameters=model_parameters if model_parameters is not None else model.parameters(),
@@ -256,6 +272,23 @@ def initialize(
     # optimizer is then a handle on the current one (live_recovery.py).
     returned = CurrentOptimizer(engine) if engine.live_elastic == "on" else engine.deepspeed.optimizer
     return engine, returned, loader, engine.lr_coupling
+
+
+def refuse_replaced_deepspeed_initialize(current: Any) -> None:
+    """Raise the sentence that points to the way in when ``deepspeed.initialize`` is this function (or a
+    wrapper that called back into it: ``initialize`` was entered from its own DeepSpeed call)."""
+    if _calling_deepspeed or current is initialize:
+        raise RuntimeError(_REPLACED)
+
+
+def _deepspeed_initialize(deepspeed: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    global _calling_deepspeed
+    refuse_replaced_deepspeed_initialize(deepspeed.initialize)
+    _calling_deepspeed = True
+    try:
+        return deepspeed.initialize(**kwargs)
+    finally:
+        _calling_deepspeed = False
 
 
 def _build_loader(
