@@ -3,8 +3,12 @@ bounds (memory, exploration) and its stability over 500 simulated steps."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +253,58 @@ def test_config_needs_max_global_batch_and_refuses_token_budgets():
                 }
             }
         )
+
+
+def test_simulate_goodput_with_a_step_time_curve(tmp_path):
+    from ds_adabatch.schedules.simulate import simulate
+
+    loaded = load_ds_config(
+        {
+            "adabatch": {
+                "schedule": {"type": "goodput", "start": 8, "warmup_steps": 0},
+                "max_micro_batch_per_gpu": 16,
+                "max_global_batch": 256,
+            }
+        },
+        world_size=2,
+    )
+    flat = simulate(
+        loaded, world_size=2, samples=20000, out_png=None, step_time="fixed=0.05", noise_scale=40.0
+    )
+    assert flat[-1]["global_batch"] == 256
+    affine = simulate(
+        loaded,
+        world_size=2,
+        samples=20000,
+        out_png=None,
+        step_time="fixed=0.02,per_sample=0.001",
+        noise_scale=40.0,
+    )
+    assert affine[-1]["global_batch"] == 32, [r["global_batch"] for r in affine[::50]]
+    assert "samples/s x efficiency" in next(r["reason"] for r in affine if r["global_batch"] != 8)
+    with pytest.raises(ValueError, match="needs a step-time curve"):
+        simulate(loaded, world_size=2, samples=100, out_png=None, noise_scale=40.0)
+    with pytest.raises(ValueError, match="needs a recorded run"):
+        simulate(loaded, world_size=2, samples=100, out_png=None, step_time="fixed=0.05")
+
+
+def test_noise_cadence_splits_one_pass_steps_one_in_four():
+    from ds_adabatch.runtime.noise_probe import SPLIT_EVERY, NoiseCadence
+
+    cadence = NoiseCadence(_section().schedule)
+    # One rank, GAS 1: only where the step can be split, and one due step in SPLIT_EVERY.
+    assert [s for s in range(12) if cadence.due(s, 1, 1, can_split=True)] == list(range(0, 12, SPLIT_EVERY))
+    assert not any(cadence.due(s, 1, 1) for s in range(12))
+    assert all(cadence.due(s, 2, 1) for s in range(12))  # two micro-batches in total: every step
+
+
+def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
+    config = json.loads((Path(__file__).parent.parent / "ds_configs" / "pipe_ramp.json").read_text())
+    config["adabatch"]["schedule"] = {"type": "goodput", "start": 8}
+    config["adabatch"]["max_global_batch"] = 64
+    path = tmp_path / "pipe_goodput.json"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "ds_adabatch.cli", "validate", str(path), "--world-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout
+    assert "adabatch.schedule.type: goodput cannot be measured with" in result.stderr, result.stderr
