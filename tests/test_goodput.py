@@ -308,3 +308,39 @@ def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 2, result.stdout
     assert "adabatch.schedule.type: goodput cannot be measured with" in result.stderr, result.stderr
+
+
+def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch):
+    import time
+
+    from ds_adabatch.runtime.step_sync import StepSync
+    from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV, NoStepTimes, StepTimes, step_times_for
+
+    plan = plan_batch(16, 2, 4)  # micro 4 x gas 2 on 2 ranks
+    model = ThroughputModel(skip_first=0)
+    sync = StepSync("cpu")
+    timer = StepTimes(model, "cpu", processes=2)  # no process group: the "sum" is this process's value
+    for retried in (False, True):
+        started = time.perf_counter() - 0.2
+        timer.step_started()
+        timer.step_finished(plan, started, sync, retried=retried)
+    assert len(sync._queued) == 2, "one value per step, retried or not (every rank queues the same)"
+    sync.reduce()
+    # The retried step teaches nothing; the other is the sum over "ranks" / 2.
+    ((micro, gas, seconds, n),) = model.measured(2)
+    assert (micro, gas, n) == (4, 2, 1) and 0.1 <= seconds < 0.2
+    # A simulated curve replaces the clock; schedules without step times get the no-op object.
+    monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fixed=0.01,per_pass=0.002")
+    goodput = BatchSizeController(_section(), 2).schedule
+    simulated = step_times_for(goodput, goodput.throughput, "cpu")
+    assert simulated.curve is not None and simulated.curve.predict(4, 2) == pytest.approx(0.014)
+    constant = BatchSizeController(
+        AdaBatchConfig.model_validate(
+            {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 8}
+        ),
+        2,
+    )
+    assert type(step_times_for(constant.schedule, None, "cpu")) is NoStepTimes
+    monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fast")
+    with pytest.raises(ValueError, match=SIMULATED_STEP_TIME_ENV):
+        step_times_for(goodput, goodput.throughput, "cpu")

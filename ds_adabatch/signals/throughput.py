@@ -60,9 +60,12 @@ class StepTimeFit:
         return self.fixed + gas * (self.per_pass + self.per_sample * micro)
 
     def describe(self) -> str:
-        return (
+        curve = (
             f"{self.fixed * 1e3:.3g} ms + GAS x ({self.per_pass * 1e3:.3g} ms + micro x "
-            f"{self.per_sample * 1e3:.3g} ms) from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
+            f"{self.per_sample * 1e3:.3g} ms)"
+        )
+        return (
+            curve if not self.shapes else f"{curve} from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
         )
 
 
