@@ -344,3 +344,25 @@ def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch
     monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fast")
     with pytest.raises(ValueError, match=SIMULATED_STEP_TIME_ENV):
         step_times_for(goodput, goodput.throughput, "cpu")
+
+
+def test_resume_on_another_world_size_keeps_the_measured_costs():
+    section = _section()
+    batches, controller = run_loop(section, lambda m, g: 0.05, lambda s, r: 30.0, steps=40, world=2)
+    resumed = BatchSizeController(section, 4)
+    resumed.load_state_dict(controller.state_dict())
+    model = resumed.schedule.throughput
+    # Nothing measured on 4 ranks yet: the 2-rank shapes predict (a rank's passes cost the same).
+    assert model.predict(16, 1, 4) == pytest.approx(0.05)
+    assert model.largest_tried(4) == model.largest_tried(2) != (0, 0)
+    ctx = ScheduleContext(
+        step=40,
+        samples=0,
+        global_batch=batches[-1],
+        world_size=4,
+        noise_scale=30.0,
+        noise_scale_error=0.1,
+        micro_batch_limit=16,
+    )
+    decision = resumed.next_global_batch(ctx)
+    assert decision.global_batch % 4 == 0 and "samples/s x efficiency" in decision.reason, decision

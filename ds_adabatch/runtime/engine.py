@@ -13,7 +13,8 @@ class runs the passes (every rank in lockstep)::
               backward(loss * count * W / total, scale_wrt_gas=False)
               step()                                      # DeepSpeed updates only on the boundary
     account   the step's loss sum stays on the device until the next collective or every
-              log.every_steps steps (StepSync), then metrics are written
+              log.every_steps steps (StepSync), then metrics are written; under the goodput schedule
+              the step's time is queued there too (step_times.py: started at fetch, finished here)
 
 A steady step (map-style data, sample normalisation, no change of batch, no noise measurement) issues no
 collective and no host synchronisation beyond DeepSpeed's own.
