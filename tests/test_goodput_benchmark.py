@@ -1,5 +1,7 @@
-"""``benchmarks/time_to_target.py --smoke`` end to end: every policy trains in its own process and
-every output exists and is well formed. Only structure is checked, never a timing or a ratio: those
+"""``benchmarks/time_to_target.py --smoke`` end to end: each policy trains in its own process and every
+output exists and is well formed. Three of the five policies run (a fixed batch and the two that measure
+the noise scale, on one rank at GAS 1): each costs a process start, and linear differs from fixed only
+in its schedule config. Only structure is checked, never a timing or a ratio: those
 depend on the machine and its load (the measurement itself is run by hand, on an idle machine)."""
 
 from __future__ import annotations
@@ -11,15 +13,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ["fixed-4", "fixed-16", "linear", "gradient_noise", "goodput"]
+POLICIES = ["fixed-16", "gradient_noise", "goodput"]
 
 
 def test_time_to_target_smoke(tmp_path):
     out = tmp_path / "ttt"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "time_to_target.py"), "--smoke", "--seconds", "2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "time_to_target.py"),
+        "--smoke",
+        "--seconds",
+        "2",
+        "--only",
+        *POLICIES,
+    ]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, f"the smoke run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads((out / "results.json").read_text())
