@@ -1,9 +1,10 @@
 """Every schedule rule by its config ``type``, and :func:`build_schedule`, which turns a config into its rule.
 
 This is the one module that imports the rule modules (``ramps``, ``noise``, ``plateau``, ``seesaw``,
-``user``, ``goodput``). Within this package each of them imports only :mod:`~ds_adabatch.schedules.base` (``seesaw``
-also ``base_lr``) and ``base`` imports none of them, so the schedules form no import cycle. A new rule is added here and as a member of
-``ds_adabatch.config.schedules.ScheduleConfig``.
+``user``, ``goodput``). Within this package each of them imports only :mod:`~ds_adabatch.schedules.base`
+(``seesaw`` also ``base_lr``, ``goodput`` also ``noise`` for its warm-up rule) and neither ``base`` nor
+``noise`` imports a rule module, so the schedules form no import cycle. A new rule is added here and as
+a member of ``ds_adabatch.config.schedules.ScheduleConfig``.
 """
 
 from __future__ import annotations
