@@ -8,6 +8,7 @@ Subcommands::
     ds-adabatch config-docs [--output PATH | --check PATH]
     ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
     ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
+        [--step-time fixed=0.03,per_sample=0.0004] [--noise-scale 40]
 
 Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale; 2 on bad input or
 an invalid config, with a message on stderr and no traceback. The command imports neither DeepSpeed
@@ -366,6 +367,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.replay is not None and not Path(args.replay).is_file():
         raise UsageError(f"--replay {args.replay}: file not found")
     extra = {"tokens_per_sample": args.tokens_per_sample} if args.tokens_per_sample else {}
+    if args.step_time is not None:
+        extra["step_time"] = args.step_time
+    if args.noise_scale is not None:
+        extra["noise_scale"] = args.noise_scale
     try:
         # Imported here: the simulator may draw with matplotlib, which the other subcommands never need.
         from ds_adabatch.schedules.simulate import simulate
@@ -511,6 +516,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="T",
         help="tokens per sample (e.g. sequence length) for schedules keyed on tokens",
+    )
+    p.add_argument(
+        "--step-time",
+        default=None,
+        metavar="CURVE",
+        help="what a step costs, for goodput: fixed=S,per_pass=S,per_sample=S (seconds) or a table of "
+        "one-pass step times by micro-batch, MICRO:S,MICRO:S,...",
+    )
+    p.add_argument(
+        "--noise-scale",
+        type=float,
+        default=None,
+        metavar="B",
+        help="a fixed gradient-noise scale (samples) in place of --replay's, for gradient_noise and goodput",
     )
     p.set_defaults(func=_cmd_simulate)
     return parser

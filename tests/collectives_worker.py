@@ -244,6 +244,14 @@ def main() -> None:
         "gradient_noise measuring every step": adaptive(
             {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}
         ),
+        # Its step times ride the noise sums' all-reduce; a decision (every 3 steps) resolves them.
+        "goodput deciding every 3 steps": adaptive(
+            {
+                "schedule": {"type": "goodput", "start": batch, "warmup_steps": 0, "decide_every": 3},
+                "min_global_batch": batch,
+                "max_global_batch": batch,
+            }
+        ),
         'gradient_noise measuring every step with "token"': adaptive(
             {"schedule": {"type": "gradient_noise", "start": batch, "measure_every": 1}}, token=True
         ),

@@ -61,6 +61,7 @@ def test_a_steady_step_adds_nothing(counts, case):
         'loss_normalization "token"',
         "gradient_noise measuring every step",
         'gradient_noise measuring every step with "token"',
+        "goodput deciding every 3 steps",
         "a user's callable schedule",
     ],
 )

@@ -301,6 +301,11 @@ class AdaBatchConfig(_Section):
                 )
             )
         problems += _seesaw_problems(self)
+        section_problems = getattr(self.schedule, "section_problems", None)  # e.g. goodput's
+        if section_problems is not None:
+            problems += [
+                ConfigProblem(path, message, value) for path, message, value in section_problems(self)
+            ]
         return problems
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = [
     "CallableScheduleConfig",
     "ConstantScheduleConfig",
+    "GoodputScheduleConfig",
     "GradientNoiseScheduleConfig",
     "LinearScheduleConfig",
     "LossPlateauScheduleConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "ScheduleConfigBase",
     "SeesawScheduleConfig",
     "StepScheduleConfig",
+    "measures_noise",
 ]
 
 
@@ -629,6 +631,109 @@ class SeesawScheduleConfig(ScheduleConfigBase):
         return [("start", self.start)]
 
 
+_NOISE_FIELDS = ("ema_beta", "ema_reference_batch", "max_relative_error", "measure_every", "geometry")
+
+
+class GoodputScheduleConfig(ScheduleConfigBase):
+    """Choose the global batch that trains fastest on this hardware: the largest goodput.
+
+    Goodput (Pollux, Qiao et al. OSDI '21) is throughput x statistical efficiency: samples per second
+    times the fraction of them that count, ``(B_noise + start) / (B_noise + batch)`` with ``B_noise`` the
+    gradient-noise scale the runtime measures as for ``gradient_noise``. Throughput comes from a model of
+    the step time, ``fixed + GAS x (per_pass + per_sample x micro)``, fitted from the steps the job runs.
+    Every ``decide_every`` optimizer steps the schedule evaluates every plannable batch up to
+    ``max_global_batch`` (required) with the split the planner gives it under the micro-batch limit,
+    and moves to the best one when its predicted goodput beats the current batch's by more than
+    ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one
+    did (the model is flat until it knows better) and are tried at most ``explore_factor`` beyond the
+    largest measured. Where a larger batch is nearly free (a host-bound step) it grows to the large end;
+    where the step time grows with the batch it settles near the noise scale. The LR follows
+    ``lr_scaling`` as for every schedule. See docs/schedules.md.
+    """
+
+    type: Literal["goodput"] = Field(description="Schedule type.")
+    start: int = Field(
+        ge=1,
+        description="Global batch of the first steps, in samples per optimizer step; also the reference "
+        "batch M0 of the statistical efficiency (efficiency 1 at start).",
+    )
+    decide_every: int = Field(
+        default=10,
+        ge=1,
+        description="Optimizer steps between two goodput decisions. A shape's first step is not "
+        "measured and its time is the median of the steps since, so 10 gives a new shape about 9 "
+        "measured steps before it is judged; shorter cadences judge on fewer steps and move more often.",
+    )
+    hysteresis: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="Move only when the best batch's predicted goodput exceeds the current batch's by "
+        "more than this fraction (unitless). 0.05 is above the step-to-step spread of a median of a "
+        "few step times, so the plan is not rebuilt for a gain that is noise, and a batch the model "
+        "rates within 5% of the best stays.",
+    )
+    explore_factor: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="Batches whose micro-batch, or samples per rank per step (micro x GAS), exceed this "
+        "factor times the largest measured are not considered yet (unitless). 2 explores in doublings: "
+        "each untried shape is measured before the next one beyond it is predicted from it.",
+    )
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description="Optimizer steps held at start before the first decision. null: one EMA time "
+        "constant of noise measurements, ceil(measure_every / (1 - ema_beta)) steps (20 at the "
+        "defaults), as for gradient_noise.",
+    )
+    ema_beta: float = GradientNoiseScheduleConfig.model_fields["ema_beta"]
+    ema_reference_batch: int | None = GradientNoiseScheduleConfig.model_fields["ema_reference_batch"]
+    max_relative_error: float | None = GradientNoiseScheduleConfig.model_fields["max_relative_error"]
+    measure_every: int = GradientNoiseScheduleConfig.model_fields["measure_every"]
+    geometry: Literal["auto", "sgd", "adam"] = GradientNoiseScheduleConfig.model_fields["geometry"]
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.start
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [("start", self.start)]
+
+    def estimator_settings(self) -> dict[str, float]:
+        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
+        reference = self.ema_reference_batch
+        if reference is None:
+            reference = max(self.start, 8)
+        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}
+
+    def section_problems(self, section: Any) -> list[tuple[str, str, Any]]:
+        """What the rest of the ``"adabatch"`` section must give this schedule: ``(path, problem, value)``."""
+        problems = []
+        if section.max_global_batch is None:
+            problems.append(
+                (
+                    "max_global_batch",
+                    "is required by the goodput schedule (where a larger batch costs nothing more, goodput "
+                    "grows with the batch without end): set the largest global batch to consider",
+                    None,
+                )
+            )
+        if section.token_budget:
+            problems.append(
+                (
+                    "schedule.type",
+                    "goodput does not support token-budget steps (micro_batch_tokens) yet: use "
+                    "gradient_noise or a ramp with unit tokens, or drop micro_batch_tokens",
+                    "goodput",
+                )
+            )
+        return problems
+
+
+def measures_noise(schedule: Any) -> bool:
+    """Whether a schedule config's rule reads the gradient-noise scale (``gradient_noise``, ``goodput``)."""
+    return getattr(schedule, "type", None) in ("gradient_noise", "goodput")
+
+
 ScheduleConfig = Annotated[
     Union[  # noqa: UP007 - the registry of schedule types
         ConstantScheduleConfig,
@@ -638,6 +743,7 @@ ScheduleConfig = Annotated[
         CallableScheduleConfig,
         LossPlateauScheduleConfig,
         GradientNoiseScheduleConfig,
+        GoodputScheduleConfig,
         SeesawScheduleConfig,
     ],
     Field(discriminator="type"),

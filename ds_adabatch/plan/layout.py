@@ -56,16 +56,18 @@ def model_parallel_problems(
                 "auto",
             )
         )
-    if cfg.schedule.type != "gradient_noise" or not (spread or pipelined):
+    kind = cfg.schedule.type
+    if kind not in ("gradient_noise", "goodput") or not (spread or pipelined):
         return problems
     return problems + [
         ConfigProblem(
             "adabatch.schedule.type",
-            f"gradient_noise cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "
-            "it reads every micro-batch's local gradient before DeepSpeed reduces it, and here a "
-            "micro-batch's gradient is spread over stages or tensor ranks (DeepSpeed's PipelineEngine "
-            "runs the passes itself). Use loss_plateau, seesaw or a sample-keyed ramp",
-            "gradient_noise",
+            f"{kind} cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "
+            "the gradient-noise scale it reads comes from every micro-batch's local gradient before "
+            "DeepSpeed reduces it, and here a micro-batch's gradient is spread over stages or tensor "
+            "ranks (DeepSpeed's PipelineEngine runs the passes itself). Use loss_plateau, seesaw or a "
+            "sample-keyed ramp",
+            kind,
         )
     ]
 

@@ -447,7 +447,7 @@ def configured_geometry(ds_engine: Any) -> str:
     raw = getattr(getattr(ds_engine, "_config", None), "_param_dict", None)
     section = raw.get("adabatch") if isinstance(raw, dict) else None
     schedule = section.get("schedule") if isinstance(section, dict) else None
-    if not isinstance(schedule, dict) or schedule.get("type") != "gradient_noise":
+    if not isinstance(schedule, dict) or schedule.get("type") not in ("gradient_noise", "goodput"):
         return "sgd"
     return str(schedule.get("geometry", GradientNoiseScheduleConfig.model_fields["geometry"].default))
 

@@ -13,7 +13,8 @@ class runs the passes (every rank in lockstep)::
               backward(loss * count * W / total, scale_wrt_gas=False)
               step()                                      # DeepSpeed updates only on the boundary
     account   the step's loss sum stays on the device until the next collective or every
-              log.every_steps steps (StepSync), then metrics are written
+              log.every_steps steps (StepSync), then metrics are written; under the goodput schedule
+              the step's time is queued there too (step_times.py: started at fetch, finished here)
 
 A steady step (map-style data, sample normalisation, no change of batch, no noise measurement) issues no
 collective and no host synchronisation beyond DeepSpeed's own.
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..plan import BatchPlan
+from ..plan import BatchPlan, plan_batch
 from .loop import LoopMixin
 from .noise_probe import NoiseCadence, NoiseProbe, update_estimator
 from .passes import StepPasses
@@ -49,6 +50,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         super().__init__(ds_engine, **kwargs)
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self._probe: NoiseProbe | None = None
+        self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
         self._by_token = self.config.loss_normalization == "token"
 
     # ---------------------------------------------------------------------------------------------
@@ -84,8 +86,9 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
 
     def _train_one_batch(self, data_iter: Iterator[Any] | None = None) -> StepLoss:
         started = time.perf_counter()
+        self._step_times.step_started()
         self.next_plan()
-        measure = self._should_measure_noise()
+        measure = self._should_measure_noise(from_loader=data_iter is None)
         lr_used = self.lr_coupling.get_lr()[0]
 
         if data_iter is None:
@@ -95,7 +98,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
                     "train_batch(data_iter) with an iterator of micro-batches"
                 )
             planned = self.plan
-            step_batch = self._take_step_batch()
+            step_batch = self._take_step_batch(split=measure)
             if self.plan is not planned:  # the epoch tail was re-planned: its LR multiplier applies
                 lr_used = self.lr_coupling.get_lr()[0]
             micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
@@ -120,19 +123,38 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             results = self._forward_backward(micro, total_samples, measure)
         return self._complete_step(step, started, lr_used, results)
 
-    def _take_step_batch(self) -> Any:
-        """The sampler's next global batch for the plan, cut for this rank (the epoch tail re-planned)."""
+    def _take_step_batch(self, split: bool = False) -> Any:
+        """The sampler's next global batch for the plan, cut for this rank (the epoch tail re-planned).
+
+        ``split``: a noise measurement is due; where the step is one pass in total it is cut into two
+        half passes (the same samples and update) so a micro-batch's gradient can be compared with the
+        batch's (noise_probe.NoiseCadence); the plan is restored after the step."""
         step_batch = self.dataloader.next_step(self.plan)
         self.last_step_batch = step_batch
         if step_batch.plan != self.plan:
             self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+        size = step_batch.global_batch.size if step_batch.global_batch is not None else 0
+        if split and self.world_size * self.plan.gradient_accumulation_steps == 1 and size >= 2:
+            halves = plan_batch(size, self.world_size, -(-size // 2), allow_uneven=True)
+            self._unsplit_plan = self.plan
+            self._apply_plan(halves, reason="noise measurement", record=False)
+            step_batch = self.dataloader.reload(step_batch, halves)
+            self.last_step_batch = step_batch
         return step_batch
 
     def _complete_step(self, step: int, started: float, lr_used: float, results: tuple) -> StepLoss:
         """Account a step whose passes ran (``StepPasses.result()``): counts, signals, its record, its loss."""
         loss_sum, tokens, total_samples, total, probe_sums = results
-        self._finish_step(total_samples, tokens)
         sync = self._sync
+        # Throughput point: the step's time, with the shape it ran (before the next plan), is queued
+        # for the step's collective and reaches the goodput schedule's model (step_times.py).
+        self._step_times.step_finished(self.plan, started, sync, retried=self._step_ooms > 0)
+        split, self._unsplit_plan = self._unsplit_plan, None
+        if split is not None and not self._step_ooms:  # back to the plan the step was split from
+            self._apply_plan(split, reason="noise measurement", record=False)
+        self._finish_step(total_samples, tokens, count_memory=split is None)
+        if split is not None:
+            self._record_extra = {**(self._record_extra or {}), "noise_split_passes": 2.0}
         # The previous step's measurement: its all-reduce (issued below, one step ago) has overlapped
         # this step's work, and it reaches the schedule before the next decision.
         sync.complete()
@@ -246,9 +268,12 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             self._probe.start()
         return self._probe
 
-    def _should_measure_noise(self) -> bool:
+    def _should_measure_noise(self, from_loader: bool = False) -> bool:
+        """Whether this step measures the noise scale; ``from_loader``: its samples come from the
+        sampler, so a single-pass step can be split in two for it (_take_step_batch)."""
+        can_split = from_loader and self.dataloader is not None and self.plan.global_batch_size >= 2
         return self._noise_cadence.due(
-            self.global_steps, self.world_size, self.plan.gradient_accumulation_steps
+            self.global_steps, self.world_size, self.plan.gradient_accumulation_steps, can_split=can_split
         )
 
     def _noise_callback(

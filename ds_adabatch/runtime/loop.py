@@ -57,6 +57,7 @@ class LoopStep:
         self.started = started
         self.step = step
         self.passes: StepPasses | None = None
+        self.measure = False  # whether the step measures the noise scale (decided with its batch)
         self.lr_used = 0.0
         self.next_index = 0  # the next micro-batch to hand out
         self.current: int | None = None  # handed out, not yet stepped
@@ -156,10 +157,13 @@ class LoopMixin:
     def _begin_loop_step(self) -> LoopStep:
         """Decide the next plan, take its global batch and make it the step in progress."""
         started = time.perf_counter()
+        self._step_times.step_started()
         self.next_plan()
         data_state = self.dataloader.state_dict()
-        step_batch = self._take_step_batch()
+        measure = self._should_measure_noise(from_loader=True)
+        step_batch = self._take_step_batch(split=measure)
         loop = LoopStep(step_batch, data_state, started, self.global_steps)
+        loop.measure = measure
         self._loop = loop
         return loop
 
@@ -167,7 +171,7 @@ class LoopMixin:
         index = loop.next_index
         if loop.passes is None:  # the step's totals, its LR samples and its probe, at its first pass
             self._step_ooms = 0
-            measure = self._should_measure_noise()
+            measure = loop.measure
             loop.lr_used = self.lr_coupling.get_lr()[0]
             global_batch = loop.step_batch.global_batch
             total = global_batch.size if global_batch is not None else None

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
+from ds_adabatch.config.schedules import measures_noise
 from ds_adabatch.signals import GradientNoiseEstimator
 
 from .adam_geometry import AdamPreconditioner, configured_geometry, measured_geometry, noise_preconditioner
 
-__all__ = ["NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
+__all__ = ["SPLIT_EVERY", "NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -270,31 +271,47 @@ def update_estimator(
     estimator.update(b_small, mean_small, total_samples, sq_big)
 
 
+SPLIT_EVERY = 4
+"""On one rank at GAS 1, one due measurement in this many is taken (as a step of two half passes)."""
+
+
 class NoiseCadence:
     """Which optimizer steps measure the noise scale: every ``measure_every`` steps of a
-    ``gradient_noise`` schedule, when the step has at least two micro-batches over all ranks (the
-    estimator compares one micro-batch with the whole global batch).
+    ``gradient_noise`` or ``goodput`` schedule, when the step has at least two micro-batches over all
+    ranks (the estimator compares one micro-batch with the whole global batch).
 
-    A due step with a single micro-batch in total is skipped with a warning, once per run: the schedule
-    then holds its batch until a step can be measured.
+    A step with a single micro-batch in total (one rank, GAS 1) has none to compare. Where the runtime
+    can cut that step's samples into two half passes (``can_split``: the training data is its own, and
+    the batch holds two samples or more), one due step in :data:`SPLIT_EVERY` is measured that way: the
+    same samples and the same exact update, for the price of one more pass in that step (its per-pass
+    overhead; the per-sample work is the same). Otherwise the step is skipped with a warning, once per
+    run: the schedule then holds its batch until a step can be measured.
     """
 
     def __init__(self, schedule_config: Any) -> None:
-        self.every = int(schedule_config.measure_every) if schedule_config.type == "gradient_noise" else 0
+        self.every = int(schedule_config.measure_every) if measures_noise(schedule_config) else 0
         self.warned = False
 
-    def due(self, step: int, world_size: int, gradient_accumulation_steps: int) -> bool:
-        """Whether optimizer step ``step`` (completed steps before it) is measured."""
+    def due(
+        self, step: int, world_size: int, gradient_accumulation_steps: int, *, can_split: bool = False
+    ) -> bool:
+        """Whether optimizer step ``step`` (completed steps before it) is measured; at one pass in total
+        only where it ``can_split`` (see the class docstring)."""
         if not self.every or step % self.every:
             return False
         if world_size * gradient_accumulation_steps > 1:
             return True
+        if can_split:
+            return (step // self.every) % SPLIT_EVERY == 0
         if not self.warned:
             self.warned = True
             logger.warning(
                 "gradient_noise: step %d is a single micro-batch on a single rank, so the noise scale "
                 "cannot be measured and the batch holds; make max_micro_batch_per_gpu smaller than the "
-                "global batch (two or more accumulation steps) or train on more ranks",
+                "global batch (two or more accumulation steps), train on more ranks, or let "
+                "ds_adabatch.initialize's training_data feed the steps (it then measures one step in %d "
+                "as two half passes)",
                 step,
+                SPLIT_EVERY,
             )
         return False

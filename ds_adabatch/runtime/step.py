@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..config.schedules import measures_noise
 from ..plan import BatchPlan, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
 from ..signals import EmaLoss, GradientNoiseEstimator
@@ -41,6 +42,7 @@ from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .recovery import OomRecovery
 from .step_loss import StepLoss
 from .step_sync import StepSync
+from .step_times import step_times_for
 
 __all__ = ["AdaptiveEngineBase"]
 
@@ -124,6 +126,10 @@ class AdaptiveEngineBase(CheckpointMixin):
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._every_steps = cfg.log.every_steps
         self._sync = StepSync(ds_engine.device)
+        # The goodput schedule's step times (step_times.py); a no-op object for every other schedule.
+        self._step_times = step_times_for(
+            controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
+        )
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
         # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
         memory_cfg = cfg
@@ -344,6 +350,7 @@ class AdaptiveEngineBase(CheckpointMixin):
             noise_scale=noise,
             noise_scale_error=self.noise.relative_error,
             lr=lrs[0] if lrs else None,
+            micro_batch_limit=None if self.token_budget else self.micro_batch_limit,
         )
 
     def next_plan(self) -> BatchPlan:
@@ -372,8 +379,14 @@ class AdaptiveEngineBase(CheckpointMixin):
         else:
             controller = self.controller
             evaluates = controller.evaluates_at(step)
-            if evaluates and "loss" in controller.schedule.requires:
-                self.resolve_losses()  # the rule reads the latest loss: it must be all-reduced
+            schedule = controller.schedule
+            if evaluates and (
+                "loss" in schedule.requires
+                or ("step_time" in schedule.requires and schedule.decides_at(step))
+            ):
+                # The rule reads the latest loss (or the step times of a goodput decision): they must
+                # be all-reduced. A goodput decision costs this collective every decide_every steps.
+                self.resolve_losses()
             decision = controller.next_global_batch(self._context())
             batch, reason = decision.global_batch, decision.reason
             if evaluates and getattr(controller.schedule, "needs_agreement", False):
@@ -459,7 +472,7 @@ class AdaptiveEngineBase(CheckpointMixin):
 
     def _noise_kwargs(self) -> dict[str, Any]:
         schedule = self.config.schedule
-        if schedule.type != "gradient_noise":
+        if not measures_noise(schedule):  # gradient_noise and goodput read the noise scale
             return {}
         # The geometry is resolved against the optimizer now (a ConfigError for "adam" without a second
         # moment), and an unset scale takes that geometry's default.
@@ -471,8 +484,10 @@ class AdaptiveEngineBase(CheckpointMixin):
 
     # ---------------------------------------------------------------------------------------------
     # Bookkeeping
-    def _finish_step(self, total_samples: int, tokens: int) -> None:
-        """Count a completed step: exact samples and tokens, DeepSpeed's count, the learned limit."""
+    def _finish_step(self, total_samples: int, tokens: int, *, count_memory: bool = True) -> None:
+        """Count a completed step: exact samples and tokens, DeepSpeed's count, the learned limit
+        (not for a step run below its plan's micro-batch, ``count_memory`` False: a step split for a
+        noise measurement says nothing about the plan's micro-batch)."""
         if self.token_budget:  # the step's tokens (lengths), known on every rank
             tokens = self.last_step_batch.global_batch.tokens
         self.global_steps += 1
@@ -487,7 +502,7 @@ class AdaptiveEngineBase(CheckpointMixin):
             if self.token_budget
             else self.plan.micro_batch_per_gpu
         )
-        decision = self.memory_recovery.memory.on_clean_step(largest)
+        decision = self.memory_recovery.memory.on_clean_step(largest) if count_memory else None
         if decision is not None:
             # Logged once, with the plan change it causes at the next decision.
             self._memory_reason = (
@@ -525,6 +540,8 @@ class AdaptiveEngineBase(CheckpointMixin):
         if self._record_extra:
             record.extra.update(self._record_extra)
             self._record_extra = None
+        # The goodput schedule's latest rating of the batch it chose (docs/metrics.md).
+        record.extra.update(getattr(self.controller.schedule, "last_rating", None) or {})
         loss = StepLoss(step, self.resolve_losses)
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):

@@ -63,6 +63,9 @@ class ScheduleContext:
     where the caller does not measure it)."""
     lr: float | None = None
     """Learning rate of the latest step."""
+    micro_batch_limit: int | None = None
+    """The largest micro-batch per rank the next step may plan (samples; the learned limit where
+    ``max_micro_batch_per_gpu`` is ``"auto"``); None: unbounded."""
 
 
 @runtime_checkable

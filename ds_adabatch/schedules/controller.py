@@ -83,6 +83,8 @@ class BatchSizeController:
             world_size=world_size,
             min_global_batch=self.lowest,
             max_global_batch=self.highest,
+            granularity=self.granularity,
+            allow_uneven=self.allow_uneven,
         )
         self._last_step: int | None = None
         self._last_decision: Decision | None = None

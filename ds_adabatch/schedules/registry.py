@@ -1,9 +1,10 @@
 """Every schedule rule by its config ``type``, and :func:`build_schedule`, which turns a config into its rule.
 
 This is the one module that imports the rule modules (``ramps``, ``noise``, ``plateau``, ``seesaw``,
-``user``). Within this package each of them imports only :mod:`~ds_adabatch.schedules.base` (``seesaw``
-also ``base_lr``) and ``base`` imports none of them, so the schedules form no import cycle. A new rule is added here and as a member of
-``ds_adabatch.config.schedules.ScheduleConfig``.
+``user``, ``goodput``). Within this package each of them imports only :mod:`~ds_adabatch.schedules.base`
+(``seesaw`` also ``base_lr``, ``goodput`` also ``noise`` for its warm-up rule) and neither ``base`` nor
+``noise`` imports a rule module, so the schedules form no import cycle. A new rule is added here and as
+a member of ``ds_adabatch.config.schedules.ScheduleConfig``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Schedule
+from .goodput import GoodputSchedule
 from .noise import GradientNoiseSchedule
 from .plateau import LossPlateauSchedule
 from .ramps import ConstantSchedule, LinearSchedule, PiecewiseSchedule, StepSchedule
@@ -29,7 +31,7 @@ _FROM_CONFIG_ALONE: dict[str, Any] = {
 }
 """The rules built from their config alone; ``loss_plateau`` and ``seesaw`` also take the bounds."""
 
-SCHEDULE_TYPES: frozenset[str] = frozenset({*_FROM_CONFIG_ALONE, "loss_plateau", "seesaw"})
+SCHEDULE_TYPES: frozenset[str] = frozenset({*_FROM_CONFIG_ALONE, "loss_plateau", "seesaw", "goodput"})
 """The config ``type`` of every rule :func:`build_schedule` knows."""
 
 
@@ -39,11 +41,14 @@ def build_schedule(
     world_size: int,
     min_global_batch: int | None = None,
     max_global_batch: int | None = None,
+    granularity: int = 1,
+    allow_uneven: bool = False,
 ) -> Schedule:
     """The rule for a schedule config model (one member of ``ScheduleConfig``).
 
     ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
-    batch (``loss_plateau``) stay inside them, as the controller's output does.
+    batch (``loss_plateau``) stay inside them, as the controller's output does. ``goodput`` rates the
+    plannable batches within them (``granularity``, ``allow_uneven``) at the context's world size.
 
     Raises:
         ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
@@ -53,6 +58,14 @@ def build_schedule(
     if kind == "loss_plateau":
         return LossPlateauSchedule(
             config, min_global_batch=min_global_batch, max_global_batch=max_global_batch
+        )
+    if kind == "goodput":
+        return GoodputSchedule(
+            config,
+            granularity=granularity,
+            min_global_batch=min_global_batch,
+            max_global_batch=max_global_batch,
+            allow_uneven=allow_uneven,
         )
     if kind == "seesaw":
         return SeesawSchedule(config, max_global_batch=max_global_batch)

@@ -11,6 +11,12 @@ interpolated: the simulated run has different batch sizes, so the recorded curve
 ``tokens`` is interpolated linearly in samples. Lines without ``samples`` (other log events) and
 values that are ``null`` or ``NaN`` are skipped.
 
+The ``goodput`` schedule also needs what a step costs: ``step_time``, a curve in
+:func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax (``"fixed=0.03,per_sample=0.0004"`` or a
+table ``"8:0.031,32:0.034"``), which stands in for the measured step times its throughput model learns
+from (each simulated step is "measured" at the curve's value for its shape); and a noise scale, from
+``--replay`` or fixed with ``noise_scale``.
+
 The ``lr`` column is the learning rate the step would apply: the ds_config's ``scheduler`` section
 (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, or none: the optimizer's ``lr``) evaluated in
 samples under ``lr_schedule_unit: "samples"`` (in steps otherwise), times the batch's LR multiplier;
@@ -120,6 +126,8 @@ def simulate(
     replay: str | os.PathLike[str] | None = None,
     tokens_per_sample: int = 0,
     max_steps: int = 2_000_000,
+    step_time: str | None = None,
+    noise_scale: float | None = None,
 ) -> list[dict[str, Any]]:
     """Step the config's batch-size controller through ``samples`` samples and record every plan.
 
@@ -135,6 +143,8 @@ def simulate(
         tokens_per_sample: tokens per sample (e.g. the sequence length) for the ``tokens`` clock;
             0: take tokens from ``replay`` if it records them, else schedules keyed on tokens refuse.
         max_steps: refuse to simulate more optimizer steps than this.
+        step_time: the step-time curve a schedule reading step times (``goodput``) learns from.
+        noise_scale: a fixed gradient-noise scale (samples), in place of a replay's.
 
     Returns:
         One dict per optimizer step with the keys of :data:`CSV_COLUMNS`.
@@ -158,7 +168,20 @@ def simulate(
     schedule = controller.schedule
     data = _Replay(replay) if replay is not None else None
 
-    measured = sorted(schedule.requires & _MEASURED)
+    if noise_scale is not None and not (math.isfinite(noise_scale) and noise_scale > 0):
+        raise ValueError(f"noise_scale must be a number > 0 samples, got {noise_scale!r}")
+    curve_of_steps = None
+    if "step_time" in schedule.requires:
+        if step_time is None:
+            raise ValueError(
+                f"the {schedule.name} schedule learns what a step costs from the steps it runs; simulating it "
+                "needs a step-time curve: --step-time fixed=0.03,per_pass=0.002,per_sample=0.0004 (seconds) "
+                "or a table of one-pass step times by micro-batch, e.g. --step-time 8:0.031,32:0.034,128:0.052"
+            )
+        from ..signals.throughput import parse_step_time_curve
+
+        curve_of_steps = parse_step_time_curve(step_time)
+    measured = sorted(schedule.requires & _MEASURED - ({"noise_scale"} if noise_scale is not None else set()))
     if measured and data is None:
         raise ValueError(
             f"the {schedule.name} schedule is driven by measured {', '.join(measured)}; simulating it "
@@ -200,6 +223,8 @@ def simulate(
         else:
             tokens = None
         signals = {key: data.held(key, consumed) for key in _SIGNALS} if data is not None else {}
+        if noise_scale is not None:
+            signals["noise_scale"] = noise_scale
         epoch = signals.pop("epoch", None)
         ctx = ScheduleContext(
             step=step,
@@ -208,11 +233,15 @@ def simulate(
             epoch=epoch or 0.0,
             global_batch=batch,
             world_size=world_size,
+            micro_batch_limit=cfg.initial_micro_batch_limit,
             **signals,
         )
         decision = controller.next_global_batch(ctx)
         batch = decision.global_batch
         plan = plan_batch(batch, world_size, cfg.initial_micro_batch_limit, allow_uneven=allow_uneven)
+        if curve_of_steps is not None:  # the step "runs" and its time is measured on the curve
+            micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
+            schedule.throughput.observe(micro, gas, world_size, curve_of_steps.predict(micro, gas))
         multiplier = lr_multiplier(rule, batch, reference)
         if curve is not None:
             # In "steps" mode the scheduler steps once per optimizer step: its clock is step x reference.

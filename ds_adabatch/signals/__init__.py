@@ -1,10 +1,20 @@
-"""Measurements that schedules feed on: a smoothed loss and the gradient-noise scale.
+"""Measurements that schedules feed on: a smoothed loss, the gradient-noise scale, the statistical
+efficiency it implies, and the step-time model of the goodput schedule.
 
-Both take already all-reduced numbers, so every rank holds the same values and takes the same
+All take already all-reduced numbers, so every rank holds the same values and takes the same
 batch-size decision. They are plain Python (0-d tensors are accepted wherever a float is).
 """
 
+from .efficiency import statistical_efficiency
 from .ema import EmaLoss
 from .noise import GradientNoiseEstimator
+from .throughput import StepTimeFit, ThroughputModel, parse_step_time_curve
 
-__all__ = ["EmaLoss", "GradientNoiseEstimator"]
+__all__ = [
+    "EmaLoss",
+    "GradientNoiseEstimator",
+    "StepTimeFit",
+    "ThroughputModel",
+    "parse_step_time_curve",
+    "statistical_efficiency",
+]

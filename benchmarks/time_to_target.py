@@ -1,0 +1,271 @@
+"""Wall-clock time to a validation loss, per batch policy: does ``goodput`` beat a sweep of fixed batches?
+
+Each policy trains the main job's byte-level GPT-2 (``runners/lm.py``) through
+``ds_adabatch.initialize`` and ``engine.train_batch()`` on one device, in its own process (a fresh
+allocator and clock for each), from the same initial weights, for the same budget of *training*
+seconds: validation runs every ``--eval-every`` training seconds on fixed held-out windows, with the
+device synchronised around it, and its time is left out (so is engine start-up). Policies:
+
+=====================  ===========================================================================
+``fixed-B``            global batch B throughout, for every B of ``--sweep``
+``linear``             ``--start`` -> the largest B of the sweep over ``--ramp-samples`` samples
+``gradient_noise``     the ``gradient_noise`` schedule from ``--start``, defaults otherwise
+``goodput``            the ``goodput`` schedule from ``--start`` up to the largest B, defaults otherwise
+=====================  ===========================================================================
+
+Every policy: AdamW at ``--lr`` for batch ``--start`` with ``lr_scaling: sqrt``, the same warm-up in
+optimizer steps (DeepSpeed's ``WarmupLR``, ``--warmup-steps``), micro-batch = batch (one pass per step,
+one device), bf16 and ZeRO 2 on a GPU, fp32 and ZeRO 0 on the CPU.
+
+Outputs in ``--out``: ``<policy>.json`` (the curve: training seconds, samples, steps, batch, validation
+loss), ``results.json`` (settings, each policy's time to every target of ``--targets``, the curves) and
+``time_to_target.png`` (validation loss against training seconds). Usage::
+
+    python benchmarks/time_to_target.py --device cuda --seconds 35          # the GPU measurement
+    python benchmarks/time_to_target.py                                     # the CPU one (smaller model)
+    python benchmarks/time_to_target.py --smoke                             # a tiny run, for CI
+
+The goal it measures (issue: goodput): on one GPU ``goodput`` reaches every target no later than the
+best fixed batch of the sweep and at most 0.6x the median fixed batch's time; on the CPU within 1.05x the
+best fixed batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Model sizes: the issue's GPU model, a CPU one a 2-core machine trains in minutes, and a smoke one.
+MODELS = {
+    "gpu": {"layers": 6, "width": 384, "heads": 6, "context": 256},
+    "cpu": {"layers": 2, "width": 128, "heads": 4, "context": 64},
+    "smoke": {"layers": 1, "width": 32, "heads": 2, "context": 32},
+}
+
+
+def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each policy's ``"adabatch".schedule``."""
+    top = max(args.sweep)
+    out: dict[str, dict[str, Any]] = {f"fixed-{b}": {"type": "constant", "value": b} for b in args.sweep}
+    out["linear"] = {"type": "linear", "start": args.start, "end": top, "ramp_samples": args.ramp_samples}
+    out["gradient_noise"] = {"type": "gradient_noise", "start": args.start}
+    out["goodput"] = {"type": "goodput", "start": args.start}
+    return out
+
+
+def ds_config(schedule: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    gpu = args.device == "cuda"
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_num_steps": args.warmup_steps},
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2 if gpu else 0},
+        "bf16": {"enabled": gpu},
+        "steps_per_print": 10**9,
+        "adabatch": {
+            "schedule": schedule,
+            "max_micro_batch_per_gpu": max(args.sweep),
+            "max_global_batch": max(args.sweep),
+            "lr_scaling": {"rule": "sqrt", "reference_batch": args.start},
+            "data": {"shuffle": True, "seed": 0, "num_workers": 0},
+        },
+    }
+
+
+def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One policy in this process: its validation curve against training seconds."""
+    import torch
+
+    import ds_adabatch
+    from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model
+
+    spec = ModelSpec(**MODELS[args.model])
+    corpus = ByteCorpus(max_bytes=args.corpus_bytes)
+    train = ByteWindows(corpus.train, spec.context)
+    held = ByteWindows(corpus.validation, spec.context)
+    model = build_model(spec, seed=0)
+    cfg = ds_config(policies(args)[name], args)
+    engine, *_ = ds_adabatch.initialize(model, cfg, train)
+    module = engine.module
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    count = min(args.eval_windows, len(held))
+    stride = len(held) // count
+    windows = torch.stack([held[i * stride]["input_ids"] for i in range(count)])
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        """Mean next-byte loss over fixed held-out windows, spread evenly (as runners/lm.py's)."""
+        module.eval()
+        total = 0.0
+        for s in range(0, count, 64):
+            ids = windows[s : s + 64].to(engine.device)
+            total += float(module(input_ids=ids, labels=ids).loss) * len(ids)
+        module.train()
+        return total / count
+
+    curve = [
+        {"train_s": 0.0, "samples": 0, "steps": 0, "batch": engine.plan.global_batch_size, "val": evaluate()}
+    ]
+    trained = 0.0
+    next_eval = args.eval_every
+    while trained < args.seconds:
+        sync()
+        started = time.perf_counter()
+        while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
+            engine.train_batch()
+        sync()
+        trained += time.perf_counter() - started
+        next_eval += args.eval_every
+        curve.append(
+            {
+                "train_s": trained,
+                "samples": engine.global_samples,
+                "steps": engine.global_steps,
+                "batch": engine.plan.global_batch_size,
+                "val": evaluate(),
+            }
+        )
+    engine.close()
+    changes = [event.to_dict() for event in engine.history]
+    return {"policy": name, "curve": curve, "batch_changes": changes, "config": cfg}
+
+
+def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Training seconds at the first validation at or below ``target``; None if never."""
+    return next((p["train_s"] for p in curve if p["val"] <= target), None)
+
+
+def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fixed = [name for name in results if name.startswith("fixed-")]
+    for target in targets:
+        times = {name: time_to(r["curve"], target) for name, r in results.items()}
+        reached = [times[n] for n in fixed if times[n] is not None]
+        best = min(reached) if reached else None
+        median = statistics.median(reached) if reached else None
+        out[str(target)] = {"times": times, "best_fixed": best, "median_fixed": median}
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        xs = [p["train_s"] for p in r["curve"]]
+        ys = [p["val"] for p in r["curve"]]
+        ax.plot(xs, ys, label=name, lw=2.2 if not name.startswith("fixed-") else 1.2)
+    ax.set_xlabel("training seconds (validation excluded)")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="benchmarks/results/time_to_target")
+    p.add_argument("--smoke", action="store_true", help="a tiny model for a few seconds per policy (CI)")
+    p.add_argument("--seconds", type=float, default=None, help="training seconds per policy")
+    p.add_argument("--eval-every", type=float, default=None, help="training seconds between validations")
+    p.add_argument("--eval-windows", type=int, default=None)
+    p.add_argument("--sweep", type=int, nargs="+", default=None, help="the fixed global batches")
+    p.add_argument("--start", type=int, default=None, help="first batch of the adaptive policies")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW LR at batch --start")
+    p.add_argument("--warmup-steps", type=int, default=64)
+    p.add_argument("--ramp-samples", type=int, default=65536)
+    p.add_argument("--targets", type=float, nargs="+", default=None)
+    p.add_argument("--corpus-bytes", type=int, default=None)
+    p.add_argument("--only", nargs="+", default=None, help="run only these policies")
+    p.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # a child: train this one policy
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.model = "smoke" if args.smoke else "gpu" if gpu else "cpu"
+    defaults = {
+        "seconds": 3.0 if args.smoke else 35.0 if gpu else 240.0,
+        "eval_every": 1.0 if args.smoke else 2.5 if gpu else 15.0,
+        "eval_windows": 16 if args.smoke else 512 if gpu else 128,
+        "sweep": [4, 16] if args.smoke else [32, 64, 128, 256] if gpu else [8, 16, 32, 64],
+        "start": 4 if args.smoke else 32 if gpu else 8,
+        "targets": [3.0, 2.5] if args.smoke else [1.2, 1.0, 0.85, 0.7] if gpu else [2.2, 2.0, 1.8],
+        "corpus_bytes": 4_000_000 if args.smoke else None,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.smoke:
+        args.warmup_steps, args.ramp_samples = 4, 256
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    os.makedirs(args.out, exist_ok=True)
+    if args.policy is not None:
+        result = train_policy(args.policy, args)
+        with open(os.path.join(args.out, f"{args.policy}.json"), "w") as f:
+            json.dump(result, f)
+        return 0
+    names = args.only or list(policies(args))
+    results = {}
+    for name in names:  # one process per policy: its own allocator, caches and clock
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *(argv if argv is not None else sys.argv[1:]),
+            "--policy",
+            name,
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            print(f"policy {name} failed (exit {proc.returncode})", file=sys.stderr)
+            return 1
+        with open(os.path.join(args.out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+        last = results[name]["curve"][-1]
+        print(
+            f"{name:>16}: val {last['val']:.3f} after {last['train_s']:.1f} s, {last['steps']} steps, batch {last['batch']}"
+        )
+    summary = summarise(results, args.targets)
+    settings = {k: v for k, v in vars(args).items() if k != "policy"}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"settings": settings, "summary": summary, "results": results}, f, indent=1)
+    for target, row in summary.items():
+        cells = ", ".join(f"{n} {'-' if t is None else f'{t:.1f}s'}" for n, t in row["times"].items())
+        print(
+            f"to val {target}: {cells} (best fixed {row['best_fixed']}, median fixed {row['median_fixed']})"
+        )
+    try:
+        plot(results, os.path.join(args.out, "time_to_target.png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The ``goodput`` schedule: the global batch (and its split) that makes the most progress per second.
+
+For every plannable global batch ``B`` (a multiple of the world size and granularity, within the
+bounds) the rule takes the split the planner gives it under the current micro-batch limit, ``(micro,
+GAS)``, and rates it::
+
+    goodput(B) = B / step_time(micro, GAS, W) x (B_noise + M0) / (B_noise + B)
+
+samples per second times the statistical efficiency relative to ``M0`` = the schedule's ``start``
+(:func:`~ds_adabatch.signals.statistical_efficiency`); ``step_time`` is the fitted
+:class:`~ds_adabatch.signals.ThroughputModel` the rule holds (:attr:`GoodputSchedule.throughput`, fed by
+the runtime with every step's agreed time, and checkpointed with the rule). Per evaluation::
+
+    if step < warmup, no noise estimate, or it is not yet confident:        hold
+    if step is not a multiple of decide_every, or no step time measured:    hold
+    candidates = plannable batches whose micro-batch and micro x GAS are at most
+                 explore_factor x the largest measured (untried shapes are predicted, and explored
+                 in bounded steps), and never a micro-batch above the limit (the planner's)
+    best = the candidate of largest goodput (the smaller batch on a tie)
+    if goodput(best) > goodput(current) x (1 + hysteresis):                 best
+    else:                                                                   hold
+
+Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
+the step's collective), the limit is agreed; so every rank takes the same decision without a collective
+of its own. Between two decisions at least ``decide_every`` steps run, and a move needs a predicted gain
+above the band, so the batch does not oscillate: a return to a batch it left needs the model to have
+changed its mind by more than the band (a new measurement), not the jitter of one step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
+from ..signals.efficiency import statistical_efficiency
+from ..signals.throughput import ThroughputModel
+from .base import ScheduleContext, check_state
+from .noise import auto_warmup_steps
+
+__all__ = ["GoodputSchedule"]
+
+_STATE_VERSION = 1
+_MAX_CANDIDATES = 512
+
+
+class GoodputSchedule:
+    """The rule of ``GoodputScheduleConfig`` (see the module docstring).
+
+    Args:
+        config: the schedule's config.
+        granularity, min_global_batch, max_global_batch, allow_uneven: the section's bounds; the
+            candidates are the plannable batches within them at the context's world size.
+    """
+
+    name = "goodput"
+    requires: frozenset[str] = frozenset({"noise_scale", "step_time"})
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        granularity: int = 1,
+        min_global_batch: int | None = None,
+        max_global_batch: int | None = None,
+        allow_uneven: bool = False,
+    ) -> None:
+        self.reference_batch = int(config.start)
+        self.decide_every = int(config.decide_every)
+        self.hysteresis = float(config.hysteresis)
+        self.explore_factor = float(config.explore_factor)
+        self.max_relative_error = (
+            None if config.max_relative_error is None else float(config.max_relative_error)
+        )
+        self.warmup_steps = (
+            int(config.warmup_steps)
+            if config.warmup_steps is not None
+            else auto_warmup_steps(int(config.measure_every), float(config.ema_beta))
+        )
+        self.granularity = int(granularity)
+        self.min_global_batch = min_global_batch
+        self.max_global_batch = max_global_batch
+        self.allow_uneven = bool(allow_uneven)
+        self.last_reason = ""
+        self.last_rating: dict[str, float] = {}
+        """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
+        ``goodput`` of the batch it chose (held or moved to), for the step records."""
+        self.moves = 0
+        self.throughput = ThroughputModel()
+        """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
+
+    def decides_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then)."""
+        return step >= self.warmup_steps and step % self.decide_every == 0
+
+    def _candidates(self, world: int, current: int) -> list[int]:
+        multiple = batch_multiple(world, self.granularity, self.allow_uneven)
+        lowest, highest = feasible_range(
+            world,
+            granularity=self.granularity,
+            min_global_batch=self.min_global_batch,
+            max_global_batch=self.max_global_batch,
+            allow_uneven=self.allow_uneven,
+        )
+        if highest is None:  # the config requires max_global_batch; a replay without one stays near
+            highest = max(current, lowest) * 4
+        count = (highest - lowest) // multiple + 1
+        if count <= _MAX_CANDIDATES:
+            values = range(lowest, highest + 1, multiple)
+        else:  # a geometric grid of about 1% steps, on multiples
+            ratio = (highest / lowest) ** (1.0 / (_MAX_CANDIDATES - 1))
+            values = {lowest, highest}
+            for i in range(_MAX_CANDIDATES):
+                values.add(min(highest, max(lowest, round(lowest * ratio**i / multiple) * multiple)))
+        return sorted({*values, current})
+
+    def rate(self, ctx: ScheduleContext, batch: int, noise: float) -> tuple[float, float, Any] | None:
+        """``(predicted samples/s, efficiency, plan)`` of ``batch``; None if it cannot be planned or
+        predicted."""
+        limit = ctx.micro_batch_limit
+        try:
+            plan = plan_batch(batch, ctx.world_size, limit, allow_uneven=self.allow_uneven)
+        except PlanError:
+            return None
+        seconds = self.throughput.predict(
+            plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, ctx.world_size
+        )
+        if seconds is None or not seconds > 0:
+            return None
+        return batch / seconds, statistical_efficiency(batch, noise, self.reference_batch), plan
+
+    def _hold(self, current: float, why: str) -> float:
+        self.last_reason = f"{why}: hold"
+        return current
+
+    def __call__(self, ctx: ScheduleContext) -> float:
+        current = int(ctx.global_batch)
+        if ctx.step < self.warmup_steps:
+            return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
+        noise, error = ctx.noise_scale, ctx.noise_scale_error
+        if noise is None or not math.isfinite(noise) or noise <= 0:
+            return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
+        if self.max_relative_error is not None and error is not None and not error <= self.max_relative_error:
+            return self._hold(
+                current,
+                f"B_noise {noise:.6g} not yet confident (relative error {error:.3g} > {self.max_relative_error:g})",
+            )
+        if ctx.step % self.decide_every:
+            nxt = (ctx.step // self.decide_every + 1) * self.decide_every
+            return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
+        model = self.throughput
+        tried_micro, tried_per_rank = model.largest_tried(ctx.world_size)
+        if tried_micro == 0:
+            return self._hold(current, "no step time measured yet")
+        now = self.rate(ctx, current, noise)
+        if now is None:
+            return self._hold(current, f"the current batch {current} cannot be rated")
+        best, best_rating = current, now
+        for batch in self._candidates(ctx.world_size, current):
+            rating = self.rate(ctx, batch, noise)
+            if rating is None:
+                continue
+            plan = rating[2]
+            micro, per_rank = (
+                plan.micro_batch_per_gpu,
+                plan.micro_batch_per_gpu * plan.gradient_accumulation_steps,
+            )
+            if batch != current and (
+                micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank
+            ):
+                continue  # beyond what the measured shapes can predict: explored in bounded steps
+            if rating[0] * rating[1] > best_rating[0] * best_rating[1] * (1 + 1e-12):
+                best, best_rating = batch, rating
+        said = f"B_noise {noise:.4g}; batch {current}: {_rated(now)}"
+        if best == current or best_rating[0] * best_rating[1] <= now[0] * now[1] * (1.0 + self.hysteresis):
+            self._keep_rating(now)
+            if best != current:
+                said += f"; best {best}: {_rated(best_rating)}, within {self.hysteresis:g}"
+            return self._hold(current, f"goodput {said}")
+        self._keep_rating(best_rating)
+        self.moves += 1
+        self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
+        return float(best)
+
+    def _keep_rating(self, rating: tuple[float, float, Any]) -> None:
+        self.last_rating = {
+            "predicted_samples_per_s": rating[0],
+            "efficiency": rating[1],
+            "goodput": rating[0] * rating[1],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "GoodputSchedule",
+            "version": _STATE_VERSION,
+            "moves": self.moves,
+            "throughput": self.throughput.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
+        self.moves = int(state["moves"])
+        self.throughput.load_state_dict(state["throughput"])
+
+
+def _rated(rating: tuple[float, float, Any]) -> str:
+    samples_per_s, efficiency, plan = rating
+    return (
+        f"{samples_per_s:.4g} samples/s x efficiency {efficiency:.3f} = goodput {samples_per_s * efficiency:.4g} "
+        f"(micro {plan.micro_batch_per_gpu} x gas {plan.gradient_accumulation_steps})"
+    )

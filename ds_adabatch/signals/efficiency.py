@@ -1,0 +1,38 @@
+"""Statistical efficiency: how much of a larger batch's samples count, from the gradient-noise scale.
+
+Pollux (Qiao et al., OSDI '21, after McCandlish et al. 2018) defines the efficiency of training at
+global batch ``M`` relative to a reference batch ``M0`` as::
+
+    EFFICIENCY(M) = (B_noise + M0) / (B_noise + M)
+
+where ``B_noise`` is the gradient-noise scale (samples). The reason: with the learning rate scaled to the
+batch, reaching a given loss takes about ``S_min (1 + B_noise / M)`` optimizer steps at batch ``M``, i.e.
+``E_min (1 + M / B_noise)`` samples, proportional to ``B_noise + M``. A sample at batch ``M`` therefore
+makes ``(B_noise + M0) / (B_noise + M)`` of the progress a sample makes at ``M0``: 1 at ``M0``, close to
+1 while ``M`` is well below ``B_noise`` (each sample still counts fully), and falling as ``1 / M`` beyond
+it (the extra samples mostly average away noise that was already small). Goodput, the progress per
+second, is then ``throughput(M) x EFFICIENCY(M)`` in "samples at ``M0``" per second.
+
+``B_noise`` is the estimate the runtime already measures for ``gradient_noise``
+(:class:`~ds_adabatch.signals.GradientNoiseEstimator`), in Adam's geometry for Adam-type optimizers, as
+Pollux measures it with the optimizer's preconditioner: the noise of the step the optimizer takes.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["statistical_efficiency"]
+
+
+def statistical_efficiency(batch: float, noise_scale: float, reference_batch: float) -> float:
+    """``(noise_scale + reference_batch) / (noise_scale + batch)`` (module docstring); all in samples.
+
+    Raises:
+        ValueError: a batch is not positive or the noise scale is negative or not finite.
+    """
+    if not batch > 0 or not reference_batch > 0:
+        raise ValueError(f"batches must be > 0 samples, got {batch!r} and reference {reference_batch!r}")
+    if not (math.isfinite(noise_scale) and noise_scale >= 0):
+        raise ValueError(f"the noise scale must be a finite number >= 0 samples, got {noise_scale!r}")
+    return (noise_scale + reference_batch) / (noise_scale + batch)

@@ -1,0 +1,267 @@
+"""The time of an optimizer step as a function of its shape, learned from the steps the job runs.
+
+A data-parallel step of ``W`` ranks, each running ``GAS`` passes (forward + backward) of ``m`` samples,
+costs::
+
+    step_time(m, GAS, W) = fixed + GAS x (per_pass + per_sample x m)
+
+``fixed`` is what a step pays once (the gradient reduction, the optimizer step, the host's bookkeeping),
+``per_pass`` what every pass pays whatever its size (kernel launches, Python, a pass's share of hooks),
+``per_sample`` what grows with the samples in a pass (the arithmetic). A host-bound step (a small model
+on a fast GPU) is nearly all ``fixed`` and ``per_pass``: a larger micro-batch is almost free. A
+compute-bound one (a CPU) is nearly all ``per_sample``. With token budgets ``m`` counts tokens per pass.
+
+:class:`ThroughputModel` fits the three non-negative coefficients by weighted least squares over the
+distinct shapes it has seen, each represented by the median of its last ``window`` step times (robust
+to a slow step now and then); the first step of a new shape is not kept (it pays one-off costs: the
+allocator growing, kernels tuned for the new size). Residuals are relative (weights ``n / t^2``): a
+10 ms error matters as much at 100 ms as 1 ms does at 10 ms.
+
+What the data cannot tell apart is resolved the same way every time: among the fits with the smallest
+residual, the one with fewest non-zero coefficients, then the one putting the cost in ``fixed`` rather
+than ``per_pass``, and in ``per_pass`` rather than ``per_sample``. With one measured shape the model is
+therefore flat: an untried larger micro-batch is predicted to cost what the tried one did. That is
+optimistic on purpose: the goodput schedule explores at most a bounded factor beyond what it measured,
+measures, and the next fit corrects the guess.
+
+World size: observations carry it. The fit uses the shapes measured at the world size asked about once
+it has any; until then those of every world size (a rank's passes cost the same; only the reduction's
+share of ``fixed`` differs). A job that shrinks or grows, or resumes on another world, so predicts from
+what it knows and corrects itself within a few steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
+
+_STATE_VERSION = 1
+_TERMS = ("fixed", "per_pass", "per_sample")
+
+
+@dataclass(frozen=True)
+class StepTimeFit:
+    """Fitted coefficients, in seconds: ``fixed + gas x (per_pass + per_sample x micro)``."""
+
+    fixed: float
+    per_pass: float
+    per_sample: float
+    shapes: int
+    """Distinct shapes the fit rests on."""
+
+    def predict(self, micro: int, gas: int) -> float:
+        """Seconds of one optimizer step of ``gas`` passes of ``micro`` samples (tokens) per rank."""
+        return self.fixed + gas * (self.per_pass + self.per_sample * micro)
+
+    def describe(self) -> str:
+        curve = (
+            f"{self.fixed * 1e3:.3g} ms + GAS x ({self.per_pass * 1e3:.3g} ms + micro x "
+            f"{self.per_sample * 1e3:.3g} ms)"
+        )
+        return (
+            curve if not self.shapes else f"{curve} from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
+        )
+
+
+def _solve(
+    rows: list[list[float]], ys: list[float], ws: list[float], cols: tuple[int, ...]
+) -> list[float] | None:
+    """Weighted least squares on the columns ``cols`` (normal equations, Gauss-Jordan); None if singular."""
+    k = len(cols)
+    a = [[0.0] * (k + 1) for _ in range(k)]
+    for row, y, w in zip(rows, ys, ws):
+        xs = [row[c] for c in cols]
+        for i in range(k):
+            for j in range(k):
+                a[i][j] += w * xs[i] * xs[j]
+            a[i][k] += w * xs[i] * y
+    scale = max(abs(a[i][i]) for i in range(k)) or 1.0
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(a[r][i]))
+        if abs(a[pivot][i]) <= 1e-12 * scale:
+            return None  # the columns are collinear over the measured shapes
+        a[i], a[pivot] = a[pivot], a[i]
+        for r in range(k):
+            if r != i:
+                f = a[r][i] / a[i][i]
+                for c in range(i, k + 1):
+                    a[r][c] -= f * a[i][c]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def fit_step_time(points: Iterable[tuple[int, int, float, int]]) -> StepTimeFit | None:
+    """Non-negative weighted least squares over ``(micro, gas, seconds, count)`` points (module docstring)."""
+    pts = [p for p in points if p[2] > 0]
+    if not pts:
+        return None
+    rows = [[1.0, float(g), float(g * m)] for m, g, _, _ in pts]
+    ys = [t for _, _, t, _ in pts]
+    ws = [n / (t * t) for _, _, t, n in pts]
+    best: tuple[float, tuple[int, ...], list[float]] | None = None
+    total = sum(w * y * y for w, y in zip(ws, ys))
+    # Subsets in order of preference: fewer terms first, then fixed < per_pass < per_sample.
+    for size in (1, 2, 3):
+        for cols in itertools.combinations(range(3), size):
+            coef = _solve(rows, ys, ws, cols)
+            if coef is None or any(c < 0 for c in coef):
+                continue
+            resid = sum(
+                w * (y - sum(c * row[i] for c, i in zip(coef, cols))) ** 2 for row, y, w in zip(rows, ys, ws)
+            )
+            # A richer fit must be better by more than rounding to displace a simpler one.
+            if best is None or resid < best[0] - 1e-9 * total:
+                best = (resid, cols, coef)
+    if best is None:
+        return None
+    values = [0.0, 0.0, 0.0]
+    for c, i in zip(best[2], best[1]):
+        values[i] = c
+    return StepTimeFit(*values, shapes=len(pts))
+
+
+class ThroughputModel:
+    """Step times per shape ``(micro, gas, world)`` and the fit over them (module docstring).
+
+    Feed it :meth:`observe` with a time every rank agrees on (the runtime sums the ranks' times in the
+    step's collective and divides by their number); every rank then holds the same model and predicts
+    the same.
+
+    Args:
+        window: step times kept per shape (their median represents it).
+        skip_first: steps of a new shape not kept (one-off costs of the first).
+    """
+
+    def __init__(self, window: int = 8, skip_first: int = 1) -> None:
+        if window < 1 or skip_first < 0:
+            raise ValueError(f"window must be >= 1 and skip_first >= 0, got {window!r}, {skip_first!r}")
+        self.window = int(window)
+        self.skip_first = int(skip_first)
+        self._times: dict[tuple[int, int, int], deque[float]] = {}
+        self._seen: dict[tuple[int, int, int], int] = {}
+        self._fits: dict[int, StepTimeFit | None] = {}
+
+    def observe(self, micro: int, gas: int, world: int, seconds: float) -> None:
+        """One optimizer step of ``gas`` passes of ``micro`` samples on each of ``world`` ranks took
+        ``seconds``."""
+        if not seconds > 0 or micro < 1 or gas < 1 or world < 1:
+            return  # a step with no time (a simulated zero, a clock that did not move) teaches nothing
+        key = (int(micro), int(gas), int(world))
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if seen < self.skip_first:
+            return
+        self._times.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+        self._fits.clear()
+
+    def measured(self, world: int | None = None) -> list[tuple[int, int, float, int]]:
+        """``(micro, gas, median seconds, steps kept)`` per measured shape (of ``world`` if given)."""
+        return [
+            (m, g, statistics.median(ts), len(ts))
+            for (m, g, w), ts in sorted(self._times.items())
+            if ts and (world is None or w == world)
+        ]
+
+    def fit(self, world: int) -> StepTimeFit | None:
+        """The fit for ``world`` ranks (its own shapes once any is measured); None before any step."""
+        if world not in self._fits:
+            own = self.measured(world)
+            self._fits[world] = fit_step_time(own if own else self.measured())
+        return self._fits[world]
+
+    def predict(self, micro: int, gas: int, world: int) -> float | None:
+        """Predicted seconds of a step of that shape; None before any step was measured."""
+        fit = self.fit(world)
+        return None if fit is None else fit.predict(micro, gas)
+
+    def largest_tried(self, world: int | None = None) -> tuple[int, int]:
+        """The largest micro-batch and the largest samples per rank per step (micro x GAS) measured
+        (at ``world`` if given, else anywhere); (0, 0) before any."""
+        pts = self.measured(world) or ([] if world is None else self.measured())
+        if not pts:
+            return 0, 0
+        return max(m for m, _, _, _ in pts), max(m * g for m, g, _, _ in pts)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "ThroughputModel",
+            "version": _STATE_VERSION,
+            "window": self.window,
+            "skip_first": self.skip_first,
+            "times": [[m, g, w, list(ts)] for (m, g, w), ts in sorted(self._times.items())],
+            "seen": [[m, g, w, n] for (m, g, w), n in sorted(self._seen.items())],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "ThroughputModel":
+            raise ValueError("this state was not written by a ThroughputModel")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"ThroughputModel state has version {state.get('version')!r}; this ds_adabatch reads "
+                f"version {_STATE_VERSION}"
+            )
+        self._times = {
+            (int(m), int(g), int(w)): deque((float(t) for t in ts), maxlen=self.window)
+            for m, g, w, ts in state["times"]
+        }
+        self._seen = {(int(m), int(g), int(w)): int(n) for m, g, w, n in state["seen"]}
+        self._fits.clear()
+
+
+def parse_step_time_curve(text: str) -> StepTimeFit:
+    """A step-time curve written by hand, for ``ds-adabatch simulate`` and for tests.
+
+    Either the coefficients in seconds, ``"fixed=0.03,per_pass=0.002,per_sample=0.0004"`` (missing ones
+    are 0), or a table of one-pass step times by micro-batch, ``"8:0.031,32:0.034,128:0.052"``, which is
+    fitted as the runtime fits measured steps.
+
+    Raises:
+        ValueError: the text is neither, naming what is wrong.
+    """
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(
+            "an empty step-time curve: give fixed=...,per_pass=...,per_sample=... or micro:seconds pairs"
+        )
+    if all("=" in item for item in items):
+        values = {"fixed": 0.0, "per_pass": 0.0, "per_sample": 0.0}
+        for item in items:
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in values:
+                raise ValueError(f"unknown step-time term {name!r} in {text!r}; known: {', '.join(_TERMS)}")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"step-time term {name} must be a number of seconds, got {value!r}"
+                ) from None
+            if not values[name] >= 0:
+                raise ValueError(f"step-time term {name} must be >= 0 seconds, got {value!r}")
+        if not any(values.values()):
+            raise ValueError(
+                f"the step-time curve {text!r} is zero everywhere: give at least one positive term"
+            )
+        return StepTimeFit(**values, shapes=0)
+    points = []
+    for item in items:
+        micro, sep, seconds = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            points.append((int(micro), 1, float(seconds), 1))
+        except ValueError:
+            raise ValueError(
+                f"step-time table entry {item!r} is not micro:seconds (e.g. 8:0.031); or give "
+                "fixed=...,per_pass=...,per_sample=..."
+            ) from None
+        if points[-1][0] < 1 or not points[-1][2] > 0:
+            raise ValueError(f"step-time table entry {item!r} needs a micro-batch >= 1 and seconds > 0")
+    fit = fit_step_time(points)
+    assert fit is not None  # every point has a positive time
+    return fit

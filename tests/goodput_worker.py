@@ -1,0 +1,142 @@
+"""The goodput schedule on real ranks with a simulated step-time curve, run by tests/test_goodput_engine.py.
+
+Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR
+On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, an
+affine one (compute-bound) through DeepSpeed's forward / backward / step loop. On 1 rank: micro = batch
+(one pass per step), where the noise scale is measured by splitting a step in two. Each case writes its
+batches, the samples of every step, the noise estimate and the exactness error into OUT_DIR/<case>.json
+(rank 0); the curve comes in through DS_ADABATCH_SIMULATED_STEP_TIME, read when the engine is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import ds_adabatch  # noqa: E402
+from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_worker import NOISE_DIM, GaussianRegression, full_params, half_mse  # noqa: E402
+
+LR = 0.02
+FLAT = "fixed=0.05"
+AFFINE = "fixed=0.02,per_sample=0.002"
+
+
+def config(stage: int, *, max_micro: int, start: int, max_batch: int, lr: float, jsonl: str) -> dict:
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "adabatch": {
+            "schedule": {
+                "type": "goodput",
+                "start": start,
+                "decide_every": 4,
+                "warmup_steps": 8,
+                "ema_beta": 0.8,
+                "max_relative_error": None,
+                "geometry": "sgd",
+            },
+            "max_micro_batch_per_gpu": max_micro,
+            "max_global_batch": max_batch,
+            "log": {"every_steps": 3, "jsonl": jsonl},
+            "lr_scaling": {"rule": "none"},
+            "data": {"shuffle": True, "seed": 3},
+        },
+    }
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(NOISE_DIM, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
+def reference(batches: list[list[int]], data: GaussianRegression, lr: float) -> torch.Tensor:
+    """Plain PyTorch, one process: the same global batches, each one big batch."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for idx in batches:
+        opt.zero_grad()
+        half_mse(model, (data.x[idx], data.y[idx])).backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def record(engine, batches: list, plans: list, noise: list) -> None:
+    plan = engine.plan
+    batches.append(engine.last_step_batch.global_batch.all_indices())
+    plans.append([plan.global_batch_size, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps])
+    noise.append(engine.noise.noise_scale)
+
+
+def run_case(
+    out_dir: str, name: str, curve: str, steps: int, *, loop: bool, lr: float = LR, **shape: int
+) -> None:
+    os.environ[SIMULATED_STEP_TIME_ENV] = curve
+    data = GaussianRegression()
+    jsonl = os.path.join(out_dir, f"{name}.jsonl")
+    cfg = config(0, lr=lr, jsonl=jsonl, **shape)
+    engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=half_mse)
+    batches, plans, noise = [], [], []
+    if loop:
+        for x, y in loader:  # DeepSpeed's loop: the step counts when its last micro-batch steps
+            before = engine.global_steps
+            engine.backward(half_mse(engine, (x, y)))
+            engine.step()
+            if engine.global_steps > before:
+                record(engine, batches, plans, noise)
+            if engine.global_steps >= steps:
+                break
+    else:
+        for _ in range(steps):
+            engine.train_batch()
+            record(engine, batches, plans, noise)
+    engine.resolve_losses()
+    got = full_params(engine)
+    schedule = engine.controller.schedule
+    fit = schedule.throughput.fit(engine.world_size)
+    if engine.global_rank == 0:
+        want = reference(batches, data, lr)
+        payload = {
+            "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+            "batches": batches,
+            "plans": plans,
+            "noise": noise,
+            "fit": None if fit is None else [fit.fixed, fit.per_pass, fit.per_sample],
+            "history": [e.to_dict() for e in engine.history],
+            "world_size": engine.world_size,
+            "moves": schedule.moves,
+            "curve": curve,
+        }
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            json.dump(payload, f)
+    engine.close()
+    del os.environ[SIMULATED_STEP_TIME_ENV]
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    ds_adabatch.init_distributed()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:  # micro = batch: one pass per step
+        run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
+        return
+    run_case(out_dir, "flat", FLAT, 48, loop=False, max_micro=8, start=8, max_batch=64)
+    # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
+    run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
+
+
+if __name__ == "__main__":
+    main()
+    ds_adabatch.finish()

@@ -1,0 +1,368 @@
+"""The goodput schedule's parts in one process: the step-time fit, the efficiency, the choice, its
+bounds (memory, exploration) and its stability over 500 simulated steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_adabatch.config import AdaBatchConfig, ConfigError
+from ds_adabatch.config.loader import load_ds_config
+from ds_adabatch.plan import plan_batch
+from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+from ds_adabatch.signals import ThroughputModel, parse_step_time_curve, statistical_efficiency
+
+
+def _fed(curve, shapes, *, world=2, steps=6, noise=0.0, seed=0) -> ThroughputModel:
+    rng = random.Random(seed)
+    model = ThroughputModel()
+    for micro, gas in shapes:
+        for _ in range(steps):
+            t = curve(micro, gas) * (1 + rng.uniform(-noise, noise))
+            model.observe(micro, gas, world, t)
+    return model
+
+
+SHAPES = [(4, 1), (8, 1), (16, 1), (8, 2), (16, 4)]
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_pass", "per_sample"),
+    [(0.05, 0.0, 0.0), (0.0, 0.0, 0.001), (0.01, 0.002, 0.0005)],
+    ids=["flat", "linear", "affine"],
+)
+def test_fit_recovers_known_curves(fixed, per_pass, per_sample):
+    def curve(m, g):
+        return fixed + g * (per_pass + per_sample * m)
+
+    fit = _fed(curve, SHAPES).fit(2)
+    for got, want, name in [
+        (fit.fixed, fixed, "fixed"),
+        (fit.per_pass, per_pass, "per_pass"),
+        (fit.per_sample, per_sample, "per_sample"),
+    ]:
+        assert got == pytest.approx(want, abs=1e-9), f"{name}: fitted {got}, true {want} ({fit.describe()})"
+    # Untried shapes are predicted.
+    assert fit.predict(64, 3) == pytest.approx(curve(64, 3), rel=1e-9)
+
+
+def test_fit_with_noise_and_outliers_stays_close():
+    def curve(m, g):
+        return 0.01 + g * (0.002 + 0.0005 * m)
+
+    model = _fed(curve, SHAPES, noise=0.05, steps=8, seed=3)
+    for (
+        micro,
+        gas,
+    ) in SHAPES:  # one very slow step per shape (a checkpoint, a page fault): the median ignores it
+        model.observe(micro, gas, 2, 10 * curve(micro, gas))
+    fit = model.fit(2)
+    for micro, gas in [(32, 1), (64, 2), (4, 8)]:
+        assert fit.predict(micro, gas) == pytest.approx(curve(micro, gas), rel=0.1), fit.describe()
+
+
+def test_first_step_of_a_shape_is_not_kept_and_one_shape_predicts_flat():
+    model = ThroughputModel()
+    model.observe(8, 1, 1, 5.0)  # the first step of the shape: one-off costs
+    assert model.fit(1) is None
+    for _ in range(3):
+        model.observe(8, 1, 1, 0.05)
+    assert model.predict(64, 1, 1) == pytest.approx(0.05)  # flat until measured otherwise
+    assert model.largest_tried(1) == (8, 8)
+
+
+def test_world_size_change_predicts_from_the_old_world_then_its_own():
+    model = _fed(lambda m, g: 0.01 + 0.001 * m, [(8, 1), (16, 1)], world=4)
+    assert model.predict(8, 1, 2) == pytest.approx(0.018)  # nothing at world 2 yet: world 4's fit
+    for _ in range(4):
+        model.observe(8, 1, 2, 0.030)
+    assert model.predict(8, 1, 2) == pytest.approx(0.030)  # its own shapes once measured
+    restored = ThroughputModel()
+    restored.load_state_dict(model.state_dict())
+    assert restored.predict(16, 1, 4) == pytest.approx(model.predict(16, 1, 4))
+    with pytest.raises(ValueError, match="version"):
+        restored.load_state_dict({**model.state_dict(), "version": 99})
+
+
+def test_parse_step_time_curve():
+    fit = parse_step_time_curve("fixed=0.03, per_sample=0.0004")
+    assert fit.predict(10, 2) == pytest.approx(0.03 + 2 * 0.004)
+    table = parse_step_time_curve("8:0.034,32:0.046,128:0.094")
+    assert table.predict(64, 1) == pytest.approx(0.030 + 0.0005 * 64)
+    for bad in ["fixed=x", "speed=1", "8:0.1,oops", "", "fixed=0"]:
+        with pytest.raises(ValueError):
+            parse_step_time_curve(bad)
+
+
+def test_statistical_efficiency():
+    assert statistical_efficiency(8, 24, 8) == 1.0
+    assert statistical_efficiency(40, 24, 8) == pytest.approx(32 / 64)
+    # Far below the noise scale every sample counts; far above it efficiency falls as 1/batch.
+    assert statistical_efficiency(16, 1e6, 8) > 0.9999
+    assert statistical_efficiency(800, 1.0, 8) == pytest.approx(9 / 801)
+    with pytest.raises(ValueError):
+        statistical_efficiency(0, 10, 8)
+    with pytest.raises(ValueError):
+        statistical_efficiency(8, math.inf, 8)
+
+
+def _section(**over) -> AdaBatchConfig:
+    schedule = {
+        "type": "goodput",
+        "start": 8,
+        "decide_every": 5,
+        "warmup_steps": 0,
+        "max_relative_error": None,
+    }
+    schedule.update(over.pop("schedule", {}))
+    section = {"schedule": schedule, "max_micro_batch_per_gpu": 16, "max_global_batch": 256, **over}
+    return AdaBatchConfig.model_validate(section)
+
+
+def run_loop(section, curve, noise_of, *, steps=500, world=2, limit=None, seed=0, time_noise=0.0):
+    """A closed loop of controller, schedule and model: the batch of every step."""
+    rng = random.Random(seed)
+    controller = BatchSizeController(section, world)
+    limit = limit or section.max_micro_batch_per_gpu
+    batch, batches, samples = controller.initial_global_batch(), [], 0
+    for step in range(steps):
+        ctx = ScheduleContext(
+            step=step,
+            samples=samples,
+            global_batch=batch,
+            world_size=world,
+            noise_scale=noise_of(step, rng),
+            noise_scale_error=0.1,
+            micro_batch_limit=limit,
+        )
+        batch = controller.next_global_batch(ctx).global_batch
+        plan = plan_batch(batch, world, limit, allow_uneven=section.allow_uneven)
+        assert plan.micro_batch_per_gpu <= limit, (
+            f"step {step}: micro {plan.micro_batch_per_gpu} > limit {limit}"
+        )
+        seconds = curve(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
+        controller.schedule.throughput.observe(
+            plan.micro_batch_per_gpu,
+            plan.gradient_accumulation_steps,
+            world,
+            seconds * (1 + rng.uniform(-time_noise, time_noise)),
+        )
+        batches.append(batch)
+        samples += batch
+    return batches, controller
+
+
+def best_batch(curve, noise, world, limit, lo, hi, reference=8):
+    def goodput(b):
+        p = plan_batch(b, world, limit)
+        return (
+            b
+            / curve(p.micro_batch_per_gpu, p.gradient_accumulation_steps)
+            * statistical_efficiency(b, noise, reference)
+        )
+
+    return max(range(lo, hi + 1, world), key=goodput), goodput
+
+
+def test_flat_cost_goes_to_the_large_end_in_bounded_steps():
+    batches, _ = run_loop(_section(), lambda m, g: 0.05, lambda s, r: 30.0, steps=80)
+    assert batches[-1] == 256, batches
+    # 8 -> 256 is five doublings, one per decision (decide_every 5).
+    assert batches.index(256) <= 30, batches
+
+
+@pytest.mark.parametrize("noise", [20.0, 200.0])
+def test_affine_cost_picks_the_goodput_maximum(noise):
+    def curve(m, g):
+        return 0.02 + g * (0.001 + 0.001 * m)
+
+    section = _section()
+    batches, _ = run_loop(section, curve, lambda s, r: noise, steps=120)
+    best, goodput = best_batch(curve, noise, 2, 16, 2, 256)
+    assert goodput(batches[-1]) >= goodput(best) / (1 + section.schedule.hysteresis), (batches[-1], best)
+    # It follows the noise scale: a larger noise scale, a larger batch.
+    assert (batches[-1] > 32) == (noise > 100), batches[-1]
+
+
+def test_never_a_micro_batch_the_limit_rejects_and_exploration_is_bounded():
+    # A flat cost would take any micro-batch; the (learned) limit of 6 bounds every plan (run_loop asserts).
+    batches, controller = run_loop(_section(), lambda m, g: 0.05, lambda s, r: 50.0, steps=100, limit=6)
+    moves = [(a, b) for a, b in zip(batches, batches[1:]) if a != b]
+    for _, b in moves:
+        # Each move at most explore_factor (2) beyond the samples per rank already measured.
+        assert b <= 2 * max(batches[: batches.index(b)]) + 2, moves
+
+
+def test_no_oscillation_over_500_noisy_steps():
+    def curve(m, g):
+        return 0.02 + g * (0.001 + 0.001 * m)
+
+    # The noise estimate jitters by +-30% and the step times by +-10%, around a goodput maximum.
+    batches, controller = run_loop(
+        _section(), curve, lambda s, r: 60.0 * r.uniform(0.7, 1.3), time_noise=0.1, seed=1
+    )
+    changes = sum(a != b for a, b in zip(batches, batches[1:]))
+    late = sum(a != b for a, b in zip(batches[250:], batches[251:]))
+    assert changes <= 10, f"{changes} changes in 500 steps: {batches}"
+    assert late <= 2, f"{late} changes in the last 250 steps"
+
+
+def test_holds_until_the_noise_scale_is_known_and_confident():
+    section = _section(schedule={"warmup_steps": 10, "max_relative_error": 0.35})
+    controller = BatchSizeController(section, 2)
+    for _ in range(5):
+        controller.schedule.throughput.observe(4, 1, 2, 0.05)
+    base = dict(samples=0, global_batch=8, world_size=2, micro_batch_limit=16)
+    assert controller.next_global_batch(ScheduleContext(step=5, noise_scale=50.0, **base)).global_batch == 8
+    held = controller.next_global_batch(
+        ScheduleContext(step=10, noise_scale=50.0, noise_scale_error=0.9, **base)
+    )
+    assert held.global_batch == 8 and "not yet confident" in held.reason
+    moved = controller.next_global_batch(
+        ScheduleContext(step=15, noise_scale=50.0, noise_scale_error=0.1, **base)
+    )
+    assert moved.global_batch == 16
+    # The reason carries the predicted samples/s and efficiency of the old and the new batch.
+    assert "batch 8: 160 samples/s x efficiency 1.000" in moved.reason
+    assert "-> batch 16: 320 samples/s x efficiency" in moved.reason
+    rating = controller.schedule.last_rating
+    assert rating["predicted_samples_per_s"] == pytest.approx(320)
+    state = controller.state_dict()
+    again = BatchSizeController(section, 2)
+    again.load_state_dict(state)
+    assert again.schedule.throughput.measured(2) == controller.schedule.throughput.measured(2)
+
+
+def test_config_needs_max_global_batch_and_refuses_token_budgets():
+    with pytest.raises(ConfigError, match="max_global_batch: is required by the goodput schedule"):
+        load_ds_config(
+            {"adabatch": {"schedule": {"type": "goodput", "start": 8}, "max_micro_batch_per_gpu": 8}}
+        )
+    with pytest.raises(ConfigError, match="decide_every"):
+        load_ds_config(
+            {
+                "adabatch": {
+                    "schedule": {"type": "goodput", "start": 8, "decide_every": 0},
+                    "max_global_batch": 64,
+                }
+            }
+        )
+
+
+def test_simulate_goodput_with_a_step_time_curve(tmp_path):
+    from ds_adabatch.schedules.simulate import simulate
+
+    loaded = load_ds_config(
+        {
+            "adabatch": {
+                "schedule": {"type": "goodput", "start": 8, "warmup_steps": 0},
+                "max_micro_batch_per_gpu": 16,
+                "max_global_batch": 256,
+            }
+        },
+        world_size=2,
+    )
+    flat = simulate(
+        loaded, world_size=2, samples=20000, out_png=None, step_time="fixed=0.05", noise_scale=40.0
+    )
+    assert flat[-1]["global_batch"] == 256
+    affine = simulate(
+        loaded,
+        world_size=2,
+        samples=20000,
+        out_png=None,
+        step_time="fixed=0.02,per_sample=0.001",
+        noise_scale=40.0,
+    )
+    assert affine[-1]["global_batch"] == 32, [r["global_batch"] for r in affine[::50]]
+    assert "samples/s x efficiency" in next(r["reason"] for r in affine if r["global_batch"] != 8)
+    with pytest.raises(ValueError, match="needs a step-time curve"):
+        simulate(loaded, world_size=2, samples=100, out_png=None, noise_scale=40.0)
+    with pytest.raises(ValueError, match="needs a recorded run"):
+        simulate(loaded, world_size=2, samples=100, out_png=None, step_time="fixed=0.05")
+
+
+def test_noise_cadence_splits_one_pass_steps_one_in_four():
+    from ds_adabatch.runtime.noise_probe import SPLIT_EVERY, NoiseCadence
+
+    cadence = NoiseCadence(_section().schedule)
+    # One rank, GAS 1: only where the step can be split, and one due step in SPLIT_EVERY.
+    assert [s for s in range(12) if cadence.due(s, 1, 1, can_split=True)] == list(range(0, 12, SPLIT_EVERY))
+    assert not any(cadence.due(s, 1, 1) for s in range(12))
+    assert all(cadence.due(s, 2, 1) for s in range(12))  # two micro-batches in total: every step
+
+
+def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
+    config = json.loads((Path(__file__).parent.parent / "ds_configs" / "pipe_ramp.json").read_text())
+    config["adabatch"]["schedule"] = {"type": "goodput", "start": 8}
+    config["adabatch"]["max_global_batch"] = 64
+    path = tmp_path / "pipe_goodput.json"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "ds_adabatch.cli", "validate", str(path), "--world-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout
+    assert "adabatch.schedule.type: goodput cannot be measured with" in result.stderr, result.stderr
+
+
+def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch):
+    import time
+
+    from ds_adabatch.runtime.step_sync import StepSync
+    from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV, NoStepTimes, StepTimes, step_times_for
+
+    plan = plan_batch(16, 2, 4)  # micro 4 x gas 2 on 2 ranks
+    model = ThroughputModel(skip_first=0)
+    sync = StepSync("cpu")
+    timer = StepTimes(model, "cpu", processes=2)  # no process group: the "sum" is this process's value
+    for retried in (False, True):
+        started = time.perf_counter() - 0.2
+        timer.step_started()
+        timer.step_finished(plan, started, sync, retried=retried)
+    assert len(sync._queued) == 2, "one value per step, retried or not (every rank queues the same)"
+    sync.reduce()
+    # The retried step teaches nothing; the other is the sum over "ranks" / 2.
+    ((micro, gas, seconds, n),) = model.measured(2)
+    assert (micro, gas, n) == (4, 2, 1) and 0.1 <= seconds < 0.2
+    # A simulated curve replaces the clock; schedules without step times get the no-op object.
+    monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fixed=0.01,per_pass=0.002")
+    goodput = BatchSizeController(_section(), 2).schedule
+    simulated = step_times_for(goodput, goodput.throughput, "cpu")
+    assert simulated.curve is not None and simulated.curve.predict(4, 2) == pytest.approx(0.014)
+    constant = BatchSizeController(
+        AdaBatchConfig.model_validate(
+            {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 8}
+        ),
+        2,
+    )
+    assert type(step_times_for(constant.schedule, None, "cpu")) is NoStepTimes
+    monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fast")
+    with pytest.raises(ValueError, match=SIMULATED_STEP_TIME_ENV):
+        step_times_for(goodput, goodput.throughput, "cpu")
+
+
+def test_resume_on_another_world_size_keeps_the_measured_costs():
+    section = _section()
+    batches, controller = run_loop(section, lambda m, g: 0.05, lambda s, r: 30.0, steps=40, world=2)
+    resumed = BatchSizeController(section, 4)
+    resumed.load_state_dict(controller.state_dict())
+    model = resumed.schedule.throughput
+    # Nothing measured on 4 ranks yet: the 2-rank shapes predict (a rank's passes cost the same).
+    assert model.predict(16, 1, 4) == pytest.approx(0.05)
+    assert model.largest_tried(4) == model.largest_tried(2) != (0, 0)
+    ctx = ScheduleContext(
+        step=40,
+        samples=0,
+        global_batch=batches[-1],
+        world_size=4,
+        noise_scale=30.0,
+        noise_scale_error=0.1,
+        micro_batch_limit=16,
+    )
+    decision = resumed.next_global_batch(ctx)
+    assert decision.global_batch % 4 == 0 and "samples/s x efficiency" in decision.reason, decision

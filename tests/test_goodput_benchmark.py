@@ -1,0 +1,46 @@
+"""``benchmarks/time_to_target.py --smoke`` end to end: each policy trains in its own process and every
+output exists and is well formed. Three of the five policies run (a fixed batch and the two that measure
+the noise scale, on one rank at GAS 1): each costs a process start, and linear differs from fixed only
+in its schedule config. Only structure is checked, never a timing or a ratio: those
+depend on the machine and its load (the measurement itself is run by hand, on an idle machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ["fixed-16", "gradient_noise", "goodput"]
+
+
+def test_time_to_target_smoke(tmp_path):
+    out = tmp_path / "ttt"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "time_to_target.py"),
+        "--smoke",
+        "--seconds",
+        "2",
+        "--only",
+        *POLICIES,
+    ]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"the smoke run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["results"]) == POLICIES
+    for name, run in results["results"].items():
+        curve = run["curve"]
+        assert len(curve) >= 2, f"{name}: no validation after training"
+        assert curve[0]["train_s"] == 0.0 and curve[-1]["train_s"] >= 2.0, f"{name}: {curve}"
+        assert all(p["val"] > 0 for p in curve) and curve[-1]["steps"] > 0, f"{name}: {curve}"
+        assert run["config"]["adabatch"]["max_global_batch"] == 16
+    for target, row in results["summary"].items():
+        assert set(row["times"]) == set(POLICIES), target
+    assert (out / "time_to_target.png").stat().st_size > 0
+    assert "to val" in proc.stdout

@@ -1,0 +1,97 @@
+"""The goodput schedule in the engine, closed loop on real ranks with a simulated step-time curve.
+
+One 2-rank launch (a flat curve through ``train_batch``, an affine one through DeepSpeed's forward /
+backward / step loop) and one 1-rank launch (micro = batch: the noise scale measured by splitting a step
+in two), side by side on the two cores (tests/goodput_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _util import outcome, read_result, side_by_side, torchrun
+
+from ds_adabatch.plan import plan_batch
+from ds_adabatch.signals import parse_step_time_curve, statistical_efficiency
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "goodput_worker.py"
+
+
+def _launch(nproc: int, out: Path) -> Path:
+    proc = torchrun(WORKER, str(out), nproc=nproc, cwd=HERE, timeout=900)
+    (out / f"launch{nproc}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"goodput worker on {nproc} ranks failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("goodput")
+    return side_by_side([("two", lambda: _launch(2, out))], [("one", lambda: _launch(1, out))])
+
+
+def _exact_and_once(r: dict, what: str) -> None:
+    assert r["max_rel_err"] <= 1e-5, (
+        f"{what}: final parameters differ from the big-batch reference by {r['max_rel_err']:.2e}"
+    )
+    seen = [i for b in r["batches"] for i in b]
+    assert len(seen) == len(set(seen)), f"{what}: a sample was trained twice within the epoch"
+
+
+def test_flat_cost_moves_to_the_large_end(launches):
+    r = read_result(outcome(launches, "two"), "flat")
+    _exact_and_once(r, "flat curve, train_batch")
+    batches = [p[0] for p in r["plans"]]
+    assert batches[-1] == 64, f"a flat step time should end at max_global_batch 64: {batches}"
+    # Warm-up 8 steps, then one doubling per decision (every 4 steps): 8 -> 64 by step 8 + 3 x 4 + slack.
+    assert batches.index(64) <= 28, batches
+    assert all(p[1] <= 8 for p in r["plans"]), "a micro-batch above max_micro_batch_per_gpu was planned"
+    moves = r["history"]
+    assert moves and all("samples/s x efficiency" in m["reason"] for m in moves), moves
+    records = [
+        json.loads(line) for line in (outcome(launches, "two") / "flat.jsonl").read_text().splitlines()
+    ]
+    rated = [rec for rec in records if "goodput" in rec]
+    assert rated and rated[-1]["global_batch"] == 64, "the step records carry no goodput fields"
+    last = rated[-1]
+    assert last["goodput"] == pytest.approx(last["predicted_samples_per_s"] * last["efficiency"])
+    # The simulated flat curve: 64 samples in 50 ms.
+    assert last["predicted_samples_per_s"] == pytest.approx(64 / 0.05, rel=1e-6)
+
+
+def test_affine_cost_follows_the_noise_scale(launches):
+    r = read_result(outcome(launches, "two"), "affine")
+    _exact_and_once(r, "affine curve, forward/backward/step loop")
+    curve = parse_step_time_curve(r["curve"])
+    fixed, per_pass, per_sample = r["fit"]
+    assert per_sample == pytest.approx(curve.per_sample, rel=1e-6), f"the fit {r['fit']} missed the curve"
+    # The decisions read the estimate as it drifts: rate against its recent median.
+    recent = sorted(n for n in r["noise"][-24:] if n is not None)
+    assert recent, f"the noise scale was not measured in the loop: {r['noise']}"
+    noise, final = recent[len(recent) // 2], r["plans"][-1][0]
+
+    def goodput(b: int) -> float:
+        plan = plan_batch(b, 2, 8)
+        seconds = curve.predict(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
+        return b / seconds * statistical_efficiency(b, noise, 8)
+
+    best = max(range(8, 65, 2), key=goodput)
+    # Within the hysteresis (and one decision's lag of a drifting estimate) of the goodput maximum, and
+    # not the large end a flat cost gives.
+    assert goodput(final) >= 0.85 * goodput(best), (final, best, noise, [p[0] for p in r["plans"]])
+    assert final < 64, [p[0] for p in r["plans"]]
+
+
+def test_one_rank_micro_equals_batch_measures_the_noise_and_moves(launches):
+    r = read_result(outcome(launches, "one"), "single_flat")
+    _exact_and_once(r, "1 rank, micro = batch")
+    assert all(p[2] == 1 for p in r["plans"]), f"every planned step is one pass: {r['plans']}"
+    assert r["noise"][-1] is not None and r["noise"][-1] > 0, "the noise scale was never measured"
+    batches = [p[0] for p in r["plans"]]
+    assert batches[-1] > 8, f"the batch never moved: {batches}"
