@@ -32,9 +32,20 @@ class AdaptiveTrainDataLoader:
     Anything else (``state_dict``, ``sampler``, ...) is the engine's loader.
     """
 
+    # Class defaults: __getattr__ (the engine's loader) never runs for these names.
+    accelerator: Any = None
+    engine: Any = None
+    loop_loader: Any = None
+    dataset: Any = None
+    end_of_dataloader = False
+
     def __init__(self, accelerator: Any, engine: Any, loop_loader: Any, dataset: Any) -> None:
-        self.__dict__.update(accelerator=accelerator, engine=engine, loop_loader=loop_loader, dataset=dataset)
-        self.__dict__["end_of_dataloader"] = False
+        self.accelerator, self.engine, self.loop_loader, self.dataset = (
+            accelerator,
+            engine,
+            loop_loader,
+            dataset,
+        )
 
     # accelerate 1.15 GradientState reads these of the active dataloader (gather_for_metrics, _do_sync).
     @property
@@ -42,7 +53,9 @@ class AdaptiveTrainDataLoader:
         return -1  # no sample is duplicated to even out the ranks: nothing to drop in gather_for_metrics
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loop_loader"], name)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.loop_loader, name)
 
     def __len__(self) -> int:
         return len(self.loop_loader)
@@ -58,7 +71,7 @@ class AdaptiveTrainDataLoader:
                 self._mark_boundary()
                 yield _to_device(batch, self.engine.device)
         finally:
-            self.__dict__["end_of_dataloader"] = False
+            self.end_of_dataloader = False
             state._remove_dataloader(self)
 
     def _mark_boundary(self) -> None:
@@ -67,7 +80,7 @@ class AdaptiveTrainDataLoader:
         index, count = loop.current, len(loop.micro)
         last = index == loop.last
         accelerator, state = self.accelerator, self.accelerator.gradient_state
-        self.__dict__["end_of_dataloader"] = last
+        self.end_of_dataloader = last
         # accelerate 1.15 Accelerator._do_sync: end_of_dataloader -> sync and step = 0; otherwise
         # step += 1 and sync when step % num_steps == 0. With step = index and num_steps = the plan's
         # micro-batches per step, index + 1 < num_steps off the boundary: never a sync there.
@@ -120,6 +133,8 @@ class StepsAsAccelerate:
     steps one it wraps (``num_processes`` times per optimizer step unless ``split_batches``; a scheduler
     with ``total_steps`` is not stepped past them)."""
 
+    scheduler: Any = None  # a class default: __getattr__ never runs for it
+
     def __init__(self, scheduler: Any, times: int) -> None:
         self.scheduler = scheduler
         self.times = times
@@ -142,7 +157,9 @@ class StepsAsAccelerate:
         return self.scheduler.get_last_lr()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
 
 def skip_nothing(loader: AdaptiveTrainDataLoader, original: Callable[..., Any]) -> Callable[..., Any]:
