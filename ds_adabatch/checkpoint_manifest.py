@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ __all__ = [
 COMPLETE_FILE = "adabatch_complete.json"
 PART_PREFIX = "adabatch_manifest_rank"
 UNIVERSAL_SUFFIX = "_universal"
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -89,7 +90,7 @@ class FileProblem:
 
 
 def checksum_file(path: str) -> tuple[int, int]:
-    """``(size, crc32)`` of the file at ``path``, read in 8 MiB chunks."""
+    """``(size, crc32)`` of the file at ``path``, read in 1 MiB chunks."""
     crc = 0
     size = 0
     buf = bytearray(_CHUNK)
@@ -227,7 +228,8 @@ def verify_folder(save_dir: str) -> tuple[list[str], bool]:
         if not os.path.isdir(folder):
             continue
         record = read_record(folder)
-        step = record.get("global_steps", -1) if record else -1
+        named = re.fullmatch(r"global_step(\d+)(?:_universal)?", name)
+        step = record.get("global_steps", -1) if record else int(named.group(1)) if named else -1
         entries.append((step, name, folder, record))
     lines, ok, complete = [], True, 0
     for step, name, folder, record in sorted(entries, key=lambda e: (e[0], e[1]), reverse=True):
