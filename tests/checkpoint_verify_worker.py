@@ -7,7 +7,8 @@ Phases (``python -m torch.distributed.run ... checkpoint_verify_worker.py PHASE 
   then every copy is resumed here, on the same world size. Then a 2-stage pipeline saves twice, loses
   the end of a layer file of its newest checkpoint, and resumes.
 - ``resume`` (1 rank): the same copies resumed on another world size (the checkpoint that verifies is
-  converted to DeepSpeed's universal format), and a copy whose records predate manifests.
+  converted to DeepSpeed's universal format), a copy whose records predate manifests, and one damaged
+  universal copy (converted again).
 
 Each resume writes ``<phase>_<case>.json`` per rank: the path returned, the step resumed at, the next
 losses, the ds_adabatch log lines this rank emitted, and the error raised if any.
@@ -81,12 +82,12 @@ def damage(folder: str, step: int, name: str, how: str) -> None:
             f.write(bytes([byte ^ 0x10]))
 
 
-def resume(out_dir: str, phase: str, case: str) -> None:
+def resume(out_dir: str, phase: str, case: str, folder: str | None = None) -> None:
     engine = _engine()
     del LINES.lines[:]
     got: dict = {"error": None, "error_type": None}
     try:
-        path, _ = engine.load_checkpoint(os.path.join(out_dir, case))
+        path, _ = engine.load_checkpoint(os.path.join(out_dir, folder or case))
         got["path"] = os.path.relpath(path, out_dir)
         got["start"] = engine.global_steps
         got["losses"] = [float(engine.train_batch()) for _ in range(engine.global_steps, STEPS)]
@@ -168,6 +169,13 @@ def phase_resume(out_dir: str) -> None:
             json.dump(record, f)
     for case in (*DAMAGE, "legacy"):
         resume(out_dir, "w1", case)
+    # The universal copy the resume above cached loses a byte's worth of a bit: converted again.
+    copy = os.path.join(out_dir, "truncated", "global_step4_universal")
+    with open(os.path.join(copy, "adabatch_complete.json")) as f:
+        name = sorted(n for n in json.load(f)["files"] if n.startswith("zero/"))[0]
+    damage(os.path.join(out_dir, "truncated"), 4, os.path.join("..", "global_step4_universal", name), "flip")
+    write(out_dir, "reconverted_file", {"name": name})
+    resume(out_dir, "w1", "reconverted", folder="truncated")
 
 
 def main() -> None:

@@ -130,6 +130,20 @@ def test_checkpoint_without_manifest_loads_unverified_said_once(results):
     ]
 
 
+def test_each_file_is_listed_by_the_rank_that_wrote_it(results):
+    # The contract with DeepSpeed 0.19.8 (runtime/checkpoint_verify.py, recording_writes): every file of a
+    # checkpoint is written through engine.checkpoint_engine.save, where the rank that writes it is seen.
+    # Were it written another way, rank 0 would list it (hashing it after the save) and this would fail.
+    files = read_manifest(str(results / "saved" / "global_step6"))
+    assert {n: r.rank for n, r in files.items()} == {
+        MODEL: 0,
+        SHARD.format(0): 0,
+        SHARD.format(1): 1,
+        "adabatch_rng_rank0.pt": 0,
+        "adabatch_rng_rank1.pt": 1,
+    }
+
+
 def test_verify_reports_each_checkpoint_and_the_converted_copy_verifies(results):
     lines, ok = verify_folder(str(results / "truncated"))
     assert not ok
@@ -160,3 +174,16 @@ def test_pipeline_checkpoint_lists_every_stage_and_falls_back(results):
         assert [x for x in got["lines"] if "resuming from" in x] == ([line] if rank == 0 else []), got[
             "lines"
         ]
+
+
+def test_a_damaged_universal_copy_is_converted_again(results):
+    name = read_result(results, "reconverted_file")["name"]
+    got = read_result(results, "w1_reconverted_rank0")
+    assert got["error"] is None and got["start"] == 4, got
+    copy = results / "truncated" / "global_step4_universal"
+    said = [x for x in got["lines"] if "cached universal copy" in x]
+    assert len(said) == 1 and said[0].startswith(
+        f"the cached universal copy {copy} fails verification ({name} "
+    ), said
+    assert said[0].endswith("): converting it again"), said
+    assert verify_folder(str(results / "truncated"))[0][1].startswith("global_step4_universal: ok")

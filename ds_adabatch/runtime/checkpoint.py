@@ -9,6 +9,7 @@ re-shards the same sample stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -134,6 +135,11 @@ class CheckpointMixin:
         save_latest = kwargs.pop("save_latest", True)
         # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
         # known to have finished; that file is written below, after the barrier, instead.
+        if self.rank == 0:
+            # A save over an existing tag (a run resumed from an older checkpoint reaches the same step):
+            # the old record goes first, so that a crash mid-save leaves the tag incomplete.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(save_dir, tag, elastic_ckpt.COMPLETE_FILE))
         with checkpoint_verify.recording_writes(ds) as written:
             result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.

@@ -3,11 +3,14 @@
 A checkpoint tag counts as complete only once every rank finished writing it: after the ranks meet at a
 barrier, rank 0 writes ``<tag>/adabatch_complete.json`` (the tag's world size, ZeRO stage, step and
 samples) and only then points DeepSpeed's ``latest`` file at the tag (atomically). A rank that dies while
-saving leaves a tag without that file, and :func:`latest_complete_tag` skips it.
+saving leaves a tag without that file, and :func:`latest_complete_tag` skips it. The record also holds the
+checkpoint's manifest (every file's size and CRC-32: :mod:`ds_adabatch.checkpoint_manifest`), which a
+load checks first (:mod:`ds_adabatch.runtime.checkpoint_verify`).
 
 DeepSpeed 0.19.8 refuses to load a ZeRO 1-3 checkpoint on another data-parallel size. For that case
 :func:`ensure_universal` converts the tag to DeepSpeed's universal format once (on rank 0, the others wait
-at a barrier) into ``<tag>_universal`` beside it, and later resumes reuse that copy.
+at a barrier) into ``<tag>_universal`` beside it, with a manifest of its own, and later resumes reuse that
+copy while it verifies.
 """
 
 from __future__ import annotations
