@@ -233,6 +233,10 @@ def verify_folder(save_dir: str) -> tuple[list[str], bool]:
         entries.append((step, name, folder, record))
     lines, ok, complete = [], True, 0
     for step, name, folder, record in sorted(entries, key=lambda e: (e[0], e[1]), reverse=True):
+        if record is None and os.path.isfile(os.path.join(folder, "trainer_state.json")):
+            complete += 1  # written by transformers' Trainer, which keeps no manifest
+            lines.append(f"{name}: unverified (a Hugging Face Trainer checkpoint: no manifest)")
+            continue
         if record is None:
             if any(n.endswith((".pt", ".json")) for n in os.listdir(folder)):
                 lines.append(f"{name}: incomplete (no {COMPLETE_FILE}: its save did not finish), skipped")

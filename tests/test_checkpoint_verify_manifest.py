@@ -147,6 +147,15 @@ def test_verify_prints_one_line_per_checkpoint_and_exits_1_on_damage(tmp_path, c
     assert lines[2].startswith("global_step4: ok")
 
 
+def test_verify_names_a_trainer_checkpoint_unverified(tmp_path, capsys):
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text("{}")
+    assert _verify(tmp_path, capsys) == (
+        0,
+        ["checkpoint-8: unverified (a Hugging Face Trainer checkpoint: no manifest)"],
+    )
+
+
 def test_verify_of_a_folder_without_checkpoints_exits_1(tmp_path, capsys):
     assert _verify(tmp_path, capsys) == (1, [f"{tmp_path}: no complete checkpoint"])
     assert _verify(tmp_path / "absent", capsys) == (1, [f"{tmp_path / 'absent'}: no such folder"])
