@@ -17,7 +17,7 @@ from _util import read_result, torchrun
 
 from ds_adabatch.checkpoint_manifest import checksum_file, read_manifest, verify_folder
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 HERE = Path(__file__).parent
 WORKER = HERE / "checkpoint_verify_worker.py"
