@@ -21,6 +21,7 @@ from .plan import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint_manifest import CheckpointCorrupt
     from .config import AdaBatchConfig, LoadedConfig, load_ds_config
     from .data import SampleLengths, TokenBudgetSampler
     from .runtime import (
@@ -44,6 +45,7 @@ _LAZY = {
     "LiveRecoveryFailed": "ds_adabatch.runtime",
     "SampleLengths": "ds_adabatch.data",
     "TokenBudgetSampler": "ds_adabatch.data",
+    "CheckpointCorrupt": "ds_adabatch.checkpoint_manifest",
     "finish": "ds_adabatch.runtime.comm",
     "init_distributed": "ds_adabatch.runtime.process_group",
 }
@@ -53,6 +55,7 @@ __all__ = [
     "AdaptiveBatchEngine",
     "AdaptivePipelineEngine",
     "BatchPlan",
+    "CheckpointCorrupt",
     "CompatibleBatchSize",
     "ConfigError",
     "LiveRecoveryFailed",

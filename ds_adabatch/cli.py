@@ -9,8 +9,10 @@ Subcommands::
     ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
     ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
         [--step-time fixed=0.03,per_sample=0.0004] [--noise-scale 40]
+    ds-adabatch verify CKPT_DIR
 
-Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale; 2 on bad input or
+Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale, and from ``verify`` when a
+checkpoint fails its manifest or the folder holds no complete checkpoint; 2 on bad input or
 an invalid config, with a message on stderr and no traceback. The command imports neither DeepSpeed
 nor torch, so it answers in well under a second.
 """
@@ -404,6 +406,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint_manifest import verify_folder
+
+    lines, ok = verify_folder(args.folder)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def _layout_arguments(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--pipeline-stages",
@@ -532,6 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a fixed gradient-noise scale (samples) in place of --replay's, for gradient_noise and goodput",
     )
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser(
+        "verify", help="check every checkpoint in a folder against its manifest (exit 1: damaged)"
+    )
+    p.add_argument("folder", metavar="CKPT_DIR", help="the folder given to save_checkpoint / --save-dir")
+    p.set_defaults(func=_cmd_verify)
     return parser
 
 

@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         # A missing checkpoint is a fresh start, so one command line serves first start and restarts
         # (an elastic agent relaunching the job on fewer or more ranks included).
-        path, _ = engine.load_checkpoint(args.resume)
+        try:
+            path, _ = engine.load_checkpoint(args.resume)
+        except ds_adabatch.CheckpointCorrupt as err:  # raised on every rank alike, before any step
+            if rank0:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
         if rank0:
             print(
                 f"resumed from {path} at step {engine.global_steps}, {engine.global_samples} samples, "

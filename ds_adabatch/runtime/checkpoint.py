@@ -9,6 +9,7 @@ re-shards the same sample stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 
+from .. import checkpoint_manifest as manifest
 from ..plan import PlanError
-from . import comm
+from . import checkpoint_verify, comm
 from . import elastic as elastic_ckpt
 from .metrics import PlanChange
 
@@ -121,7 +123,9 @@ class CheckpointMixin:
         Call on every rank, as with DeepSpeed. The checkpoint becomes visible to ``load_checkpoint``
         (and DeepSpeed's ``latest`` file points at it) only after every rank finished writing: a rank
         that dies mid-save leaves the previous checkpoint as the one a resume loads. ``keep_last=K``
-        then deletes all but the newest K complete checkpoints (and their converted copies).
+        then deletes all but the newest K complete checkpoints (and their converted copies). Each rank
+        records the size and CRC-32 of every file it wrote, and the checkpoint's completion record holds
+        them all (its manifest), so that a load can tell a damaged file.
         """
         ds = self.deepspeed
         self.resolve_losses()  # the saved signals (last loss, its EMA) must include every step
@@ -131,13 +135,23 @@ class CheckpointMixin:
         save_latest = kwargs.pop("save_latest", True)
         # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
         # known to have finished; that file is written below, after the barrier, instead.
-        result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
+        if self.rank == 0:
+            # A save over an existing tag (a run resumed from an older checkpoint reaches the same step):
+            # the old record goes first, so that a crash mid-save leaves the tag incomplete.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(save_dir, tag, elastic_ckpt.COMPLETE_FILE))
+        with checkpoint_verify.recording_writes(ds) as written:
+            result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
-        rng_dir = os.path.join(save_dir, tag)
-        os.makedirs(rng_dir, exist_ok=True)
-        torch.save(_rng_state(), os.path.join(rng_dir, f"adabatch_rng_rank{self.rank}.pt"))
+        folder = os.path.join(save_dir, tag)
+        os.makedirs(folder, exist_ok=True)
+        written.append(os.path.join(folder, f"adabatch_rng_rank{self.rank}.pt"))
+        torch.save(_rng_state(), written[-1])
+        # This rank's part of the manifest: the files it wrote, hashed while still in the page cache.
+        manifest.write_part(folder, self.rank, written)
         comm.barrier()  # every rank has written all of its files
         if self.rank == 0:
+            files = manifest.merge_parts(folder)
             info = elastic_ckpt.CheckpointInfo(
                 tag=tag,
                 world_size=self.world_size,
@@ -146,7 +160,7 @@ class CheckpointMixin:
                 global_samples=self.global_samples,
                 saved_at=time.time(),
             )
-            elastic_ckpt.mark_complete(save_dir, info, update_latest=save_latest)
+            elastic_ckpt.mark_complete(save_dir, info, update_latest=save_latest, files=files)
             if keep_last is not None:
                 elastic_ckpt.prune_checkpoints(save_dir, keep_last)
         self.memory_recovery.checkpoint_saved(save_dir)  # out-of-memory records it now holds go
@@ -163,6 +177,13 @@ class CheckpointMixin:
         stopped and the global batch is re-planned; for ZeRO 1-3 the checkpoint is first converted to
         DeepSpeed's universal format (once, on rank 0; cached as ``<tag>_universal`` and reused) unless
         ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
+
+        Before DeepSpeed reads anything, the ranks check the checkpoint's files against its manifest
+        (sizes everywhere, each file's CRC-32 on one rank). Without ``tag``, a damaged newest checkpoint
+        is skipped for the newest one that verifies (one warning on rank 0 names the file and the step
+        resumed from; the path returned is that checkpoint's); when none verifies, or the ``tag`` named
+        does not, :class:`~ds_adabatch.CheckpointCorrupt` is raised on every rank and nothing is loaded.
+        A checkpoint saved before manifests existed loads unverified (said once).
         """
         loop = getattr(self, "_loop", None)
         if loop is not None:
@@ -184,10 +205,11 @@ class CheckpointMixin:
             if info is None or info.global_steps <= live.restored_step:
                 return f"<host memory: step {live.restored_step}>", {}
         ds = self.deepspeed
+        # Every rank checks its share of the files against the checkpoint's manifest before DeepSpeed
+        # reads any; a damaged newest checkpoint gives way to the newest that verifies.
+        tag = checkpoint_verify.choose_checkpoint(load_dir, tag, self.rank, _processes())
         if tag is None:
-            tag = elastic_ckpt.latest_complete_tag(load_dir)
-            if tag is None:
-                return None, {}
+            return None, {}
         universal = tag.endswith(elastic_ckpt.UNIVERSAL_SUFFIX) and not ds.load_universal_checkpoint()
         layout = elastic_ckpt.saved_layout(load_dir, tag)
         if (

@@ -118,6 +118,7 @@ def finish(exit_code: int = 0) -> None:
     if exit_code == 0 and dist.is_available() and dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
+        _remove_cpu_shm_buffer_name()
         dist.destroy_process_group()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -125,3 +126,16 @@ def finish(exit_code: int = 0) -> None:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(exit_code)
+
+
+def _remove_cpu_shm_buffer_name() -> None:
+    """After the barrier of :func:`finish`: this rank's ``/dev/shm`` buffer name of DeepSpeed's CPU
+    all-reduce, if DeepSpeed's layer was started where :func:`ds_adabatch.init_distributed` never saw it
+    (``initialize(..., dist_init_required=False)``, the Hugging Face Trainer). Every rank has long mapped
+    its peers' buffers (while the group formed)."""
+    if "deepspeed.comm.comm" not in sys.modules:
+        return  # DeepSpeed's layer never started in this process: it made no buffer
+    from .process_group import cpu_shm_buffer_name
+
+    with contextlib.suppress(OSError):
+        os.remove(cpu_shm_buffer_name())

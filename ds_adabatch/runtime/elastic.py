@@ -3,11 +3,14 @@
 A checkpoint tag counts as complete only once every rank finished writing it: after the ranks meet at a
 barrier, rank 0 writes ``<tag>/adabatch_complete.json`` (the tag's world size, ZeRO stage, step and
 samples) and only then points DeepSpeed's ``latest`` file at the tag (atomically). A rank that dies while
-saving leaves a tag without that file, and :func:`latest_complete_tag` skips it.
+saving leaves a tag without that file, and :func:`latest_complete_tag` skips it. The record also holds the
+checkpoint's manifest (every file's size and CRC-32: :mod:`ds_adabatch.checkpoint_manifest`), which a
+load checks first (:mod:`ds_adabatch.runtime.checkpoint_verify`).
 
 DeepSpeed 0.19.8 refuses to load a ZeRO 1-3 checkpoint on another data-parallel size. For that case
 :func:`ensure_universal` converts the tag to DeepSpeed's universal format once (on rank 0, the others wait
-at a barrier) into ``<tag>_universal`` beside it, and later resumes reuse that copy.
+at a barrier) into ``<tag>_universal`` beside it, with a manifest of its own, and later resumes reuse that
+copy while it verifies.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 
+from .. import checkpoint_manifest as manifest
+
 __all__ = [
     "CheckpointInfo",
     "complete_checkpoints",
@@ -33,8 +38,8 @@ __all__ = [
 
 logger = logging.getLogger("ds_adabatch")
 
-COMPLETE_FILE = "adabatch_complete.json"
-UNIVERSAL_SUFFIX = "_universal"
+COMPLETE_FILE = manifest.COMPLETE_FILE
+UNIVERSAL_SUFFIX = manifest.UNIVERSAL_SUFFIX
 _MARKER_VERSION = 1
 
 
@@ -54,25 +59,35 @@ class CheckpointInfo:
     """Unix time (seconds) at which the last rank finished writing."""
 
 
-def mark_complete(save_dir: str, info: CheckpointInfo, *, update_latest: bool = True) -> None:
-    """Rank 0, after every rank finished writing ``info.tag``: the marker, then ``latest``."""
+def mark_complete(
+    save_dir: str,
+    info: CheckpointInfo,
+    *,
+    update_latest: bool = True,
+    files: dict[str, manifest.FileRecord] | None = None,
+    folder: str | None = None,
+) -> None:
+    """Rank 0, after every rank finished writing ``info.tag``: the marker (with the checkpoint's
+    manifest ``files``), then ``latest``. ``folder``: where the marker goes when not ``<save_dir>/<tag>``."""
     payload = {"version": _MARKER_VERSION, **asdict(info)}
-    _atomic_write(os.path.join(save_dir, info.tag, COMPLETE_FILE), json.dumps(payload))
+    if files is not None:
+        payload["files"] = manifest.manifest_json(files)
+    folder = folder or os.path.join(save_dir, info.tag)
+    _atomic_write(os.path.join(folder, COMPLETE_FILE), json.dumps(payload))
     if update_latest:
         _atomic_write(os.path.join(save_dir, "latest"), info.tag)
 
 
 def read_marker(save_dir: str, tag: str) -> CheckpointInfo | None:
     """The tag's completion record, or ``None`` when the tag is incomplete (or not ours)."""
-    path = os.path.join(save_dir, tag, COMPLETE_FILE)
+    data = manifest.read_record(os.path.join(save_dir, tag))
+    if data is None or data.pop("version", None) != _MARKER_VERSION:
+        return None
+    data.pop("files", None)  # the manifest: read by checkpoint_manifest.read_manifest
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        return CheckpointInfo(**data)
+    except TypeError:  # a record of another layout: not one this version wrote
         return None
-    if data.pop("version", None) != _MARKER_VERSION:
-        return None
-    return CheckpointInfo(**data)
 
 
 def complete_checkpoints(save_dir: str) -> list[CheckpointInfo]:
@@ -153,10 +168,10 @@ def ensure_universal(save_dir: str, tag: str, rank: int) -> str:
     out_tag = tag + UNIVERSAL_SUFFIX
     out = os.path.join(save_dir, out_tag)
     error = ""
-    if rank == 0 and not os.path.isfile(os.path.join(out, COMPLETE_FILE)):
+    if rank == 0 and _needs_conversion(out):
         try:
             started = time.perf_counter()
-            _convert(os.path.join(save_dir, tag), out)
+            _convert(os.path.join(save_dir, tag), out, read_marker(save_dir, tag))
             logger.warning(
                 "converted checkpoint %s to DeepSpeed's universal format in %.1f s (cached as %s)",
                 tag,
@@ -180,7 +195,22 @@ def ensure_universal(save_dir: str, tag: str, rank: int) -> str:
     return out_tag
 
 
-def _convert(src: str, out: str) -> None:
+def _needs_conversion(out: str) -> bool:
+    """Rank 0: no complete universal copy at ``out``, or one that fails its manifest (converted again)."""
+    if not os.path.isfile(os.path.join(out, COMPLETE_FILE)):
+        return True
+    files = manifest.read_manifest(out)
+    problems = manifest.check_files(out, files) if files is not None else []
+    if problems:
+        logger.warning(
+            "the cached universal copy %s fails verification (%s): converting it again",
+            out,
+            problems[0].describe(),
+        )
+    return bool(problems)
+
+
+def _convert(src: str, out: str, info: CheckpointInfo | None) -> None:
     # deepspeed.checkpoint.ds_to_universal.main (0.19.8) takes its argparse namespace; one worker per
     # pass keeps it in this process (no forked pool inside a process that holds a process group).
     from argparse import Namespace
@@ -200,9 +230,15 @@ def _convert(src: str, out: str) -> None:
     )
     with contextlib.redirect_stdout(io.StringIO()):
         ds_to_universal.main(args)
-    # The adabatch RNG files and the completion record travel with the copy.
+    # The adabatch RNG files travel with the copy; its completion record gets the copy's own manifest
+    # (the source's would name files the copy does not have).
     for f in glob.glob(os.path.join(src, "adabatch_*")):
-        shutil.copy2(f, tmp)
+        if os.path.basename(f) != COMPLETE_FILE and not os.path.basename(f).startswith(manifest.PART_PREFIX):
+            shutil.copy2(f, tmp)
+    if info is not None:
+        mark_complete(
+            os.path.dirname(out), info, update_latest=False, files=manifest.hash_folder(tmp), folder=tmp
+        )
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     # ds_to_universal names the temporary folder in ``latest_universal``: point it at the final one.

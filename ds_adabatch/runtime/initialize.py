@@ -388,9 +388,11 @@ def _check_deepspeed_sections(loaded: Any) -> None:
 
 def _init_distributed(deepspeed, dist, kwargs, live) -> None:
     guard_jit_builds()  # the optimizer's op (FusedAdam, CPUAdam) is JIT-built in deepspeed.initialize
-    if dist.is_initialized() or kwargs.get("dist_init_required", True) is False:
+    if kwargs.get("dist_init_required", True) is False:
         return
     # Restart-safe under torchrun --max-restarts, a world of one without a launcher (process_group.py).
+    # A group the script formed (deepspeed.init_distributed() included) is kept; the call then only
+    # removes the /dev/shm name of DeepSpeed's CPU all-reduce buffer.
     # A live-elastic job bounds every collective by its timeout (a hung peer counts as lost after it).
     init_distributed(timeout=timedelta(seconds=live.collective_timeout_s) if live.enabled else None)
 

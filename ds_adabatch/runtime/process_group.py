@@ -80,23 +80,13 @@ def restart_safe_namespace() -> RestartSafeNamespace | None:
     return _namespace
 
 
-def _unlink_cpu_shm_buffer() -> None:
-    """Remove the name of this rank's buffer of DeepSpeed's CPU all-reduce, which nothing else does.
+_shm_name_removed = False
 
-    DeepSpeed 0.19.8 (CPU accelerator, every rank on one machine: ``LOCAL_SIZE`` = world size) gives
-    each rank a 66 MB file ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
-    that its peers map once, while the group forms; no exit removes it, so every launch left 66 MB per
-    rank of host memory behind (a day of test runs filled a 24 GB machine). Once every rank has mapped
-    its peers' (the barrier), the names are not needed: the mappings outlive them, and nothing is left
-    behind even when a process is killed.
-    """
-    import deepspeed.comm.comm as ds_comm
 
-    cdb = getattr(ds_comm, "cdb", None)
-    size = torch.distributed.get_world_size()
-    if getattr(cdb, "shm_comm_op", None) is None or os.environ.get("LOCAL_SIZE") != str(size):
-        return  # the same on every rank: the barrier below is reached by all or none
-    name = "_".join(
+def cpu_shm_buffer_name() -> str:
+    """The ``/dev/shm`` name of this rank's buffer of DeepSpeed's CPU all-reduce (DeepSpeed 0.19.8
+    ``shm_initialize`` in ``csrc/cpu/comm/shm.cpp``: uid, ``MASTER_ADDR``, ``MASTER_PORT``, global rank)."""
+    return "_".join(
         (
             "/dev/shm/deepspeed_allreduce_buffer",
             str(os.getuid()),
@@ -105,9 +95,35 @@ def _unlink_cpu_shm_buffer() -> None:
             str(torch.distributed.get_rank()),
         )
     )
+
+
+def _unlink_cpu_shm_buffer() -> None:
+    """Remove the name of this rank's buffer of DeepSpeed's CPU all-reduce, which nothing else does.
+
+    DeepSpeed 0.19.8 (CPU accelerator, every rank on one machine: ``LOCAL_SIZE`` = world size) gives
+    each rank a 66 MB file ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
+    that its peers map once, while DeepSpeed's communication layer starts (``TorchBackend.__init__``, in
+    ``deepspeed.init_distributed()``, whoever calls it); no exit removes it, so every launch left 66 MB per
+    rank of host memory behind (a day of test runs filled a 24 GB machine). Once every rank has mapped
+    its peers' (the barrier), the names are not needed: the mappings outlive them, and nothing is left
+    behind even when a process is killed. Once per process: the ranks call it alike, so the barrier is
+    reached by all or none.
+    """
+    global _shm_name_removed
+    import deepspeed.comm.comm as ds_comm
+
+    cdb = getattr(ds_comm, "cdb", None)
+    size = torch.distributed.get_world_size()
+    if (
+        _shm_name_removed
+        or getattr(cdb, "shm_comm_op", None) is None
+        or os.environ.get("LOCAL_SIZE") != str(size)
+    ):
+        return  # the same on every rank: the barrier below is reached by all or none
     torch.distributed.barrier()
+    _shm_name_removed = True
     with contextlib.suppress(OSError):
-        os.remove(name)
+        os.remove(cpu_shm_buffer_name())
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | None = None) -> None:
@@ -118,7 +134,9 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | No
     workers' store (the default) every incarnation forms its group in a namespace of its own, so
     ``torchrun --max-restarts`` restarts (and elastic membership changes) form a working group;
     elsewhere it is ``deepspeed.init_distributed()``. Without a launcher (``python train.py``) it makes a
-    world of one. Does nothing when ``torch.distributed`` is already initialised. Call it on every rank.
+    world of one. When ``torch.distributed`` is already initialised (by the script, or by
+    ``deepspeed.init_distributed()``) it only completes DeepSpeed's layer and removes the ``/dev/shm``
+    name of DeepSpeed's CPU all-reduce buffer (see below). Call it on every rank.
 
     Args:
         dist_backend: ``"nccl"``, ``"gloo"``, ...; None: the DeepSpeed accelerator's backend.
@@ -135,7 +153,8 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta | No
     if torch.distributed.is_initialized():
         if not ds_dist.is_initialized():
             deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)
-            _unlink_cpu_shm_buffer()
+        # Also when the script called deepspeed.init_distributed() itself: its buffer name goes here.
+        _unlink_cpu_shm_buffer()
         return
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         # A plain `python train.py` (no launcher) is a world of one; without these variables
