@@ -9,7 +9,8 @@
 * on two ranks (ZeRO 1, a batch ramping 4 -> 12 in uneven plans, GAS changing, a constant LR): every
   sample of the epoch once, ``sync_gradients`` true exactly on each plan's last micro-batch, and final
   parameters equal to a plain-PyTorch big-batch reference over the same steps (<= 1e-6 relative, fp32);
-* ``accelerator.load_state`` of that run's step-6 checkpoint on one process (another world size): the
+* ``accelerator.load_state`` of that run's step-6 checkpoint on one process under ZeRO 2 (another world
+  size and stage, through the universal checkpoint): the
   rest of the epoch takes the same samples per step and ends at the same parameters;
 * DeepSpeed-Chat's step-1 ``main.py`` with the loop swap (``tests/ds_examples/dschat_step1_main.py``,
   docs/engine.md) on two ranks under the ``deepspeed`` launcher (ZeRO 2), against a big-batch reference;
@@ -166,7 +167,8 @@ def runs(request, tmp_path_factory) -> dict:
 
     def resume():
         out = folder("resume")
-        config = ds_config(out, "ds", RAMP, stage=1)
+        # ZeRO 2 on one process, from the two-rank ZeRO 1 checkpoint (converted to the universal form).
+        config = ds_config(out, "ds", RAMP, stage=2)
         args = [*data, *COMMON, "--lr_scheduler_type", "constant", "--run_name", "run"]
         args += ["--resume_from_checkpoint", str(ramp_dir / "ckpt" / "step_6")]
         accelerate_launch(out, config, *args, what="resume on one process")
