@@ -1,9 +1,10 @@
 """The goodput schedule on real ranks with a simulated step-time curve, run by tests/test_goodput_engine.py.
 
-Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR
+Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR [resume]
 On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, an
 affine one (compute-bound) through DeepSpeed's forward / backward / step loop. On 1 rank: micro = batch
-(one pass per step), where the noise scale is measured by splitting a step in two. Each case writes its
+(one pass per step), where the noise scale is measured by splitting a step in two; with ``resume``, the
+2-rank flat run's step-20 checkpoint continued on one rank. Each case writes its
 batches, the samples of every step, the noise estimate and the exactness error into OUT_DIR/<case>.json
 (rank 0); the curve comes in through DS_ADABATCH_SIMULATED_STEP_TIME, read when the engine is built.
 """
@@ -81,7 +82,16 @@ def record(engine, batches: list, plans: list, noise: list) -> None:
 
 
 def run_case(
-    out_dir: str, name: str, curve: str, steps: int, *, loop: bool, lr: float = LR, **shape: int
+    out_dir: str,
+    name: str,
+    curve: str,
+    steps: int,
+    *,
+    loop: bool,
+    lr: float = LR,
+    save_at: int | None = None,
+    resume_from: str | None = None,
+    **shape: int,
 ) -> None:
     os.environ[SIMULATED_STEP_TIME_ENV] = curve
     data = GaussianRegression()
@@ -89,6 +99,16 @@ def run_case(
     cfg = config(0, lr=lr, jsonl=jsonl, **shape)
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=half_mse)
     batches, plans, noise = [], [], []
+    resumed = None
+    if resume_from is not None:  # another world size: the schedule's model and the stream continue
+        engine.load_checkpoint(resume_from)
+        schedule = engine.controller.schedule
+        resumed = {
+            "step": engine.global_steps,
+            "batch": engine.plan.global_batch_size,
+            "moves": schedule.moves,
+            "predicts": schedule.throughput.predict(8, 1, engine.world_size),
+        }
     if loop:
         for x, y in loader:  # DeepSpeed's loop: the step counts when its last micro-batch steps
             before = engine.global_steps
@@ -99,15 +119,21 @@ def run_case(
             if engine.global_steps >= steps:
                 break
     else:
-        for _ in range(steps):
+        while engine.global_steps < steps:
             engine.train_batch()
             record(engine, batches, plans, noise)
+            if engine.global_steps == save_at:
+                engine.save_checkpoint(os.path.join(out_dir, f"{name}_ckpt"))
     engine.resolve_losses()
     got = full_params(engine)
     schedule = engine.controller.schedule
     fit = schedule.throughput.fit(engine.world_size)
     if engine.global_rank == 0:
-        want = reference(batches, data, lr)
+        before: list[list[int]] = []
+        if resume_from is not None:  # the saving run's steps up to the checkpoint, then these
+            with open(os.path.join(out_dir, "flat.json")) as f:
+                before = json.load(f)["batches"][: resumed["step"]]
+        want = reference(before + batches, data, lr)
         payload = {
             "max_rel_err": float((got - want).abs().max() / want.abs().max()),
             "batches": batches,
@@ -118,6 +144,7 @@ def run_case(
             "world_size": engine.world_size,
             "moves": schedule.moves,
             "curve": curve,
+            "resumed": resumed,
         }
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(payload, f)
@@ -129,10 +156,17 @@ def main() -> None:
     out_dir = sys.argv[1]
     ds_adabatch.init_distributed()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and len(sys.argv) > 2 and sys.argv[2] == "resume":
+        # The 2-rank flat run's step-20 checkpoint, resumed on one rank (micro 8: GAS doubles).
+        ckpt = os.path.join(out_dir, "flat_ckpt")
+        run_case(
+            out_dir, "resumed", FLAT, 48, loop=False, resume_from=ckpt, max_micro=8, start=8, max_batch=64
+        )
+        return
     if world == 1:  # micro = batch: one pass per step
         run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
         return
-    run_case(out_dir, "flat", FLAT, 48, loop=False, max_micro=8, start=8, max_batch=64)
+    run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)
     # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
     run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
 

@@ -1,8 +1,9 @@
 """The goodput schedule in the engine, closed loop on real ranks with a simulated step-time curve.
 
 One 2-rank launch (a flat curve through ``train_batch``, an affine one through DeepSpeed's forward /
-backward / step loop) and one 1-rank launch (micro = batch: the noise scale measured by splitting a step
-in two), side by side on the two cores (tests/goodput_worker.py).
+backward / step loop), then its step-20 checkpoint resumed on one rank; beside them one 1-rank launch
+(micro = batch: the noise scale measured by splitting a step in two), on the two cores
+(tests/goodput_worker.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "goodput_worker.py"
 
 
-def _launch(nproc: int, out: Path) -> Path:
-    proc = torchrun(WORKER, str(out), nproc=nproc, cwd=HERE, timeout=900)
+def _launch(nproc: int, out: Path, *args: str) -> Path:
+    proc = torchrun(WORKER, str(out), *args, nproc=nproc, cwd=HERE, timeout=900)
     (out / f"launch{nproc}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         pytest.fail(
@@ -33,7 +34,8 @@ def _launch(nproc: int, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("goodput")
-    return side_by_side([("two", lambda: _launch(2, out))], [("one", lambda: _launch(1, out))])
+    two = [("two", lambda: _launch(2, out)), ("resume", lambda: _launch(1, out, "resume"))]
+    return side_by_side(two, [("one", lambda: _launch(1, out))])
 
 
 def _exact_and_once(r: dict, what: str) -> None:
@@ -95,3 +97,24 @@ def test_one_rank_micro_equals_batch_measures_the_noise_and_moves(launches):
     assert r["noise"][-1] is not None and r["noise"][-1] > 0, "the noise scale was never measured"
     batches = [p[0] for p in r["plans"]]
     assert batches[-1] > 8, f"the batch never moved: {batches}"
+
+
+def test_resume_on_another_world_size_continues_the_schedule_exactly(launches):
+    outcome(launches, "two")
+    r = read_result(outcome(launches, "resume"), "resumed")
+    flat = read_result(outcome(launches, "two"), "flat")
+    resumed = r["resumed"]
+    assert resumed["step"] == 20 and r["world_size"] == 1
+    # The schedule's state came along: its moves and the step-time model, which predicts the new world's
+    # shapes from the 2-rank measurements before this world measured one.
+    assert resumed["moves"] == sum(
+        1 for m in flat["history"][:] if m["step"] < 20 and "goodput" in m["reason"]
+    )
+    assert resumed["predicts"] == pytest.approx(0.05, rel=1e-6), resumed
+    assert resumed["batch"] == flat["plans"][19][0], (resumed, flat["plans"][:21])
+    # Every sample at most once across the two worlds (the epoch holds more than the 48 steps take), and
+    # the final parameters equal the big-batch reference over both runs' batches.
+    seen = [i for b in flat["batches"][:20] + r["batches"] for i in b]
+    assert len(seen) == len(set(seen)), "a sample was trained twice across the resume"
+    _exact_and_once(r, "resumed on one rank")
+    assert r["plans"][-1][0] == 64, [p[0] for p in r["plans"]]
