@@ -19,6 +19,8 @@ import torch
 from ds_adabatch.config import ConfigError
 from ds_adabatch.config.schedules import DEFAULT_NOISE_SCALES, GradientNoiseScheduleConfig
 
+from . import deepspeed_internals as internals
+
 __all__ = [
     "AdamPreconditioner",
     "check_noise_geometry",
@@ -117,7 +119,7 @@ def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
             offset = 0
             for p in params:
                 size = int(p.partition_numel())
-                p_group = opt._get_param_partition_group(p)
+                p_group = internals.param_partition_group(opt, p)
                 if pg is None:
                     pg = p_group
                 elif p_group is not pg:
@@ -441,10 +443,9 @@ _AUTO_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 def configured_geometry(ds_engine: Any) -> str:
     """The ``geometry`` of the ``gradient_noise`` schedule in the engine's DeepSpeed config (its
     ``"adabatch"`` section), ``"sgd"`` without one."""
-    # DeepSpeed 0.19.8 keeps the config dict it was built with, unknown sections such as "adabatch"
-    # included, in engine._config._param_dict. The Hugging Face Trainer path reads its schedule from
-    # that same section.
-    raw = getattr(getattr(ds_engine, "_config", None), "_param_dict", None)
+    # The config dict the engine was built with, unknown sections such as "adabatch" included. The
+    # Hugging Face Trainer path reads its schedule from that same section.
+    raw = internals.raw_config(ds_engine)
     section = raw.get("adabatch") if isinstance(raw, dict) else None
     schedule = section.get("schedule") if isinstance(section, dict) else None
     if not isinstance(schedule, dict) or schedule.get("type") not in ("gradient_noise", "goodput"):

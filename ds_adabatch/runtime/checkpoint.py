@@ -20,6 +20,7 @@ import torch
 from .. import checkpoint_manifest as manifest
 from ..plan import PlanError
 from . import checkpoint_verify, comm
+from . import deepspeed_internals as internals
 from . import elastic as elastic_ckpt
 from .metrics import PlanChange
 
@@ -226,15 +227,9 @@ class CheckpointMixin:
                 )
             tag = elastic_ckpt.ensure_universal(load_dir, tag, self.rank)
             universal = True
-        if universal:
-            # DeepSpeed 0.19.8 reads ``_config.load_universal_checkpoint`` inside load_checkpoint to
-            # take its universal path; it is set for this one load and restored after.
-            ds._config.load_universal_checkpoint = True
-        try:
+        # A converted checkpoint is read through DeepSpeed's universal path, switched on for this load only.
+        with internals.loading_universal_checkpoint(ds) if universal else contextlib.nullcontext():
             path, client_state = ds.load_checkpoint(load_dir, tag=tag, **kwargs)
-        finally:
-            if universal:
-                ds._config.load_universal_checkpoint = False
         if path is None:
             return None, {}
         client_state = dict(client_state or {})

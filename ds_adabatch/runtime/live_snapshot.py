@@ -5,7 +5,7 @@ What a rank owns (DeepSpeed 0.19.8):
 - ZeRO 1 and 2 (``DeepSpeedZeroOptimizer``): its partition of the fp32 master weights,
   ``single_partition_of_fp32_groups[i]``, and that tensor's optimizer state (``exp_avg``,
   ``exp_avg_sq``, ...). Which slice of which model parameter each partition holds is in every
-  parameter's ``_hp_mapping`` (``utils/tensor_fragment.py``: ``lp_fragment_address`` in the flattened
+  parameter's fragment map (``utils/tensor_fragment.py``: ``lp_fragment_address`` in the flattened
   parameter, ``hp_fragment_address`` in the partition). One partition per data-parallel rank.
 - ZeRO 0 (fp32): every parameter and its optimizer state, the same on every rank: one partition that
   every rank holds.
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import comm
+from . import deepspeed_internals as internals
 
 __all__ = [
     "Assembled",
@@ -129,7 +130,7 @@ def _owned_units(ds_engine: Any, names: dict[torch.Tensor, str]) -> tuple[list[_
     for i in range(len(opt.optimizer.param_groups)):
         unit = _Unit(opt.single_partition_of_fp32_groups[i], opt.optimizer)
         for lp in opt.bit16_groups[i]:
-            m = lp._hp_mapping
+            m = internals.hp_mapping(lp)
             if m is not None:
                 unit.pieces.append(
                     _Piece(
@@ -454,7 +455,7 @@ def restore(ds_engine: Any, state: Assembled) -> None:
         for i in range(len(base.param_groups)):
             hp = opt.single_partition_of_fp32_groups[i]
             for lp in opt.bit16_groups[i]:
-                m = lp._hp_mapping
+                m = internals.hp_mapping(lp)
                 if m is None:
                     continue
                 a = m.lp_fragment_address
@@ -470,7 +471,7 @@ def restore(ds_engine: Any, state: Assembled) -> None:
                 # load_hp_checkpoint_state_from_checkpoint_dir): the fragments become the flat state.
                 map_to_flat_opt_states(hp, opt.bit16_groups[i], base.state, keys)
         # The fragments are linked to the state already; a lazy link at the first step would redo it.
-        opt._hp_optimizer_states_linked = True
+        internals.mark_hp_states_linked(opt)
     for group, saved in zip(base.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if not isinstance(v, torch.Tensor):

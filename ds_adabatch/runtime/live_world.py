@@ -31,7 +31,7 @@ has joined or is lost, the lowest survivor proposes the member list with a compa
 adopts whatever the key holds (so two survivors with different views still agree). A process left out
 (it was too slow, e.g. stopped) raises :class:`LeftOut` and must exit.
 
-DeepSpeed runs its data-parallel collectives on ``deepspeed.utils.groups._WORLD_GROUP``, a clone of the
+DeepSpeed runs its data-parallel collectives on its world group (``deepspeed.utils.groups``), a clone of the
 world that ``_clone_world_group`` makes with ``dist.new_group(ranks)`` and no timeout, i.e. torch's
 default (30 minutes for gloo) whatever the default group has; :meth:`LiveWorld.seed_deepspeed_group`
 fills that cache with a clone that has the configured timeout, so a hung peer is bounded.
@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from . import deepspeed_internals as internals
 from .live_sockets import cut_connections, listening_ports
 from .process_group import RestartSafeNamespace
 
@@ -190,12 +191,11 @@ class LiveWorld:
 
     def seed_deepspeed_group(self) -> None:
         """Put a world clone with our timeout where DeepSpeed looks for its data-parallel group."""
-        from deepspeed.utils import groups
-
-        # DeepSpeed 0.19.8: _clone_world_group returns _WORLD_GROUP when it is set, and otherwise makes
-        # one with torch's default timeout (30 minutes on gloo), which would let a hung peer stall the
-        # survivors for that long.
-        groups._WORLD_GROUP = torch.distributed.new_group(ranks=list(range(self.size)), timeout=self.timeout)
+        # DeepSpeed otherwise makes its clone with torch's default timeout (30 minutes on gloo), which
+        # would let a hung peer stall the survivors for that long.
+        internals.seed_world_group(
+            torch.distributed.new_group(ranks=list(range(self.size)), timeout=self.timeout)
+        )
 
     # ---------------------------------------------------------------------------------------------
     def agree_on_survivors(self) -> tuple[list[int], list[int]]:
@@ -346,8 +346,6 @@ def teardown_process_groups(model: torch.nn.Module | None) -> None:
             torch.distributed.destroy_process_group()
     if model is not None:
         for p in model.parameters():
-            for attr in ("_dp_group", "_hp_mapping"):
-                if hasattr(p, attr):
-                    delattr(p, attr)
+            internals.drop_failed_world_refs(p)
             p.grad = None
     gc.collect()

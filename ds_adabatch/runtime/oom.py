@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from . import deepspeed_internals as internals
 from .agreement import HostAgreement, host_group
 from .stand_ins import oom_stand_in_installed
 
@@ -196,38 +197,10 @@ class OomAgreement:
         return self._exchange(True, pass_index)
 
     # -- wiring into DeepSpeed ----------------------------------------------------------------------
-    def _wrap(self, owner: Any, name: str, when: Any = None) -> None:
-        original = getattr(owner, name)
-
-        def gated(*args: Any, **kwargs: Any) -> Any:
-            if when is None or when():
-                self._before_collective()
-            return original(*args, **kwargs)
-
-        # An instance attribute shadows the bound method, so DeepSpeed's own self.<name>(...) calls
-        # (including name-mangled private ones) go through the gate.
-        setattr(owner, name, gated)
-
     def _install(self, ds: Any) -> None:
-        stage = int(ds.zero_optimization_stage())
-        opt = ds.optimizer
-        if stage == 0 or _bf16_zero1(opt, stage):
-            # DeepSpeedEngine.allreduce_gradients (0.19.8): the only gradient collective without ZeRO.
-            # It runs after every backward but communicates only at the accumulation boundary.
-            self._wrap(ds, "allreduce_gradients", when=ds.is_gradient_accumulation_boundary)
-        elif stage in (1, 2):
-            # DeepSpeedZeroOptimizer.reduce_ipg_grads (0.19.8, stage_1_and_2.py): every gradient
-            # reduce of ZeRO-1/2 (bucket full during backward, and the end-of-backward epilogue).
-            self._wrap(opt, "reduce_ipg_grads")
-        elif stage == 3:
-            # DeepSpeedZeroOptimizer_Stage3.__reduce_and_partition_ipg_grads (stage3.py, 0.19.8).
-            self._wrap(opt, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
-            # PartitionedParameterCoordinator.__all_gather_params: every parameter gather (forward,
-            # backward and prefetch); never called when all parameters are persistent.
-            coordinator = opt.parameter_offload.get_param_coordinator()
-            self._wrap(coordinator, "_PartitionedParameterCoordinator__all_gather_params")
-        else:  # pragma: no cover - DeepSpeed has no other stage
-            raise ValueError(f"unsupported ZeRO stage {stage}")
+        plain = _bf16_zero1(ds.optimizer, int(ds.zero_optimization_stage()))
+        for owner, name, when in internals.gradient_collective_gates(ds, plain_data_parallel=plain):
+            internals.wrap_method(owner, name, self._before_collective, when)
 
 
 def discard_partial_step(ds: Any) -> None:
@@ -247,73 +220,10 @@ def discard_partial_step(ds: Any) -> None:
         if hasattr(opt, "clear_lp_grads"):
             opt.clear_lp_grads(set_to_none=True)
     elif stage in (1, 2):
-        _discard_zero12(opt)
+        internals.discard_zero12_accumulation(opt)
     else:
-        _discard_zero3(ds, opt)
-    if hasattr(opt, "_backward_active_depth"):
-        # An interrupted engine.backward leaves ZeRO's backward depth raised (base_optimizer.py).
-        opt._backward_active_depth = 0
-        opt._epilogue_ran_this_backward = False
-        opt.clear_backward_seen_flag()
-
-
-def _discard_zero12(opt: Any) -> None:
-    # DeepSpeedZeroOptimizer (stage_1_and_2.py, 0.19.8) accumulates into its partition buffers with
-    # "copy" semantics when micro_step_id is 0 and "add" after; step() resets it to -1 and
-    # setup_buckets() increments it when the next backward starts. Resetting it, clearing the buckets
-    # and the per-parameter flags makes the next pass overwrite whatever was accumulated.
-    if hasattr(opt, "_wait_for_offload_copies"):
-        opt._wait_for_offload_copies()
-    for bucket in opt.ipg_buckets.values():
-        bucket.clear()
-    getattr(opt, "extra_large_param_to_reduce", {}).clear()
-    for i in range(len(opt.params_already_reduced)):
-        opt.params_already_reduced[i] = False
-    for reduced in getattr(opt, "previous_reduced_grads", {}).values():
-        reduced.clear()
-    opt._release_ipg_buffers()
-    for key in list(opt.averaged_gradients):
-        opt.averaged_gradients[key] = None
-    for key in list(opt.all_grad_tensors):
-        opt.all_grad_tensors[key] = None
-    opt.reset_partition_gradient_structures()
-    opt.zero_grad(set_to_none=True)
-    if getattr(opt, "cpu_offload", False):
-        opt._offload_accumulated_param_ids = set()
-        opt.reset_cpu_buffers()
-    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
-
-    opt.micro_step_id = INITIAL_MICRO_STEP_ID
-
-
-def _discard_zero3(ds: Any, opt: Any) -> None:
-    # DeepSpeedZeroOptimizer_Stage3.zero_grad (0.19.8) resets micro_step_id to 0 (copy semantics on
-    # the next reduce) and drops param.grad; the buckets and reduced flags are cleared here, and
-    # parameters an interrupted forward left gathered are released.
-    for bucket in opt.ipg_buckets.values():
-        # clear_params, not clear(): clear() also drops the flat buffer allocated at construction.
-        bucket.clear_params()
-    for param_id in opt.params_already_reduced:
-        opt.params_already_reduced[param_id] = False
-    # The interrupted pass left full-size param.grad tensors; zero_grad would record_stream them
-    # (which a CPU tensor refuses), so they are dropped first.
-    for group in opt.fp16_groups:
-        for p in group:
-            p.grad = None
-    opt.zero_grad(set_to_none=True)
-    if hasattr(opt, "_offload_boundary_param_ids"):
-        opt._offload_boundary_param_ids = set()
-    opt.reset_cpu_buffers()
-    coordinator = opt.parameter_offload.get_param_coordinator()
-    if coordinator.is_record_trace():
-        # The first steps record the module order (checked across ranks at the next forward): an
-        # interrupted pass recorded part of it on this rank only, so every rank records afresh.
-        coordinator._invalidate_trace()
-    if any(not getattr(p, "ds_persist", False) for p in ds.module.parameters()):
-        # Partitioned parameters an interrupted pass left gathered are released. When every parameter
-        # is persistent (below stage3_param_persistence_threshold) nothing is released: releasing them
-        # would make the retry's forward gather again, and an OOM after that gather is unrecoverable.
-        coordinator.release_and_reset_all(ds.module)
+        internals.discard_zero3_accumulation(ds, opt)
+    internals.reset_backward_depth(opt)
 
 
 def _bf16_zero1(opt: Any, stage: int) -> bool:

@@ -59,7 +59,7 @@ class GradientNoiseSchedule:
     requires: frozenset[str] = frozenset({"noise_scale"})
 
     def __init__(self, config: Any) -> None:
-        self._config = config
+        self._settings = config
         self.geometry: str | None = None if config.geometry == "auto" else config.geometry
         """The geometry the noise scale is measured in; None while ``"auto"`` is unresolved."""
         self.scale = float(config.scale_for(self.geometry or "adam"))
@@ -92,7 +92,7 @@ class GradientNoiseSchedule:
         """The runtime measures in ``geometry`` (``"sgd"`` or ``"adam"``): an unset ``scale`` takes that
         geometry's default."""
         self.geometry = geometry
-        self.scale = float(self._config.scale_for(geometry))
+        self.scale = float(self._settings.scale_for(geometry))
 
     def __call__(self, ctx: ScheduleContext) -> float:
         current = float(ctx.global_batch)
