@@ -45,7 +45,7 @@ for version in "${versions[@]}"; do
     # PIP_CONSTRAINT: a machine-wide pip constraint capping torch (some images carry one) would refuse
     # the newer releases; this install is about exactly the release named.
     PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir \
-      --disable-pip-version-check --no-warn-conflicts --target "$layer" "torch==$version"
+      --disable-pip-version-check --no-warn-conflicts --no-compile --target "$layer" "torch==$version"
     touch "$layer/.installed"
   fi
   installed=$((SECONDS - began))
