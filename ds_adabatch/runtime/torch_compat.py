@@ -4,7 +4,7 @@ Other modules ask here instead of comparing torch versions themselves. Each entr
 was read from (docs/versions.md lists what runs on which release).
 
 * The JIT build lock of ``torch.utils.cpp_extension.load``, which DeepSpeed's op builders call. Up to
-  torch 2.13 (read in 2.11.0, 2.12.1 and 2.13.0) a load marks its work by creating
+  torch 2.13 (read in 2.11.0, 2.12.0, 2.12.1 and 2.13.0) a load marks its work by creating
   ``<build directory>/lock`` (``FileBaton``) and removing it when done, and every other process waits,
   without a time limit, until the file is gone: a process killed in between leaves a file that blocks
   every later load (the guard in :mod:`ds_adabatch.runtime.op_builds` clears it). From torch 2.14.0 (read
@@ -12,9 +12,10 @@ was read from (docs/versions.md lists what runs on which release).
   kernel releases when its holder dies, and the file stays after every load: nothing is left to clear,
   and removing the file while another process holds it would let two builds of one op run at once.
 
-Every private torch name ds_adabatch uses (``torch.distributed.distributed_c10d._get_default_store`` and
-``_abort_process_group``, ``torch.utils.cpp_extension._get_build_directory``, ``torch._foreach_norm``)
-and ``torch.from_file(shared=True)`` exist with the signatures used here in torch 2.11.0 through 2.15.0.
+The private torch names ds_adabatch uses (``torch.distributed.distributed_c10d._get_default_store`` and
+``_abort_process_group``, ``torch.utils.cpp_extension._get_build_directory``, torchrun's agent and parser
+hooks) and ``torch.from_file(shared=True)`` are the same in all of them: tests/test_torch_compat.py checks
+them on each release.
 """
 
 from __future__ import annotations
