@@ -135,6 +135,7 @@ def loop_runs(launches) -> Path:
     return outcome(launches, "loop")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_the_tutorial_loop_equals_train_batch(loop_runs, stage):
     r = _read(loop_runs, f"tutorial_z{stage}")
@@ -148,6 +149,7 @@ def test_the_tutorial_loop_equals_train_batch(loop_runs, stage):
     )
 
 
+@pytest.mark.matrix
 def test_the_loop_equals_the_big_batch_reference(loop_runs):
     r = _read(loop_runs, "reference")
     gas = {e["new_gradient_accumulation_steps"] for e in r["plans"]}
@@ -160,6 +162,7 @@ def test_the_loop_equals_the_big_batch_reference(loop_runs):
     assert r["len_after_epoch"] > 0
 
 
+@pytest.mark.matrix
 def test_a_checkpoint_inside_a_step_resumes_that_step_on_another_world_size(loop_runs):
     import torch
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import ds_adabatch
+
+pytestmark = pytest.mark.matrix
 
 
 def test_import_does_not_pull_heavy_dependencies():

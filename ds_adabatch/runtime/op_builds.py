@@ -1,6 +1,6 @@
 """DeepSpeed's just-in-time op builds, made safe against a process killed while it held the build lock.
 
-Why (torch 2.13, DeepSpeed 0.19.8). DeepSpeed compiles its C++ ops on first use with
+Why (torch 2.11 to 2.13, DeepSpeed 0.19.8). DeepSpeed compiles its C++ ops on first use with
 ``torch.utils.cpp_extension.load`` (the CPU accelerator's shared-memory collectives when the process group
 forms, FusedAdam or CPUAdam when the optimizer is built). Every load, even of an op compiled long ago,
 creates ``<build directory>/lock`` while it checks or builds the op, and every other process that wants
@@ -16,6 +16,10 @@ processes of this machine that go through it load one at a time. Inside it a lef
 either a dead process's or a build outside the guard; it is removed, with a warning naming it, once no
 build tool (ninja, a compiler, a linker) runs in the build directory and the file is older than
 :data:`STALE_AFTER_S` seconds; a build outside the guard that is still running is waited for.
+
+From torch 2.14 on, torch holds that ``lock`` with an OS advisory lock that dies with its holder, and the
+file stays after every load (:mod:`ds_adabatch.runtime.torch_compat`): there the guard is not installed,
+so a file another process holds is never removed.
 """
 
 from __future__ import annotations
@@ -130,7 +134,12 @@ def _guarded(jit_load: Callable[..., Any]) -> Callable[..., Any]:
 
 def guard_jit_builds() -> None:
     """Run DeepSpeed's JIT op loads of this process under the guard (idempotent; Linux; a no-op where
-    ``fcntl`` or DeepSpeed's op builder is missing)."""
+    ``fcntl`` or DeepSpeed's op builder is missing, and on torch 2.14 and newer, whose own lock cannot be
+    left behind)."""
+    from .torch_compat import jit_build_lock_is_advisory
+
+    if jit_build_lock_is_advisory():
+        return
     try:
         import fcntl  # noqa: F401
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
+# environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
+# scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
+# tests/test_loop.py (one 2-rank launch and its 1-rank resume), the JIT-build-lock launch of
+# tests/test_op_builds.py and the import checks on torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0
+# (docs/versions.md). Fails when a test fails and when no test ran.
+#
+# Each release's environment is layered on the project's: a virtual environment (.venv-torch-VERSION, no
+# packages of its own) whose .pth file puts that torch (with the CUDA packages PyPI's builds depend on; they
+# import and run on a CPU-only machine) before .venv's site-packages, from which DeepSpeed, transformers,
+# pytest and this package are read. So the environments differ in exactly the torch release.
+#
+# Cached, per release, under TORCH_MATRIX_CACHE (default ~/.cache/ds_adabatch/torch-matrix), so that a
+# second run on the same machine installs and compiles nothing:
+#   torch-VERSION/             that torch and its dependencies (pip install --target; 4.7 to 5.4 GB each)
+#   torch_extensions-VERSION/  DeepSpeed's JIT-built ops for it (TORCH_EXTENSIONS_DIR; torch's default
+#                              directory is shared by every CUDA 13.0 build, which would rebuild each time)
+# TORCH_MATRIX_KEEP=0 removes each release's torch after its run (one release on disk at a time).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEFAULT_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
+CACHE="${TORCH_MATRIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ds_adabatch/torch-matrix}"
+versions=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  versions+=("$1")
+  shift
+done
+[ "${1:-}" = "--" ] && shift
+[ ${#versions[@]} -gt 0 ] || versions=("${DEFAULT_VERSIONS[@]}")
+
+# The project's environment first (created or updated as scripts/test.sh does).
+VENV="$ROOT/.venv" EXTRAS=dev source "$ROOT/scripts/env.sh"
+main_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$CACHE"
+cd "$ROOT"
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+summary=()
+for version in "${versions[@]}"; do
+  layer="$CACHE/torch-$version"
+  began=$SECONDS
+  if [ ! -f "$layer/.installed" ]; then
+    echo "[matrix] installing torch $version into $layer"
+    rm -rf "$layer"
+    # PIP_CONSTRAINT: a machine-wide pip constraint capping torch (some images carry one) would refuse
+    # the newer releases; this install is about exactly the release named.
+    PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir \
+      --disable-pip-version-check --no-warn-conflicts --no-compile --target "$layer" "torch==$version"
+    touch "$layer/.installed"
+  fi
+  installed=$((SECONDS - began))
+  venv="$ROOT/.venv-torch-$version"
+  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --without-pip "$venv"
+  site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  # addsitedir also reads the .pth files there (the editable install of this package is one of them).
+  printf "import site; site.addsitedir('%s'); site.addsitedir('%s')\n" "$layer" "$main_site" \
+    >"$site_dir/ds_adabatch_torch_layer.pth"
+  "$venv/bin/python" -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$version', v; print('[matrix] torch', torch.__version__, 'from', torch.__file__)"
+  began=$SECONDS
+  set +e
+  TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions-$version" PATH="$venv/bin:$PATH" \
+    "$venv/bin/python" -m pytest -m matrix "$@"
+  rc=$?
+  set -e
+  tested=$((SECONDS - began))
+  [ "${TORCH_MATRIX_KEEP:-1}" = 0 ] && rm -rf "$layer" "$venv"
+  if [ $rc -eq 5 ]; then
+    echo "error: pytest collected no tests on torch $version" >&2
+    exit 1
+  fi
+  if [ $rc -ne 0 ]; then
+    echo "error: the focused suite failed on torch $version (pytest exit $rc)" >&2
+    exit $rc
+  fi
+  summary+=("torch $version: install ${installed} s, tests ${tested} s")
+done
+printf '[matrix] %s\n' "${summary[@]}"
