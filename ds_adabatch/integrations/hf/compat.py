@@ -1,0 +1,201 @@
+"""transformers 4.57: where ``AdaptiveBatchSizeTrainer`` plugs into the one-function training loop.
+
+From 5.18 the Trainer's loop calls the methods the integration overrides (``hf.versions`` lists them):
+``_init_training_state`` and ``_prepare_for_training`` exist, ``set_initial_training_values`` takes
+``(args, dataloader)``, ``_track_num_input_tokens`` counts the tokens. transformers 4.57.6 (the last
+4.x) runs the same steps inline in ``Trainer._inner_training_loop``; :class:`Transformers4Loop` is mixed
+into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop offers a way in:
+
+=====================================  ===============================================================
+5.18+ (``hf.trainer``)                 4.57.6 (this module)
+=====================================  ===============================================================
+``set_initial_training_values``        same name, ``(args, dataloader, total_train_batch_size)``,
+(the run's bounds)                     returning ``(epochs, steps per epoch, examples, samples,
+                                       epoch_based, batches per epoch, LR length)``; it also sets the
+                                       banner's GAS (the loop reads ``args.gradient_accumulation_steps``
+                                       at every update and must see 1: one loader item is one step)
+``_init_training_state`` (resume)      ``_load_callback_state``, which 4.57 calls right after it
+                                       loads ``trainer_state.json``; the loop then computes the epoch
+                                       to resume in as ``global_step // steps_per_epoch`` and the
+                                       batches to skip as ``global_step % steps_per_epoch``:
+                                       :class:`StepsPerEpoch` answers the stream's epoch and 0
+``_init_training_state`` (the state)   the callback's ``on_train_begin`` (``_train_begins``): 4.57
+                                       sets ``state.max_steps`` just before it
+``_prepare_for_training`` (LR, log)    the ``deepspeed`` attribute, which 4.57 assigns right after
+                                       ``accelerator.prepare`` builds the engine and before a resumed
+                                       engine loads its checkpoint: the scheduler is coupled there,
+                                       as 5.18+ does in ``create_scheduler`` after ``prepare``
+``_track_num_input_tokens``            4.57 counts inline ``inputs[main_input_name]`` /
+                                       ``inputs["attention_mask"]`` of each loop item:
+                                       :class:`CountedStepInputs` shows it the step's real
+                                       micro-batches, flattened (zero-weight pads left out)
+``get_total_train_batch_size``         the banner's total batch: the first step's global batch
+``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
+                                       ``parallelism_config`` as 5.x reads them
+=====================================  ===============================================================
+
+The loop iterates ``len(train_dataloader)`` updates per epoch, read once at the epoch's start: the
+step loader reports an upper bound there (the dataset's samples), and ends the epoch itself where the
+stream does, as on 5.18+. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
+training dataloader once before training, which would draw from the sample stream: it is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .data import StepInputs, StepLoader
+from .progress import ShownInt
+from .versions import legacy_loop
+
+__all__ = ["LOOP_MIXINS", "CountedStepInputs", "StepsPerEpoch", "Transformers4Loop", "check_arguments"]
+
+
+class StepsPerEpoch(ShownInt):
+    """The steps-per-epoch bound transformers 4.57 divides the resumed ``global_step`` by.
+
+    4.57 ``Trainer._inner_training_loop`` resumes in epoch ``global_step // steps_per_epoch`` after
+    skipping ``global_step % steps_per_epoch`` batches; the sample stream knows its own epoch and
+    skips nothing (its cursor is in the checkpoint). ``int // StepsPerEpoch`` asks ``epoch_of(step)``
+    (Python tries the right operand's reflected method first when it is a subclass of the left's type),
+    and ``int % StepsPerEpoch`` is 0, as 5.18+ ``_init_training_state`` returns ``(epoch, 0)``.
+    """
+
+    epoch_of: Callable[[int], int]
+
+    def __new__(cls, value: int, text: Callable[[], str], epoch_of: Callable[[int], int]) -> StepsPerEpoch:
+        bound = super().__new__(cls, value, text)
+        bound.epoch_of = epoch_of
+        return bound
+
+    def __rfloordiv__(self, step: int) -> int:
+        return self.epoch_of(int(step))
+
+    def __rmod__(self, step: int) -> int:
+        return 0
+
+
+class CountedStepInputs(StepInputs):
+    """A step as transformers 4.57's loop reads it to count ``num_input_tokens_seen``.
+
+    ``key in inputs`` and ``inputs[key]`` see the step's real micro-batches (pads excluded) as one
+    flat tensor per key: ``.numel()`` is their tokens, ``.sum()`` of the attention mask their real
+    tokens, and ``!= pad_token_id`` compares each; 4.57 gathers the count over ranks once per item,
+    which is once per optimizer step here.
+    """
+
+    __slots__ = ()
+
+    def _real(self) -> list[Any]:
+        return [m.batch for m in self.step.micro_batches if not m.is_pad]
+
+    def __contains__(self, key: object) -> bool:
+        real = self._real()
+        batches = real or [m.batch for m in self.step.micro_batches]
+        return all(isinstance(b, dict) and key in b for b in batches)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        parts = [torch.as_tensor(b[key]).reshape(-1) for b in self._real()]
+        if not parts:  # a step of pads only on this rank: no tokens
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat(parts)
+
+
+class Transformers4Loop:
+    """The overrides :class:`~ds_adabatch.integrations.hf.trainer.AdaptiveBatchSizeTrainer` adds on
+    transformers 4.57 (see the module docstring for where each reaches the loop)."""
+
+    # Provided by AdaptiveBatchSizeTrainer / transformers.Trainer.
+    args: Any
+    state: Any
+    batch_state: Any
+    is_in_train: bool
+    is_deepspeed_enabled: bool
+    _lr_coupling: Any
+    _resume_path: Any
+
+    def _inner_training_loop(self, *args: Any, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
+        # 4.57 Trainer.train passes the resolved checkpoint folder by keyword.
+        self._resume_path = resume_from_checkpoint
+        return super()._inner_training_loop(  # type: ignore[misc]
+            *args, resume_from_checkpoint=resume_from_checkpoint, **kwargs
+        )
+
+    def get_train_dataloader(self) -> StepLoader:
+        loader = super().get_train_dataloader()  # type: ignore[misc]
+        loader.len_is_bound = True  # 4.57 runs len(loader) updates per epoch, read at its start
+        return loader
+
+    def get_cp_size(self) -> int:
+        """Context-parallel degree (5.x Trainer method; 4.57 keeps it in accelerate's config only)."""
+        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+        return 1 if config is None else int(config.cp_size)
+
+    def get_sp_size(self) -> int:
+        """Sequence-parallel degree (as :meth:`get_cp_size`)."""
+        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+        return 1 if config is None else int(getattr(config, "sp_size", 1))
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The first step's global batch (4.57 prints it in the banner as the total train batch)."""
+        return self._require_state().initial_plan.global_batch_size  # type: ignore[attr-defined]
+
+    def set_initial_training_values(
+        self, args: Any, dataloader: Any, total_train_batch_size: int | None = None
+    ) -> tuple[int, ...]:
+        epochs, per_epoch, n, samples, _first, batches, lr_length = self._training_values(args)  # type: ignore[attr-defined]
+        state = self._require_state()  # type: ignore[attr-defined]
+        per_epoch = StepsPerEpoch(int(per_epoch), per_epoch.text, state.next_batch_epoch)
+        self._show_first_gas()  # type: ignore[attr-defined]
+        return epochs, per_epoch, n, samples, state.epoch_based, batches, lr_length
+
+    def _load_callback_state(self) -> None:
+        # 4.57 calls this only when resuming, right after loading trainer_state.json (global_step).
+        super()._load_callback_state()  # type: ignore[misc]
+        self._resume_batch_state(self._resume_path)  # type: ignore[attr-defined]
+
+    def _train_begins(self) -> None:
+        # 4.57 has set state.max_steps / num_train_epochs to the loop's bounds just before.
+        self._align_trainer_state(int(self.state.max_steps))  # type: ignore[attr-defined]
+        self._start_step_log()  # type: ignore[attr-defined]
+
+    @property
+    def deepspeed(self) -> Any:
+        return self.__dict__.get("_deepspeed_wrapped")
+
+    @deepspeed.setter
+    def deepspeed(self, engine: Any) -> None:
+        # 4.57 Trainer._inner_training_loop assigns the engine accelerate built, before a resumed run
+        # loads its DeepSpeed checkpoint: the LR scheduler is coupled to the engine now, so the
+        # checkpoint's scheduler state loads into the coupled scheduler (5.18+ does this in
+        # create_scheduler, which its loop calls after accelerator.prepare).
+        self.__dict__["_deepspeed_wrapped"] = engine
+        if (
+            engine is not None
+            and self.is_in_train
+            and self.batch_state is not None
+            and self._lr_coupling is None
+        ):
+            self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any) -> tuple[list, None]:
+        items, count = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        return [CountedStepInputs(item.step) for item in items], count
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse, with a sentence, what the 4.57 loop would do wrong with a step loader."""
+    if legacy_loop() and getattr(args, "include_tokens_per_second", False):
+        raise ValueError(
+            "TrainingArguments(include_tokens_per_second=True) makes transformers 4.57 iterate the "
+            "training dataloader once before training, which would draw from AdaptiveBatchSizeTrainer's "
+            "sample stream; leave it False (train_tokens_per_second is logged with a token budget) or "
+            "use include_num_input_tokens_seen"
+        )
+
+
+LOOP_MIXINS: tuple[type, ...] = (Transformers4Loop,) if legacy_loop() else ()
+"""Mixed into the trainer before ``transformers.Trainer``: the 4.57 ways in, or nothing on 5.18+."""
