@@ -30,6 +30,8 @@ into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop o
                                        :class:`CountedStepInputs` shows it the step's real
                                        micro-batches, flattened (zero-weight pads left out)
 ``get_total_train_batch_size``         the banner's total batch: the first step's global batch
+DeepSpeed's input dtype               :func:`adapt_arguments`: fp32 unless the config enables fp16
+                                       or bf16, as 5.x and DeepSpeed itself decide
 ``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
                                        ``parallelism_config`` as 5.x reads them
 =====================================  ===============================================================
@@ -51,7 +53,14 @@ from .data import StepInputs, StepLoader
 from .progress import ShownInt
 from .versions import legacy_loop
 
-__all__ = ["LOOP_MIXINS", "CountedStepInputs", "StepsPerEpoch", "Transformers4Loop", "check_arguments"]
+__all__ = [
+    "LOOP_MIXINS",
+    "CountedStepInputs",
+    "StepsPerEpoch",
+    "Transformers4Loop",
+    "adapt_arguments",
+    "check_arguments",
+]
 
 
 class StepsPerEpoch(ShownInt):
@@ -195,6 +204,23 @@ def check_arguments(args: Any) -> None:
             "sample stream; leave it False (train_tokens_per_second is logged with a token budget) or "
             "use include_num_input_tokens_seen"
         )
+
+
+def adapt_arguments(args: Any) -> None:
+    """Make transformers 4.57 feed a DeepSpeed config without an ``"fp16"`` section fp32 inputs.
+
+    4.57 ``HfTrainerDeepSpeedConfig.trainer_config_process`` takes the input dtype as fp16 unless the
+    config says ``"fp16": {"enabled": false}`` (its comment: DeepSpeed's default is fp16), while
+    DeepSpeed 0.19.8 and accelerate 1.15 build an fp32 engine: the plain 4.57 ``Trainer`` fails its first
+    forward (``mat1 and mat2 must have the same dtype``). 5.x takes fp32 there. The section is written
+    as DeepSpeed already reads it, and the config processed again.
+    """
+    config = getattr(args, "hf_deepspeed_config", None)
+    if not legacy_loop() or config is None:
+        return
+    if config.get_value("fp16.enabled") is None and not config.is_true("bf16.enabled"):
+        config.config.setdefault("fp16", {})["enabled"] = False
+        config.trainer_config_process(args)
 
 
 LOOP_MIXINS: tuple[type, ...] = (Transformers4Loop,) if legacy_loop() else ()

@@ -68,7 +68,7 @@ from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.restart_record import RestartRecords
 
 from .callback import AdaptiveBatchCallback
-from .compat import LOOP_MIXINS, check_arguments
+from .compat import LOOP_MIXINS, adapt_arguments, check_arguments
 from .config import TrainerSection, read_trainer_section
 from .data import StepInputs, StepLoader
 from .dist import trainer_arguments
@@ -202,6 +202,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         )
         check_arguments(args)
         args = trainer_arguments(args)
+        adapt_arguments(args)
         super().__init__(args=args, **trainer_kwargs)
         self.batch_size_scheduler = batch_size_scheduler
         self.max_micro_batch_per_gpu = max_micro_batch_per_gpu
