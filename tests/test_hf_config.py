@@ -26,6 +26,14 @@ LEGACY = legacy_loop()
 """transformers 4.57 (its own loop, banner and log rounding)."""
 
 
+@pytest.fixture(autouse=True)
+def _deepspeed_flag_per_test(monkeypatch):
+    # transformers 4.57's TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED=true in the
+    # process environment for good, and every later TrainingArguments of the process then builds a
+    # DeepSpeed plugin: each test starts without it, as its own process would (5.x sets nothing).
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+
+
 def _args(tmp_path, **overrides):
     from hf_worker import _args as quiet_args
 

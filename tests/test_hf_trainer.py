@@ -22,6 +22,15 @@ import pytest
 import torch
 from _util import torchrun
 
+
+@pytest.fixture(autouse=True)
+def _deepspeed_flag_per_test(monkeypatch):
+    # transformers 4.57's TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED=true in the
+    # process environment for good, and every later TrainingArguments of the process then builds a
+    # DeepSpeed plugin: each test starts without it, as its own process would (5.x sets nothing).
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+
+
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
 
