@@ -125,10 +125,23 @@ def classes(case: str):
     from trl import DPOTrainer, SFTTrainer
 
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+    from ds_adabatch.integrations.hf.versions import legacy_loop
 
     base = DPOTrainer if case == "dpo" else SFTTrainer
+    if legacy_loop() and case != "dpo":
 
-    class Adaptive(AdaptiveBatchSizeTrainer, base):  # the documented composition (docs/trainer.md)
+        class ShiftedCount(base):
+            # transformers 4.57 Trainer._get_num_items_in_batch counts labels != -100 before the causal
+            # shift (one target per unmasked sequence start too many; 5.x counts after it), so TRL's
+            # loss is the token sum over a count that is not its tokens': the reference counts the
+            # step's target tokens, as 5.x does.
+            def _get_num_items_in_batch(self, batch_samples, device):
+                shifted = [{**b, "labels": b["labels"][..., 1:]} for b in batch_samples]
+                return super()._get_num_items_in_batch(shifted, device)
+
+        base = ShiftedCount
+
+    class Adaptive(AdaptiveBatchSizeTrainer, SFTTrainer if case != "dpo" else DPOTrainer):  # docs/trainer.md
         pass
 
     return base, Adaptive
