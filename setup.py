@@ -7,9 +7,6 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 version: dict = {}
 exec((HERE / "ds_adabatch" / "_version.py").read_text(), version)
-# The transformers releases the Trainer integration accepts (ds_adabatch/integrations/hf/versions.py's
-# REQUIREMENT: 4.57.6 and 5.18+; 5.0-5.17 are refused there, with the reason).
-TRANSFORMERS = "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*"
 
 setup(
     name="ds_adabatch",
@@ -30,7 +27,12 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "hf": [TRANSFORMERS, "accelerate>=1.15.0,<2"],
+        # transformers 4.57.6 and 5.18+ (ds_adabatch/integrations/hf/versions.py's REQUIREMENT: 5.0-5.17
+        # are refused there, with the reason), accelerate 1.15.
+        "hf": [
+            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
+            "accelerate>=1.15.0,<2",
+        ],
         # TRL's trainers composed with AdaptiveBatchSizeTrainer (docs/trainer.md); TRL 1.16 runs on
         # transformers 4.57.6 and 5.x (CI tests it on both ends).
         "trl": ["ds_adabatch[hf]", "trl>=1.16.0,<1.17"],
@@ -43,7 +45,7 @@ setup(
             "hypothesis>=6.100",
             "ruff>=0.6",
             "matplotlib>=3.7",
-            TRANSFORMERS,
+            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
             "accelerate>=1.15.0,<2",
             # One pure-Python wheel (its dependencies come with datasets); TRL 1.16 needs Python 3.11.
             'trl>=1.16.0,<1.17; python_version >= "3.11"',
