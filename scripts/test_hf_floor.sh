@@ -44,5 +44,5 @@ export VENV="$FLOOR_VENV"
 # the ZeRO-3 and DDP launches, by parameter or by the fixture's test); the newest release runs all
 # of them (scripts/test.sh).
 SKIP_LAUNCHES="zero3 or ddp or two_rank_checkpoint_resumes_on_one_process or quiet_log_level or micro_batches_of_one"
-exec bash "$ROOT/scripts/test.sh" tests/test_hf_versions.py tests/test_hf_config.py tests/test_hf_trainer.py \
+exec bash "$ROOT/scripts/test.sh" tests/test_hf_versions.py tests/test_hf_compat.py tests/test_hf_config.py tests/test_hf_trainer.py \
   tests/test_hf_clm_script.py tests/test_trl.py -k "not ($SKIP_LAUNCHES)" "$@"
