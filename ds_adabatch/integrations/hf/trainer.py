@@ -12,8 +12,9 @@ Where the global batch comes from: the scheduler (asked for step 0 too; largest 
 ``per_device_train_batch_size x gradient_accumulation_steps x world size``. ``hf.config`` says
 what every key of the section does under the Trainer.
 
-Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 5.18 to 5.x
-and accelerate 1.15+, checked at construction: ``hf.versions``). The Trainer's outer loop is kept, so
+Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 4.57.6 and 5.18
+to 5.x and accelerate 1.15+, checked at construction: ``hf.versions``; on 4.57 ``hf.compat`` reaches the
+same steps of its one-function loop). The Trainer's outer loop is kept, so
 callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
 the inside of one optimizer step change:
 
