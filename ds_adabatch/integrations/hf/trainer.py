@@ -492,28 +492,6 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             # Every step: a token step's multiplier follows its target, which a plan does not show.
             self._lr_coupling.set_global_batch(state.lr_batch(plan))
 
-    def floating_point_ops(self, inputs: Any) -> int:
-        """FLOPs of the step's real micro-batches (pads excluded)."""
-        if not isinstance(inputs, StepInputs):
-            return super().floating_point_ops(inputs)
-        return sum(
-            super(AdaptiveBatchSizeTrainer, self).floating_point_ops(m.batch)
-            for m in inputs.micro_batches
-            if not m.is_pad
-        )
-
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        if not isinstance(inputs, StepInputs):
-            return super()._track_num_input_tokens(inputs)
-        # transformers 5.23 gathers the count once per call: every rank calls once per micro-batch
-        # (the same number everywhere), a pad with its tensors emptied so it counts 0.
-        for m in inputs.micro_batches:
-            batch = m.batch
-            if m.is_pad and isinstance(batch, Mapping):
-                batch = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            super()._track_num_input_tokens(batch)
-        return None
-
     # -- learning rate -------------------------------------------------------------------------------
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
