@@ -147,8 +147,9 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     ``unit: "tokens"`` sets each step's token target.
 
     Raises:
-        RuntimeError: transformers or accelerate outside the releases it runs on (transformers >= 5.18,
-            < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        RuntimeError: transformers or accelerate outside the releases it runs on (transformers 4.57.6
+            or >= 5.18, < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        ValueError: on transformers 4.57, ``include_tokens_per_second=True`` (``hf.compat``).
         TypeError: ``batch_size_scheduler`` is not callable.
         ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
             ``batch_size_scheduler``; out-of-memory settings or ``gradient_noise`` without DeepSpeed),
