@@ -30,6 +30,10 @@ into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop o
                                        :class:`CountedStepInputs` shows it the step's real
                                        micro-batches, flattened (zero-weight pads left out)
 ``get_total_train_batch_size``         the banner's total batch: the first step's global batch
+DeepSpeed's ``"auto"`` warmup         ``create_optimizer_and_scheduler`` (4.57 calls it right after
+                                       ``deepspeed_init``): 0 becomes 1, as 5.18 fills it
+a CPU multi-process optimizer resume   ``_load_optimizer_and_scheduler``: ``map_location="cpu"``, as
+                                       5.18 (4.57's ``cpu:0`` cannot be restored by torch)
 DeepSpeed's input dtype               :func:`adapt_arguments`: fp32 unless the config enables fp16
                                        or bf16, as 5.x and DeepSpeed itself decide
 ``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
@@ -44,6 +48,7 @@ training dataloader once before training, which would draw from the sample strea
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +57,8 @@ import torch
 from .data import StepInputs, StepLoader
 from .progress import ShownInt
 from .versions import legacy_loop
+
+_OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers 4.57 OPTIMIZER_NAME, SCHEDULER_NAME
 
 __all__ = [
     "LOOP_MIXINS",
@@ -189,6 +196,39 @@ class Transformers4Loop:
             and self._lr_coupling is None
         ):
             self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        # 4.57 calls this right after deepspeed_init, whose HfTrainerDeepSpeedConfig.trainer_config_finalize
+        # filled an "auto" scheduler.params.warmup_num_steps with args.get_warmup_steps(), 0 without a
+        # warmup; deepspeed 0.19.8's WarmupLR refuses 0 when accelerator.prepare builds the engine next.
+        # 5.18 fills max(1, steps) there: so does this.
+        super().create_optimizer_and_scheduler(num_training_steps)  # type: ignore[misc]
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        if self.is_deepspeed_enabled and config is not None:
+            node, key = config.find_config_node("scheduler.params.warmup_num_steps")
+            if node is not None and node.get(key) == 0:
+                node[key] = 1
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        # 4.57 loads a multi-process run's optimizer.pt with map_location=args.device, which is
+        # torch.device("cpu:0") on CPU ranks under accelerate 1.15, and torch cannot restore storages
+        # tagged "cpu:0". 5.18 loads it on "cpu"; so does this, for that case only (no DeepSpeed or
+        # FSDP, which load their own state).
+        if (
+            checkpoint is None
+            or self.is_deepspeed_enabled
+            or getattr(self, "is_fsdp_enabled", False)
+            or self.args.world_size <= 1
+            or self.args.device.type != "cpu"
+            or not os.path.isfile(os.path.join(checkpoint, _OPTIMIZER))
+            or not os.path.isfile(os.path.join(checkpoint, _SCHEDULER))
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        optimizer = torch.load(os.path.join(checkpoint, _OPTIMIZER), map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(optimizer)  # type: ignore[attr-defined]
+        scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[attr-defined]
+        return None
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any) -> tuple[list, None]:
         items, count = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
