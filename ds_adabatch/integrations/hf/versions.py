@@ -13,7 +13,8 @@ Refused, and why:
   has no warmup, which deepspeed 0.19.8 refuses (5.18 fills ``max(1, steps)``), and resume a
   multi-process CPU run's optimizer with ``map_location=args.device``, which torch cannot restore under
   accelerate 1.15 (``cpu:0``); the plain ``Trainer`` fails the same two ways there. Tried on 5.3.0: every
-  DeepSpeed and single-process path of the test suite passed, those two did not.
+  DeepSpeed and single-process path of the test suite passed, those two did not. 4.57 has the same two
+  faults; ``hf.compat`` works around them in 4.57's loop, and is not wired into 5.3-5.17's.
 
 Anything outside :data:`TRANSFORMERS` / :data:`ACCELERATE` is refused when the trainer is built, with one
 sentence, before any process group starts; ``setup.py`` states the same (:data:`REQUIREMENT`).
