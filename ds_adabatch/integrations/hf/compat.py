@@ -132,6 +132,7 @@ class Transformers4Loop:
     is_deepspeed_enabled: bool
     _lr_coupling: Any
     _resume_path: Any
+    lr_scheduler: Any
 
     def _inner_training_loop(self, *args: Any, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
         # 4.57 Trainer.train passes the resolved checkpoint folder by keyword.
@@ -189,12 +190,16 @@ class Transformers4Loop:
         # checkpoint's scheduler state loads into the coupled scheduler (5.18+ does this in
         # create_scheduler, which its loop calls after accelerator.prepare).
         self.__dict__["_deepspeed_wrapped"] = engine
-        if (
-            engine is not None
-            and self.is_in_train
-            and self.batch_state is not None
-            and self._lr_coupling is None
-        ):
+        if engine is None or not self.is_in_train or self.batch_state is None:
+            return
+        wrapped = type(self.lr_scheduler).__name__ == "DeepSpeedSchedulerWrapper"
+        if self._lr_coupling is not None and not wrapped:
+            # The Trainer's own scheduler, made by 4.57 deepspeed_init on the optimizer DeepSpeed was
+            # about to take (DeepSpeed 0.19.8 may drop its empty parameter groups): made again on the
+            # prepared optimizer, as 5.18 makes it after accelerator.prepare.
+            self.lr_scheduler = None
+            self._lr_coupling = None
+        if self._lr_coupling is None:
             self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
