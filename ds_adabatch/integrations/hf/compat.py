@@ -11,9 +11,11 @@ into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop o
 =====================================  ===============================================================
 ``set_initial_training_values``        same name, ``(args, dataloader, total_train_batch_size)``,
 (the run's bounds)                     returning ``(epochs, steps per epoch, examples, samples,
-                                       epoch_based, batches per epoch, LR length)``; it also sets the
-                                       banner's GAS (the loop reads ``args.gradient_accumulation_steps``
-                                       at every update and must see 1: one loader item is one step)
+                                       epoch_based, batches per epoch, LR length)``
+``_prepare_for_training`` (GAS)        ``create_optimizer_and_scheduler``, which 4.57 calls right after
+                                       ``deepspeed_init``: the banner's GAS (the loop reads
+                                       ``args.gradient_accumulation_steps`` at every update and must
+                                       see 1: one loader item is one step)
 ``_init_training_state`` (resume)      ``_load_callback_state``, which 4.57 calls right after it
                                        loads ``trainer_state.json``; the loop then computes the epoch
                                        to resume in as ``global_step // steps_per_epoch`` and the
@@ -166,7 +168,6 @@ class Transformers4Loop:
         epochs, per_epoch, n, samples, _first, batches, lr_length = self._training_values(args)  # type: ignore[attr-defined]
         state = self._require_state()  # type: ignore[attr-defined]
         per_epoch = StepsPerEpoch(int(per_epoch), per_epoch.text, state.next_batch_epoch)
-        self._show_first_gas()  # type: ignore[attr-defined]
         return epochs, per_epoch, n, samples, state.epoch_based, batches, lr_length
 
     def _load_callback_state(self) -> None:
@@ -208,6 +209,9 @@ class Transformers4Loop:
         # warmup; deepspeed 0.19.8's WarmupLR refuses 0 when accelerator.prepare builds the engine next.
         # 5.18 fills max(1, steps) there: so does this.
         super().create_optimizer_and_scheduler(num_training_steps)  # type: ignore[misc]
+        # The banner's GAS and the loop's 1, now that deepspeed_init has checked the DeepSpeed config's
+        # accumulation steps against the arguments' (as 5.x sets them after it, in _prepare_for_training).
+        self._show_first_gas()  # type: ignore[attr-defined]
         config = getattr(self.args, "hf_deepspeed_config", None)
         if self.is_deepspeed_enabled and config is not None:
             node, key = config.find_config_node("scheduler.params.warmup_num_steps")
