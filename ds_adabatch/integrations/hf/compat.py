@@ -262,14 +262,17 @@ def adapt_arguments(args: Any) -> None:
     config says ``"fp16": {"enabled": false}`` (its comment: DeepSpeed's default is fp16), while
     DeepSpeed 0.19.8 and accelerate 1.15 build an fp32 engine: the plain 4.57 ``Trainer`` fails its first
     forward (``mat1 and mat2 must have the same dtype``). 5.x takes fp32 there. The section is written
-    as DeepSpeed already reads it, and the config processed again.
+    as DeepSpeed already reads it, and the input dtype set to match.
     """
     config = getattr(args, "hf_deepspeed_config", None)
     if not legacy_loop() or config is None:
         return
     if config.get_value("fp16.enabled") is None and not config.is_true("bf16.enabled"):
         config.config.setdefault("fp16", {})["enabled"] = False
-        config.trainer_config_process(args)
+        # What 4.57 trainer_config_process sets from that section (HfTrainerDeepSpeedConfig._dtype,
+        # read by its dtype()); running it again would check the arguments' GAS, 1 here, against the
+        # config's.
+        config._dtype = torch.float32
 
 
 LOOP_MIXINS: tuple[type, ...] = (Transformers4Loop,) if legacy_loop() else ()
