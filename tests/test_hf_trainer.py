@@ -252,7 +252,11 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
         "gas4": [[8, 1, 4]] * 2,
         "changing": [[2, 1, 1], [8, 1, 4], [4, 1, 2], [6, 1, 3]],
     }
-    takes_kwargs = {"bert": True, "gpt2": True, "plain": False}
+    from ds_adabatch.integrations.hf.versions import legacy_loop
+
+    # transformers 4.57's BertForSequenceClassification.forward takes no **kwargs (5.x's does): there the
+    # Trainer normalises BERT by samples, and the step must still be the exact mean.
+    takes_kwargs = {"bert": not legacy_loop(), "gpt2": True, "plain": False}
     out = _results(request, backend)
     for rank in (0, 1):
         result = _read(out, "models", backend, rank)
