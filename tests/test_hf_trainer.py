@@ -270,7 +270,9 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
                     f"{backend} {name} step {k + 1} (plan {s['plan']}): the applied gradient is "
                     f"{s['grad_ratio']:.6f}x the full-batch mean's norm, max rel. error {s['grad_rel_err']:.3g}"
                 )
-                assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5), (
+                # (transformers 4.57 logs the loss rounded to 4 decimals.)
+                rounding = 5e-5 if legacy_loop() else 0
+                assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5, abs=rounding), (
                     f"{backend} {name} step {k + 1}: logged loss {s['logged_loss']}, true mean {s['true_loss']}"
                 )
 
