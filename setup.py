@@ -29,7 +29,15 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "hf": ["transformers>=5.18.0,<6", "accelerate>=1.15.0,<2"],
+        # transformers 4.57.6 and 5.18+ (ds_adabatch/integrations/hf/versions.py's REQUIREMENT: 5.0-5.17
+        # are refused there, with the reason), accelerate 1.15.
+        "hf": [
+            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
+            "accelerate>=1.15.0,<2",
+        ],
+        # TRL's trainers composed with AdaptiveBatchSizeTrainer (docs/trainer.md); TRL 1.16 runs on
+        # transformers 4.57.6 and 5.x (CI tests it on both ends).
+        "trl": ["ds_adabatch[hf]", "trl>=1.16.0,<1.17"],
         "plot": ["matplotlib>=3.7"],
         # The hf extra plus what transformers' example scripts (examples/pytorch/language-modeling/
         # run_clm.py) import: datasets, evaluate, and scikit-learn for --do_eval's accuracy metric.
@@ -39,8 +47,10 @@ setup(
             "hypothesis>=6.100",
             "ruff>=0.6",
             "matplotlib>=3.7",
-            "transformers>=5.18.0,<6",
+            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
             "accelerate>=1.15.0,<2",
+            # One pure-Python wheel (its dependencies come with datasets); TRL 1.16 needs Python 3.11.
+            'trl>=1.16.0,<1.17; python_version >= "3.11"',
             "pyyaml>=6",
             "datasets>=3",  # the Trainer's length column read from a datasets.Dataset
         ],

@@ -80,6 +80,9 @@ def run_case(out: str, backend: str, name: str, *, ours: bool, token: bool, **ex
         gradient_accumulation_steps=GAS,
         max_steps=WARMUP + MEASURED,
         learning_rate=1e-3,
+        # The plain Trainer of transformers 4.57 fills DeepSpeed's "auto" warmup_num_steps with 0 without
+        # a warmup, which deepspeed 0.19.8 refuses (5.18 fills 1); one warm-up step runs on every release.
+        warmup_steps=1,
         use_cpu=True,
         deepspeed=ds_config(with_optimizer=True) if backend == "zero2" else None,
     )

@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 from _util import torchrun
 
+from ds_adabatch.integrations.hf.versions import legacy_loop
+
 pytestmark = pytest.mark.multirank
+
+pytest.importorskip("transformers")
+LEGACY = legacy_loop()
+"""transformers 4.57: its banner has no steps-per-epoch line and it logs the loss rounded to 4 decimals."""
+STEPS_PER_EPOCH = "Num update steps per epoch"
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -105,12 +112,16 @@ def _banner(log: str) -> dict[str, str]:
     found = {}
     for key in (
         "Num Epochs",
-        "Num update steps per epoch",
+        STEPS_PER_EPOCH,
         "Total train batch size",
         "Gradient Accumulation steps",
         "Total optimization steps",
     ):
-        match = re.search(rf"  {re.escape(key)}[^=]* = (.+)", log)
+        if key == STEPS_PER_EPOCH and LEGACY:
+            # transformers 4.57 prints no such line; ds_adabatch's own line right below says it.
+            match = re.search(r"\[ds_adabatch\] optimizer steps per epoch: (.+)", log)
+        else:
+            match = re.search(rf"  {re.escape(key)}[^=]* = (.+)", log)
         assert match, f"the training banner has no {key!r} line"
         found[key] = match.group(1).strip()
     return found
@@ -130,7 +141,7 @@ def test_the_jsonl_has_one_record_per_step_matching_the_trainers_logs(request, n
     logged = {e["step"]: e for e in state["log_history"] if "loss" in e and "train_coverage" in e}
     for r in records:
         entry = logged[r["step"]]
-        assert r["loss"] == pytest.approx(entry["loss"], rel=1e-5), (
+        assert r["loss"] == pytest.approx(entry["loss"], rel=1e-5, abs=5e-5 if LEGACY else 0), (
             f"step {r['step']}: {r['loss']} vs {entry['loss']}"
         )
         shape = [r["global_batch"], r["micro_batch_per_gpu"], r["gradient_accumulation_steps"]]

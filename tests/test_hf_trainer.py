@@ -22,6 +22,15 @@ import pytest
 import torch
 from _util import torchrun
 
+
+@pytest.fixture(autouse=True)
+def _deepspeed_flag_per_test(monkeypatch):
+    # transformers 4.57's TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED=true in the
+    # process environment for good, and every later TrainingArguments of the process then builds a
+    # DeepSpeed plugin: each test starts without it, as its own process would (5.x sets nothing).
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+
+
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
 
@@ -243,7 +252,11 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
         "gas4": [[8, 1, 4]] * 2,
         "changing": [[2, 1, 1], [8, 1, 4], [4, 1, 2], [6, 1, 3]],
     }
-    takes_kwargs = {"bert": True, "gpt2": True, "plain": False}
+    from ds_adabatch.integrations.hf.versions import legacy_loop
+
+    # transformers 4.57's BertForSequenceClassification.forward takes no **kwargs (5.x's does): there the
+    # Trainer normalises BERT by samples, and the step must still be the exact mean.
+    takes_kwargs = {"bert": not legacy_loop(), "gpt2": True, "plain": False}
     out = _results(request, backend)
     for rank in (0, 1):
         result = _read(out, "models", backend, rank)
@@ -257,7 +270,9 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
                     f"{backend} {name} step {k + 1} (plan {s['plan']}): the applied gradient is "
                     f"{s['grad_ratio']:.6f}x the full-batch mean's norm, max rel. error {s['grad_rel_err']:.3g}"
                 )
-                assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5), (
+                # (transformers 4.57 logs the loss rounded to 4 decimals.)
+                rounding = 5e-5 if legacy_loop() else 0
+                assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5, abs=rounding), (
                     f"{backend} {name} step {k + 1}: logged loss {s['logged_loss']}, true mean {s['true_loss']}"
                 )
 

@@ -21,6 +21,7 @@ Which module does what:
 * ``lengths``: each training sample's length in tokens, for token-budget steps.
 * ``dist``: makes the launched ranks one data-parallel group and checks the process layout.
 * ``versions``: the transformers and accelerate releases supported, checked at construction.
+* ``compat``: where the trainer reaches transformers 4.57's one-function training loop (mixed in on 4.x).
 
 ``trainer`` imports the other modules and none of them imports ``trainer`` back: there is no import
 cycle among them (``tests/test_import_graph.py`` checks it).

@@ -42,6 +42,8 @@ class DrivenTrainer(Protocol):
 
     def _finish_run(self) -> None: ...
 
+    def _train_begins(self) -> None: ...
+
 
 class AdaptiveBatchCallback(TrainerCallback):
     """Placed first in ``trainer.callback_handler.callbacks`` by ``AdaptiveBatchSizeTrainer``."""
@@ -62,6 +64,7 @@ class AdaptiveBatchCallback(TrainerCallback):
             self._set_bar_total(state.max_steps)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._train_begins()
         # The banner has printed the first step's accumulation steps; the loop runs with 1 (one loader
         # item is one optimizer step), and callbacks after this one (trackers saving the arguments) see 1.
         self.trainer.args.gradient_accumulation_steps = 1

@@ -54,6 +54,9 @@ class StepLoader:
         self.state = state
         self._completed_steps = completed_steps
         self._epoch = 0
+        self.len_is_bound = False
+        """``len()`` is the dataset's samples, a bound on any epoch's steps (transformers 4.57's loop
+        runs that many updates per epoch, read at its start; ``hf.compat``)."""
 
     @property
     def dataset(self) -> Any:
@@ -66,6 +69,8 @@ class StepLoader:
 
     def __len__(self) -> int:
         """Optimizer steps one epoch takes at the current global batch (an estimate when it changes)."""
+        if self.len_is_bound:
+            return self.state.sampler.num_samples
         return math.ceil(self.state.sampler.num_samples / self.state.samples_per_step)
 
     def __iter__(self) -> Iterator[StepInputs]:

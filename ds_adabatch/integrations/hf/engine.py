@@ -52,6 +52,11 @@ def couple_scheduler(
         return scheduler, scheduler
     if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return scheduler, None  # stepped with metrics by evaluate(), not a function of samples
+    if type(scheduler).__name__ == "DummyScheduler":
+        # accelerate 1.15's placeholder for DeepSpeed's config scheduler (or a callable building one),
+        # replaced when the engine is built: the trainer couples the real one then (transformers 4.57
+        # also asks create_scheduler before the engine exists).
+        return scheduler, None
     settings = {"unit": lr.unit, "reference_batch": lr.reference_batch, "rule": lr.rule}
     if engine is not None and type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":
         # DeepSpeed 0.19.8 steps engine.lr_scheduler inside its boundary step() and checkpoints its

@@ -51,6 +51,11 @@ class ShownInt(int):
     def __str__(self) -> str:
         return self.text()
 
+    def __reduce__(self) -> tuple:
+        # Saved (transformers 4.57 pickles TrainingArguments, whose DeepSpeed config holds the LR
+        # schedule's length, into every checkpoint) or copied, it is the plain number.
+        return (int, (int(self),))
+
 
 @dataclass(frozen=True)
 class RunEstimate:

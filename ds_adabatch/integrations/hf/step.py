@@ -135,6 +135,25 @@ class StepMixin:
             )
         return logged
 
+    def floating_point_ops(self, inputs: Any) -> int:
+        """FLOPs of the step's real micro-batches (pads excluded)."""
+        if not isinstance(inputs, StepInputs):
+            return super().floating_point_ops(inputs)  # type: ignore[misc]
+        count = super().floating_point_ops  # type: ignore[misc]  (a bare super() fails in a generator)
+        return sum(count(m.batch) for m in inputs.micro_batches if not m.is_pad)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if not isinstance(inputs, StepInputs):
+            return super()._track_num_input_tokens(inputs)  # type: ignore[misc]
+        # transformers 5.23 gathers the count once per call: every rank calls once per micro-batch
+        # (the same number everywhere), a pad with its tensors emptied so it counts 0.
+        for m in inputs.micro_batches:
+            batch = m.batch
+            if m.is_pad and isinstance(batch, Mapping):
+                batch = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            super()._track_num_input_tokens(batch)  # type: ignore[misc]
+        return None
+
     def _micro_backward(
         self,
         model: torch.nn.Module,

@@ -12,8 +12,9 @@ Where the global batch comes from: the scheduler (asked for step 0 too; largest 
 ``per_device_train_batch_size x gradient_accumulation_steps x world size``. ``hf.config`` says
 what every key of the section does under the Trainer.
 
-Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 5.18 to 5.x
-and accelerate 1.15+, checked at construction: ``hf.versions``). The Trainer's outer loop is kept, so
+Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 4.57.6 and 5.18
+to 5.x and accelerate 1.15+, checked at construction: ``hf.versions``; on 4.57 ``hf.compat`` reaches the
+same steps of its one-function loop). The Trainer's outer loop is kept, so
 callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
 the inside of one optimizer step change:
 
@@ -68,6 +69,7 @@ from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.restart_record import RestartRecords
 
 from .callback import AdaptiveBatchCallback
+from .compat import LOOP_MIXINS, adapt_arguments, check_arguments
 from .config import TrainerSection, read_trainer_section
 from .data import StepInputs, StepLoader
 from .dist import trainer_arguments
@@ -145,8 +147,9 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     ``unit: "tokens"`` sets each step's token target.
 
     Raises:
-        RuntimeError: transformers or accelerate outside the releases it runs on (transformers >= 5.18,
-            < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        RuntimeError: transformers or accelerate outside the releases it runs on (transformers 4.57.6
+            or >= 5.18, < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        ValueError: on transformers 4.57, ``include_tokens_per_second=True`` (``hf.compat``).
         TypeError: ``batch_size_scheduler`` is not callable.
         ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
             ``batch_size_scheduler``; out-of-memory settings or ``gradient_noise`` without DeepSpeed),
@@ -199,7 +202,9 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
                 section=self.adabatch_section,
             ),
         )
+        check_arguments(args)
         args = trainer_arguments(args)
+        adapt_arguments(args)
         super().__init__(args=args, **trainer_kwargs)
         self.batch_size_scheduler = batch_size_scheduler
         self.max_micro_batch_per_gpu = max_micro_batch_per_gpu
@@ -215,6 +220,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._recovery_closed = False
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
+        self._resume_path: Any = None
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
         self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
 
@@ -309,6 +315,9 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         epoch ends), so they are upper bounds that its banner prints as the estimate
         (:class:`~ds_adabatch.integrations.hf.progress.ShownInt`).
         """
+        return self._training_values(args)
+
+    def _training_values(self, args: TrainingArguments) -> tuple[Any, ...]:
         state = self._require_state()
         n = state.sampler.num_samples
         first = state.initial_plan.global_batch_size
@@ -350,41 +359,62 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
+        epoch = self._resume_batch_state(resume_from_checkpoint)
+        self._align_trainer_state(int(max_steps))
+        return epoch, 0
+
+    def _resume_batch_state(self, resume_from_checkpoint: Any) -> int:
+        """Load a resumed run's batch state at the Trainer's ``global_step``; the stream's epoch."""
         state = self._require_state()
         step = self.state.global_step
-        epoch = 0
         if resume_from_checkpoint is not None and os.path.isfile(
             os.path.join(resume_from_checkpoint, _TRAINER_STATE)
         ):
             state.load(resume_from_checkpoint, step)
-            epoch = state.next_batch_epoch(step)
+            return state.next_batch_epoch(step)
+        return 0
+
+    def _align_trainer_state(self, max_steps: int) -> None:
+        """``trainer_state.json``'s epochs and steps: the run's, not the loop's bounds."""
+        state = self._require_state()
+        step = self.state.global_step
         self._samples_at_start = state.samples_consumed
         self._tokens_at_start = state.tokens
         estimate = state.estimate(step)
-        # trainer_state.json: the run's epochs and steps, not the loop's bounds.
         self.state.num_train_epochs = (
             math.ceil(self.args.num_train_epochs) if state.epoch_based else estimate.epochs
         )
         self.state.max_steps = state.step_budget(step) if state.epoch_based else int(max_steps)
-        return epoch, 0
 
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
     ) -> Any:
         # The LR schedule's length reaches DeepSpeed's config and the scheduler as a plain int.
         prepared = super()._prepare_for_training(int(max_steps), train_dataloader, resume_from_checkpoint)
+        self._start_step_log()
+        self._show_first_gas()
+        return prepared
+
+    def _start_step_log(self) -> None:
+        # Once the DeepSpeed engine exists (its monitor).
         state = self._require_state()
-        plan = state.plan_for_step(self.state.global_step)
         self._step_log = TrainerStepLog(
             state, state.config.log, getattr(self._deepspeed_engine(), "monitor", None)
         )
-        # transformers 5.23 prints args.gradient_accumulation_steps in its banner right after this and
-        # loops with it (as 1: one loader item is one step); the callback's on_train_begin puts back 1.
+
+    def _show_first_gas(self) -> None:
+        # transformers 5.23 prints args.gradient_accumulation_steps in its banner right after
+        # _prepare_for_training and loops with it (as 1: one loader item is one step); the callback's
+        # on_train_begin puts back 1.
+        state = self._require_state()
+        plan = state.plan_for_step(self.state.global_step)
         gas = f"{plan.gradient_accumulation_steps}"
         if state.config.schedule.type != "constant" or state.token_budget:
             gas += " at the first step (it follows the batch)"
         self.args.gradient_accumulation_steps = ShownInt(1, gas)
-        return prepared
+
+    def _train_begins(self) -> None:
+        """Called by the callback at ``on_train_begin`` (transformers 4.57 does more here: ``hf.compat``)."""
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
         """The next optimizer step's :class:`StepInputs` (token counts are taken in ``training_step``)."""
@@ -463,28 +493,6 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             # Every step: a token step's multiplier follows its target, which a plan does not show.
             self._lr_coupling.set_global_batch(state.lr_batch(plan))
 
-    def floating_point_ops(self, inputs: Any) -> int:
-        """FLOPs of the step's real micro-batches (pads excluded)."""
-        if not isinstance(inputs, StepInputs):
-            return super().floating_point_ops(inputs)
-        return sum(
-            super(AdaptiveBatchSizeTrainer, self).floating_point_ops(m.batch)
-            for m in inputs.micro_batches
-            if not m.is_pad
-        )
-
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        if not isinstance(inputs, StepInputs):
-            return super()._track_num_input_tokens(inputs)
-        # transformers 5.23 gathers the count once per call: every rank calls once per micro-batch
-        # (the same number everywhere), a pad with its tensors emptied so it counts 0.
-        for m in inputs.micro_batches:
-            batch = m.batch
-            if m.is_pad and isinstance(batch, Mapping):
-                batch = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            super()._track_num_input_tokens(batch)
-        return None
-
     # -- learning rate -------------------------------------------------------------------------------
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
@@ -561,6 +569,16 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
+
+
+if LOOP_MIXINS:
+    # transformers 4.57: the ways into its one-function loop (hf.compat) come first in the MRO, and
+    # reach the methods above through super(). The class keeps its name, module and docstring.
+    AdaptiveBatchSizeTrainer = type(  # type: ignore[misc]
+        "AdaptiveBatchSizeTrainer",
+        (*LOOP_MIXINS, AdaptiveBatchSizeTrainer),
+        {"__doc__": AdaptiveBatchSizeTrainer.__doc__, "__module__": __name__},
+    )
 
 
 def _main_input_name(processing_class: Any) -> str:

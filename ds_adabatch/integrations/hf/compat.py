@@ -1,0 +1,279 @@
+"""transformers 4.57: where ``AdaptiveBatchSizeTrainer`` plugs into the one-function training loop.
+
+From 5.18 the Trainer's loop calls the methods the integration overrides (``hf.versions`` lists them):
+``_init_training_state`` and ``_prepare_for_training`` exist, ``set_initial_training_values`` takes
+``(args, dataloader)``, ``_track_num_input_tokens`` counts the tokens. transformers 4.57.6 (the last
+4.x) runs the same steps inline in ``Trainer._inner_training_loop``; :class:`Transformers4Loop` is mixed
+into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop offers a way in:
+
+=====================================  ===============================================================
+5.18+ (``hf.trainer``)                 4.57.6 (this module)
+=====================================  ===============================================================
+``set_initial_training_values``        same name, ``(args, dataloader, total_train_batch_size)``,
+(the run's bounds)                     returning ``(epochs, steps per epoch, examples, samples,
+                                       epoch_based, batches per epoch, LR length)``
+``_prepare_for_training`` (GAS)        ``create_optimizer_and_scheduler``, which 4.57 calls right after
+                                       ``deepspeed_init``: the banner's GAS (the loop reads
+                                       ``args.gradient_accumulation_steps`` at every update and must
+                                       see 1: one loader item is one step)
+``_init_training_state`` (resume)      ``_load_callback_state``, which 4.57 calls right after it
+                                       loads ``trainer_state.json``; the loop then computes the epoch
+                                       to resume in as ``global_step // steps_per_epoch`` and the
+                                       batches to skip as ``global_step % steps_per_epoch``:
+                                       :class:`StepsPerEpoch` answers the stream's epoch and 0
+``_init_training_state`` (the state)   the callback's ``on_train_begin`` (``_train_begins``): 4.57
+                                       sets ``state.max_steps`` just before it
+``_prepare_for_training`` (LR, log)    the ``deepspeed`` attribute, which 4.57 assigns right after
+                                       ``accelerator.prepare`` builds the engine and before a resumed
+                                       engine loads its checkpoint: the scheduler is coupled there,
+                                       as 5.18+ does in ``create_scheduler`` after ``prepare``
+``_track_num_input_tokens``            4.57 counts inline ``inputs[main_input_name]`` /
+                                       ``inputs["attention_mask"]`` of each loop item:
+                                       :class:`CountedStepInputs` shows it the step's real
+                                       micro-batches, flattened (zero-weight pads left out)
+``get_total_train_batch_size``         the banner's total batch: the first step's global batch
+DeepSpeed's ``"auto"`` warmup         ``create_optimizer_and_scheduler`` (4.57 calls it right after
+                                       ``deepspeed_init``): 0 becomes 1, as 5.18 fills it
+a CPU multi-process optimizer resume   ``_load_optimizer_and_scheduler``: ``map_location="cpu"``, as
+                                       5.18 (4.57's ``cpu:0`` cannot be restored by torch)
+DeepSpeed's input dtype               :func:`adapt_arguments`: fp32 unless the config enables fp16
+                                       or bf16, as 5.x and DeepSpeed itself decide
+``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
+                                       ``parallelism_config`` as 5.x reads them
+=====================================  ===============================================================
+
+The loop iterates ``len(train_dataloader)`` updates per epoch, read once at the epoch's start: the
+step loader reports an upper bound there (the dataset's samples), and ends the epoch itself where the
+stream does, as on 5.18+. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
+training dataloader once before training, which would draw from the sample stream: it is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .data import StepInputs, StepLoader
+from .progress import ShownInt
+from .versions import legacy_loop
+
+_OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers 4.57 OPTIMIZER_NAME, SCHEDULER_NAME
+
+__all__ = [
+    "LOOP_MIXINS",
+    "CountedStepInputs",
+    "StepsPerEpoch",
+    "Transformers4Loop",
+    "adapt_arguments",
+    "check_arguments",
+]
+
+
+class StepsPerEpoch(ShownInt):
+    """The steps-per-epoch bound transformers 4.57 divides the resumed ``global_step`` by.
+
+    4.57 ``Trainer._inner_training_loop`` resumes in epoch ``global_step // steps_per_epoch`` after
+    skipping ``global_step % steps_per_epoch`` batches; the sample stream knows its own epoch and
+    skips nothing (its cursor is in the checkpoint). ``int // StepsPerEpoch`` asks ``epoch_of(step)``
+    (Python tries the right operand's reflected method first when it is a subclass of the left's type),
+    and ``int % StepsPerEpoch`` is 0, as 5.18+ ``_init_training_state`` returns ``(epoch, 0)``.
+    """
+
+    epoch_of: Callable[[int], int]
+
+    def __new__(cls, value: int, text: Callable[[], str], epoch_of: Callable[[int], int]) -> StepsPerEpoch:
+        bound = super().__new__(cls, value, text)
+        bound.epoch_of = epoch_of
+        return bound
+
+    def __rfloordiv__(self, step: int) -> int:
+        return self.epoch_of(int(step))
+
+    def __rmod__(self, step: int) -> int:
+        return 0
+
+
+class CountedStepInputs(StepInputs):
+    """A step as transformers 4.57's loop reads it to count ``num_input_tokens_seen``.
+
+    ``key in inputs`` and ``inputs[key]`` see the step's real micro-batches (pads excluded) as one
+    flat tensor per key: ``.numel()`` is their tokens, ``.sum()`` of the attention mask their real
+    tokens, and ``!= pad_token_id`` compares each; 4.57 gathers the count over ranks once per item,
+    which is once per optimizer step here.
+    """
+
+    __slots__ = ()
+
+    def _real(self) -> list[Any]:
+        return [m.batch for m in self.step.micro_batches if not m.is_pad]
+
+    def __contains__(self, key: object) -> bool:
+        real = self._real()
+        batches = real or [m.batch for m in self.step.micro_batches]
+        return all(isinstance(b, dict) and key in b for b in batches)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        parts = [torch.as_tensor(b[key]).reshape(-1) for b in self._real()]
+        if not parts:  # a step of pads only on this rank: no tokens
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat(parts)
+
+
+class Transformers4Loop:
+    """The overrides :class:`~ds_adabatch.integrations.hf.trainer.AdaptiveBatchSizeTrainer` adds on
+    transformers 4.57 (see the module docstring for where each reaches the loop)."""
+
+    # Provided by AdaptiveBatchSizeTrainer / transformers.Trainer.
+    args: Any
+    state: Any
+    batch_state: Any
+    is_in_train: bool
+    is_deepspeed_enabled: bool
+    _lr_coupling: Any
+    _resume_path: Any
+    lr_scheduler: Any
+
+    def _inner_training_loop(self, *args: Any, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
+        # 4.57 Trainer.train passes the resolved checkpoint folder by keyword.
+        self._resume_path = resume_from_checkpoint
+        return super()._inner_training_loop(  # type: ignore[misc]
+            *args, resume_from_checkpoint=resume_from_checkpoint, **kwargs
+        )
+
+    def get_train_dataloader(self) -> StepLoader:
+        loader = super().get_train_dataloader()  # type: ignore[misc]
+        loader.len_is_bound = True  # 4.57 runs len(loader) updates per epoch, read at its start
+        return loader
+
+    def get_cp_size(self) -> int:
+        """Context-parallel degree (5.x Trainer method; 4.57 keeps it in accelerate's config only)."""
+        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+        return 1 if config is None else int(config.cp_size)
+
+    def get_sp_size(self) -> int:
+        """Sequence-parallel degree (as :meth:`get_cp_size`)."""
+        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+        return 1 if config is None else int(getattr(config, "sp_size", 1))
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The first step's global batch (4.57 prints it in the banner as the total train batch)."""
+        return self._require_state().initial_plan.global_batch_size  # type: ignore[attr-defined]
+
+    def set_initial_training_values(
+        self, args: Any, dataloader: Any, total_train_batch_size: int | None = None
+    ) -> tuple[int, ...]:
+        epochs, per_epoch, n, samples, _first, batches, lr_length = self._training_values(args)  # type: ignore[attr-defined]
+        state = self._require_state()  # type: ignore[attr-defined]
+        per_epoch = StepsPerEpoch(int(per_epoch), per_epoch.text, state.next_batch_epoch)
+        return epochs, per_epoch, n, samples, state.epoch_based, batches, lr_length
+
+    def _load_callback_state(self) -> None:
+        # 4.57 calls this only when resuming, right after loading trainer_state.json (global_step).
+        super()._load_callback_state()  # type: ignore[misc]
+        self._resume_batch_state(self._resume_path)  # type: ignore[attr-defined]
+
+    def _train_begins(self) -> None:
+        # 4.57 has set state.max_steps / num_train_epochs to the loop's bounds just before.
+        self._align_trainer_state(int(self.state.max_steps))  # type: ignore[attr-defined]
+        self._start_step_log()  # type: ignore[attr-defined]
+
+    @property
+    def deepspeed(self) -> Any:
+        return self.__dict__.get("_deepspeed_wrapped")
+
+    @deepspeed.setter
+    def deepspeed(self, engine: Any) -> None:
+        # 4.57 Trainer._inner_training_loop assigns the engine accelerate built, before a resumed run
+        # loads its DeepSpeed checkpoint: the LR scheduler is coupled to the engine now, so the
+        # checkpoint's scheduler state loads into the coupled scheduler (5.18+ does this in
+        # create_scheduler, which its loop calls after accelerator.prepare).
+        self.__dict__["_deepspeed_wrapped"] = engine
+        if engine is None or not self.is_in_train or self.batch_state is None:
+            return
+        wrapped = type(self.lr_scheduler).__name__ == "DeepSpeedSchedulerWrapper"
+        if self._lr_coupling is not None and not wrapped:
+            # The Trainer's own scheduler, made by 4.57 deepspeed_init on the optimizer DeepSpeed was
+            # about to take (DeepSpeed 0.19.8 may drop its empty parameter groups): made again on the
+            # prepared optimizer, as 5.18 makes it after accelerator.prepare.
+            self.lr_scheduler = None
+            self._lr_coupling = None
+        if self._lr_coupling is None:
+            self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        # 4.57 calls this right after deepspeed_init, whose HfTrainerDeepSpeedConfig.trainer_config_finalize
+        # filled an "auto" scheduler.params.warmup_num_steps with args.get_warmup_steps(), 0 without a
+        # warmup; deepspeed 0.19.8's WarmupLR refuses 0 when accelerator.prepare builds the engine next.
+        # 5.18 fills max(1, steps) there: so does this.
+        super().create_optimizer_and_scheduler(num_training_steps)  # type: ignore[misc]
+        # The banner's GAS and the loop's 1, now that deepspeed_init has checked the DeepSpeed config's
+        # accumulation steps against the arguments' (as 5.x sets them after it, in _prepare_for_training).
+        self._show_first_gas()  # type: ignore[attr-defined]
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        if self.is_deepspeed_enabled and config is not None:
+            node, key = config.find_config_node("scheduler.params.warmup_num_steps")
+            if node is not None and node.get(key) == 0:
+                node[key] = 1
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        # 4.57 loads a multi-process run's optimizer.pt with map_location=args.device, which is
+        # torch.device("cpu:0") on CPU ranks under accelerate 1.15, and torch cannot restore storages
+        # tagged "cpu:0". 5.18 loads it on "cpu"; so does this, for that case only (no DeepSpeed or
+        # FSDP, which load their own state).
+        if (
+            checkpoint is None
+            or self.is_deepspeed_enabled
+            or getattr(self, "is_fsdp_enabled", False)
+            or self.args.world_size <= 1
+            or self.args.device.type != "cpu"
+            or not os.path.isfile(os.path.join(checkpoint, _OPTIMIZER))
+            or not os.path.isfile(os.path.join(checkpoint, _SCHEDULER))
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        optimizer = torch.load(os.path.join(checkpoint, _OPTIMIZER), map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(optimizer)  # type: ignore[attr-defined]
+        scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[attr-defined]
+        return None
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any) -> tuple[list, None]:
+        items, count = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        return [CountedStepInputs(item.step) for item in items], count
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse, with a sentence, what the 4.57 loop would do wrong with a step loader."""
+    if legacy_loop() and getattr(args, "include_tokens_per_second", False):
+        raise ValueError(
+            "TrainingArguments(include_tokens_per_second=True) makes transformers 4.57 iterate the "
+            "training dataloader once before training, which would draw from AdaptiveBatchSizeTrainer's "
+            "sample stream; leave it False (train_tokens_per_second is logged with a token budget) or "
+            "use include_num_input_tokens_seen"
+        )
+
+
+def adapt_arguments(args: Any) -> None:
+    """Make transformers 4.57 feed a DeepSpeed config without an ``"fp16"`` section fp32 inputs.
+
+    4.57 ``HfTrainerDeepSpeedConfig.trainer_config_process`` takes the input dtype as fp16 unless the
+    config says ``"fp16": {"enabled": false}`` (its comment: DeepSpeed's default is fp16), while
+    DeepSpeed 0.19.8 and accelerate 1.15 build an fp32 engine: the plain 4.57 ``Trainer`` fails its first
+    forward (``mat1 and mat2 must have the same dtype``). 5.x takes fp32 there. The section is written
+    as DeepSpeed already reads it, and the input dtype set to match.
+    """
+    config = getattr(args, "hf_deepspeed_config", None)
+    if not legacy_loop() or config is None:
+        return
+    if config.get_value("fp16.enabled") is None and not config.is_true("bf16.enabled"):
+        config.config.setdefault("fp16", {})["enabled"] = False
+        # What 4.57 trainer_config_process sets from that section (HfTrainerDeepSpeedConfig._dtype,
+        # read by its dtype()); running it again would check the arguments' GAS, 1 here, against the
+        # config's.
+        config._dtype = torch.float32
+
+
+LOOP_MIXINS: tuple[type, ...] = (Transformers4Loop,) if legacy_loop() else ()
+"""Mixed into the trainer before ``transformers.Trainer``: the 4.57 ways in, or nothing on 5.18+."""
