@@ -579,11 +579,60 @@ def run_noise(out: Path, ds: bool) -> dict:
             }
         )
     result["follow"] = runs
+    result["goodput"] = _run_goodput(out, common)
     saved = json.loads(
         (out / "follow_first" / f"checkpoint-{NOISE_SAVE_AT}" / "adabatch_state.json").read_text()
     )
     result["saved_noise"] = saved["noise"]
     return result
+
+
+GOODPUT_STEPS = 14
+
+
+def _run_goodput(out: Path, common: dict) -> dict:
+    """The goodput schedule from the section, with a simulated flat step time (a host-bound step: a
+    larger batch costs nothing more): the batch must climb to max_global_batch, explaining every move."""
+    from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV
+
+    section = {
+        "schedule": {
+            "type": "goodput",
+            "start": 8,
+            "warmup_steps": 3,
+            "decide_every": 2,
+            "ema_beta": 0.5,
+            "max_relative_error": None,
+        },
+        "max_micro_batch_per_gpu": 4,
+        "max_global_batch": 32,
+        "granularity": 4,
+    }
+    os.environ[SIMULATED_STEP_TIME_ENV] = "fixed=0.05"
+    try:
+        trainer = AdaptiveBatchSizeTrainer(
+            model=HalfMse(),
+            args=_args(
+                out / "goodput",
+                max_steps=GOODPUT_STEPS,
+                deepspeed=ds_config(section),
+                **{**common, "per_device_train_batch_size": 4},
+            ),
+            train_dataset=GaussianRegression(),
+        )
+        recorder = StepRecorder(trainer)
+        trainer.add_callback(recorder)
+        trainer.train()
+    finally:
+        del os.environ[SIMULATED_STEP_TIME_ENV]
+    schedule = trainer.batch_state.controller.schedule
+    fit = schedule.throughput.fit(trainer.batch_state.world_size)
+    return {
+        "plans": [s["plan"][0] for s in recorder.steps],
+        "moves": schedule.moves,
+        "reason": schedule.last_reason,
+        "fit_fixed": None if fit is None else fit.fixed,
+    }
 
 
 # -- token budgets ----------------------------------------------------------------------------------

@@ -375,6 +375,21 @@ def test_gradient_noise_schedule_moves_the_batch_and_resumes_its_estimate(reques
         )
 
 
+@pytest.mark.parametrize("backend", DEEPSPEED)
+def test_goodput_schedule_climbs_where_a_bigger_batch_costs_nothing_more(request, backend):
+    """The goodput schedule drives the Trainer too: with a simulated flat step time the batch climbs to
+    max_global_batch, the step-time model learns the flat cost, every move says why."""
+    from hf_worker import GOODPUT_STEPS
+
+    r = _read(_results(request, backend), "noise", backend, 0)["goodput"]
+    plans = r["plans"]
+    assert len(plans) == GOODPUT_STEPS and plans[:3] == [8, 8, 8], plans
+    assert plans[-1] == 32 and r["moves"] >= 1, f"a flat step time must end at max_global_batch 32: {plans}"
+    assert all(p % 4 == 0 for p in plans)
+    assert r["fit_fixed"] == pytest.approx(0.05, rel=1e-6), r
+    assert "samples/s x efficiency" in r["reason"], r["reason"]
+
+
 # -- token budgets (micro_batch_tokens) on 2 ranks, DeepSpeed ZeRO-2 -----------------------------------
 def _token_runs(ds_results) -> list[dict]:
     return [_read(ds_results, "tokens", "ds", rank) for rank in (0, 1)]

@@ -18,7 +18,7 @@ the Trainer every key is honoured, or refused with a sentence where it cannot be
   LR coupling, ...).
 * ``max_micro_batch_per_gpu``: ``"auto"`` is learned from out-of-memory errors, which the Trainer
   recovers under DeepSpeed only: refused without it, as is every key of ``memory`` and the
-  ``gradient_noise`` schedule (it reads DeepSpeed's reduced gradients).
+  ``gradient_noise`` and ``goodput`` schedules (they read DeepSpeed's reduced gradients).
 * ``data``: keys written there win over ``TrainingArguments`` (``data_seed``/``seed``,
   ``dataloader_drop_last``, ``dataloader_num_workers``; ``shuffle`` has no Trainer equivalent).
 * ``log``: ``jsonl`` (one record per optimizer step, rank 0) and ``every_steps``, as in the runtime.
@@ -152,13 +152,13 @@ def _problems(section: TrainerSection, *, uses_deepspeed: bool, user_schedule: b
         )
     if uses_deepspeed:
         return problems
-    if config.schedule.type == "gradient_noise":
+    if config.schedule.type in ("gradient_noise", "goodput"):
         problems.append(
             ConfigProblem(
                 "adabatch.schedule.type",
-                "the gradient_noise schedule measures the noise scale from DeepSpeed's reduced gradients: "
-                "pass TrainingArguments(deepspeed=...), or pick another schedule",
-                "gradient_noise",
+                f"the {config.schedule.type} schedule measures the noise scale from DeepSpeed's reduced "
+                "gradients: pass TrainingArguments(deepspeed=...), or pick another schedule",
+                config.schedule.type,
             )
         )
     why = "AdaptiveBatchSizeTrainer recovers from out-of-memory errors under DeepSpeed only"

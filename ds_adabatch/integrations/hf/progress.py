@@ -7,7 +7,7 @@ and prints it in its training banner and ``trainer_state.json``. With a changing
   replayed over the sample stream before training (:meth:`StreamProgress.estimate`): the steps of
   every epoch and of the run are known exactly (epoch tails and ``drop_last`` included);
 * a schedule that follows measurements or a user's function (``loss_plateau``, ``gradient_noise``,
-  ``seesaw``, ``callable``, ``batch_size_scheduler``) and token-budget steps change with the run: the
+  ``goodput``, ``seesaw``, ``callable``, ``batch_size_scheduler``) and token-budget steps change with the run: the
   numbers are given at the initial batch and said to change with the batch.
 
 :class:`StreamProgress` is mixed into ``AdaptiveBatchState``; the Trainer's step budget

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.config.schedules import measures_noise
 from ds_adabatch.data import ElasticDataLoader, ElasticSampler, GlobalBatch, StepBatch
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler, TokenStep
@@ -35,6 +36,7 @@ from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.runtime.recovery import memory_for
 from ds_adabatch.runtime.step_sync import StepSync
+from ds_adabatch.runtime.step_times import step_times_for
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
@@ -49,7 +51,7 @@ STATE_FILE = "adabatch_state.json"
 
 _STATE_VERSION = 1
 _STATE_KIND = "AdaptiveBatchSizeTrainer"
-_SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr", "noise_scale"})
+_SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr", "noise_scale", "step_time"})
 
 
 @dataclass(frozen=True)
@@ -126,12 +128,15 @@ class AdaptiveBatchState(StreamProgress):
         self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
-            GradientNoiseEstimator(**schedule.estimator_settings())
-            if schedule.type == "gradient_noise"
-            else None
+            GradientNoiseEstimator(**schedule.estimator_settings()) if measures_noise(schedule) else None
         )
-        """The gradient-noise-scale estimate the ``gradient_noise`` schedule follows (else None)."""
+        """The gradient-noise-scale estimate the ``gradient_noise`` and ``goodput`` schedules read (else
+        None)."""
         self._noise_cadence = NoiseCadence(schedule)
+        rule = controller.schedule
+        self.step_times = step_times_for(rule, getattr(rule, "throughput", None), device)
+        """Each step's time for the ``goodput`` schedule's model, agreed in the step's collective
+        (``runtime.step_times``); a no-op object for every other schedule."""
         self._decided: tuple[int, BatchPlan] | None = None
         self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
@@ -337,8 +342,11 @@ class AdaptiveBatchState(StreamProgress):
             return self._decided[1]
         controller = self.controller
         evaluates = controller.evaluates_at(step)
-        if evaluates and self.needs_loss:
-            self.sync.reduce()  # the rule reads the latest loss: every pending step's, summed over ranks
+        schedule = controller.schedule
+        decides_on_times = "step_time" in schedule.requires and schedule.decides_at(step)
+        if evaluates and (self.needs_loss or decides_on_times):
+            # The rule reads the latest loss or step times: every pending step's, summed over ranks.
+            self.sync.reduce()
         ctx = ScheduleContext(
             step=step,
             samples=self.sampler.samples_consumed,
@@ -351,6 +359,7 @@ class AdaptiveBatchState(StreamProgress):
             lr=self.last_lr,
             noise_scale=None if self.noise is None else self.noise.noise_scale,
             noise_scale_error=None if self.noise is None else self.noise.relative_error,
+            micro_batch_limit=None if self.token_budget else self.memory.limit,
         )
         decision = controller.next_global_batch(ctx)
         batch = decision.global_batch

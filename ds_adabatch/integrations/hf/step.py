@@ -56,6 +56,7 @@ class StepMixin:
         """One attempt at the step's micro-batches (``training_step`` without recovery)."""
         state = self._require_state()  # type: ignore[attr-defined]
         started = time.perf_counter()
+        state.step_times.step_started()
         step = inputs.step
         self._apply_plan(step.plan)  # type: ignore[attr-defined]
         micro = step.micro_batches
@@ -123,6 +124,8 @@ class StepMixin:
             state.sync.reduce()
         if self._lr_coupling is not None:
             state.last_lr = lr_used
+        # Throughput point: the step's time with its shape, for the goodput schedule (runtime.step_times).
+        state.step_times.step_finished(step.plan, started, state.sync, retried=False)
         if self._step_log is not None:  # made when training starts (_prepare_for_training)
             self._step_log.step_done(
                 completed=self.state.global_step + 1,
@@ -247,8 +250,8 @@ class StepMixin:
     def _noise_probe(self) -> NoiseProbe:
         """Hooks for one measured step on DeepSpeed's engine.
 
-        Only an ``"adabatch"`` section can ask for the ``gradient_noise`` schedule, and the probe reads
-        DeepSpeed's reduced gradients, so a measured step runs under DeepSpeed.
+        Only an ``"adabatch"`` section can ask for the ``gradient_noise`` or ``goodput`` schedule, and the
+        probe reads DeepSpeed's reduced gradients, so a measured step runs under DeepSpeed.
         """
         engine = self._deepspeed_engine()
         if engine is None:
