@@ -109,6 +109,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "checkpoint_verify.jsonl"))
     args = p.parse_args()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     ds_adabatch.init_distributed()
     folder = tempfile.mkdtemp(prefix="ckpt_verify_bench_")
     try:
@@ -116,6 +117,7 @@ def main() -> None:
         rows.append(engine(args.stage, args.repeats, os.path.join(folder, "engine")))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

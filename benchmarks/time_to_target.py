@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         return 0
     names = args.only or list(policies(args))
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results = {}
     for name in names:  # one process per policy: its own allocator, caches and clock
         cmd = [
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:>16}: val {last['val']:.3f} after {last['train_s']:.1f} s, {last['steps']} steps, batch {last['batch']}"
         )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     summary = summarise(results, args.targets)
     settings = {k: v for k, v in vars(args).items() if k != "policy"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
