@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "COMPLETE_FILE",
+    "atomic_write",
     "CheckpointCorrupt",
     "FileProblem",
     "FileRecord",
@@ -112,7 +113,7 @@ def write_part(folder: str, rank: int, paths: Iterable[str]) -> None:
             continue
         size, crc = checksum_file(path)
         records[rel.replace(os.sep, "/")] = {"size": size, "crc32": crc, "rank": rank}
-    _atomic_write(os.path.join(folder, f"{PART_PREFIX}{rank}.json"), json.dumps(records))
+    atomic_write(os.path.join(folder, f"{PART_PREFIX}{rank}.json"), json.dumps(records))
 
 
 def merge_parts(folder: str, rank: int = 0) -> dict[str, FileRecord]:
@@ -266,7 +267,8 @@ def _size_text(size: int) -> str:
     return f"{size} bytes"
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one (fsync, rename)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

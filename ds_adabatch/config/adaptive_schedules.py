@@ -144,7 +144,26 @@ DEFAULT_NOISE_SCALES = {"sgd": 0.5, "adam": 0.2}
 """``gradient_noise.scale``'s default per measured geometry (see the field's description)."""
 
 
-class GradientNoiseScheduleConfig(ScheduleConfigBase):
+class _NoiseMeasuringConfig(ScheduleConfigBase):
+    """What the schedules that measure the gradient-noise scale share: they start at ``start`` and feed
+    ``ds_adabatch.signals.GradientNoiseEstimator`` (the subclasses declare ``start``, ``ema_beta`` and
+    ``ema_reference_batch``)."""
+
+    def initial_batch(self, world_size: int | None = None) -> int:
+        return self.start  # type: ignore[attr-defined]
+
+    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
+        return [("start", self.start)]  # type: ignore[attr-defined]
+
+    def estimator_settings(self) -> dict[str, float]:
+        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
+        reference = self.ema_reference_batch  # type: ignore[attr-defined]
+        if reference is None:
+            reference = max(self.start, 8)  # type: ignore[attr-defined]
+        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}  # type: ignore[attr-defined]
+
+
+class GradientNoiseScheduleConfig(_NoiseMeasuringConfig):
     """Follow the gradient-noise scale: target global batch = ``scale`` x B_simple.
 
     B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An Empirical Model of Large-Batch
@@ -305,19 +324,6 @@ class GradientNoiseScheduleConfig(ScheduleConfigBase):
             return self.scale
         return DEFAULT_NOISE_SCALES[geometry]
 
-    def initial_batch(self, world_size: int | None = None) -> int:
-        return self.start
-
-    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
-        return [("start", self.start)]
-
-    def estimator_settings(self) -> dict[str, float]:
-        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
-        reference = self.ema_reference_batch
-        if reference is None:
-            reference = max(self.start, 8)
-        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}
-
 
 class SeesawScheduleConfig(ScheduleConfigBase):
     """Seesaw: grow the batch where the learning-rate schedule decays (Meterez, Morwani et al. 2025).
@@ -369,7 +375,7 @@ class SeesawScheduleConfig(ScheduleConfigBase):
 _NOISE_FIELDS = ("ema_beta", "ema_reference_batch", "max_relative_error", "measure_every", "geometry")
 
 
-class GoodputScheduleConfig(ScheduleConfigBase):
+class GoodputScheduleConfig(_NoiseMeasuringConfig):
     """Choose the global batch that trains fastest on this hardware: the largest goodput.
 
     Goodput (Pollux, Qiao et al. OSDI '21) is throughput x statistical efficiency: samples per second
@@ -426,19 +432,6 @@ class GoodputScheduleConfig(ScheduleConfigBase):
     max_relative_error: float | None = GradientNoiseScheduleConfig.model_fields["max_relative_error"]
     measure_every: int = GradientNoiseScheduleConfig.model_fields["measure_every"]
     geometry: Literal["auto", "sgd", "adam"] = GradientNoiseScheduleConfig.model_fields["geometry"]
-
-    def initial_batch(self, world_size: int | None = None) -> int:
-        return self.start
-
-    def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
-        return [("start", self.start)]
-
-    def estimator_settings(self) -> dict[str, float]:
-        """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
-        reference = self.ema_reference_batch
-        if reference is None:
-            reference = max(self.start, 8)
-        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}
 
     def section_problems(self, section: Any) -> list[tuple[str, str, Any]]:
         """What the rest of the ``"adabatch"`` section must give this schedule: ``(path, problem, value)``."""

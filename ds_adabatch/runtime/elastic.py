@@ -73,9 +73,9 @@ def mark_complete(
     if files is not None:
         payload["files"] = manifest.manifest_json(files)
     folder = folder or os.path.join(save_dir, info.tag)
-    _atomic_write(os.path.join(folder, COMPLETE_FILE), json.dumps(payload))
+    manifest.atomic_write(os.path.join(folder, COMPLETE_FILE), json.dumps(payload))
     if update_latest:
-        _atomic_write(os.path.join(save_dir, "latest"), info.tag)
+        manifest.atomic_write(os.path.join(save_dir, "latest"), info.tag)
 
 
 def read_marker(save_dir: str, tag: str) -> CheckpointInfo | None:
@@ -242,7 +242,7 @@ def _convert(src: str, out: str, info: CheckpointInfo | None) -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     # ds_to_universal names the temporary folder in ``latest_universal``: point it at the final one.
-    _atomic_write(os.path.join(os.path.dirname(out), "latest_universal"), os.path.basename(out))
+    manifest.atomic_write(os.path.join(os.path.dirname(out), "latest_universal"), os.path.basename(out))
 
 
 def _broadcast_text(text: str) -> str:
@@ -255,12 +255,3 @@ def _broadcast_text(text: str) -> str:
     box = [text]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
