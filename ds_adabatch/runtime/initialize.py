@@ -235,32 +235,23 @@ def initialize(
             "token_count_fn": count_fn,
             "agreement_world": dist.get_world_size(),
         }
-        if into is not None:  # live recovery covers data parallelism only (prepare_live_world)
-            into.rebind(
-                ds_engine,
-                loss_fn=loss_fn,
-                world_size=world,
-                counts_here=layout.tensor_parallel_rank == 0,
-                model_communicates=layout.tensor_parallel_size > 1,
-                **common,
-            )
-            return into
         if pipelined:
-            engine: AdaptiveBatchEngine | AdaptivePipelineEngine = AdaptivePipelineEngine(
+            return AdaptivePipelineEngine(
                 ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
             )
-        else:
-            engine = AdaptiveBatchEngine(
-                ds_engine,
-                loss_fn=loss_fn,
-                world_size=world,
-                # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
-                counts_here=layout.tensor_parallel_rank == 0,
-                # Tensor-parallel forwards and backwards communicate: passes agree when they begin.
-                model_communicates=layout.tensor_parallel_size > 1,
-                **common,
-            )
-        return engine
+        data_parallel = {
+            "loss_fn": loss_fn,
+            "world_size": world,
+            # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
+            "counts_here": layout.tensor_parallel_rank == 0,
+            # Tensor-parallel forwards and backwards communicate: passes agree when they begin.
+            "model_communicates": layout.tensor_parallel_size > 1,
+            **common,
+        }
+        if into is not None:  # live recovery covers data parallelism only (prepare_live_world)
+            into.rebind(ds_engine, **data_parallel)
+            return into
+        return AdaptiveBatchEngine(ds_engine, **data_parallel)
 
     engine = build()
     attach_live_recovery(engine, live, world_live, live_off, model, lambda: build(into=engine))
