@@ -15,6 +15,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FLOOR="transformers==4.57.6"
+# transformers 4.57 needs huggingface_hub < 1, and the newest datasets (read from .venv) needs hub >= 1.31:
+# the floor takes the last datasets release that runs on hub 0.x (5.0), in its own layer.
+FLOOR_WITH=("$FLOOR" "datasets>=3,<5.1")
 FLOOR_VENV="${HF_FLOOR_VENV:-$ROOT/.venv-hf-floor}"
 # The project's environment first (created or updated as scripts/test.sh does).
 VENV="$ROOT/.venv" EXTRAS=dev source "$ROOT/scripts/env.sh"
@@ -27,10 +30,10 @@ fi
 floor_site="$("$FLOOR_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # addsitedir also reads the .pth files there (the editable install of this package is one of them).
 echo "import site; site.addsitedir('$main_site')" > "$floor_site/ds_adabatch_layered_on_project_venv.pth"
-floor_stamp="$FLOOR_VENV/.floor-${FLOOR}-${main_stamp}"
+floor_stamp="$FLOOR_VENV/.floor-${FLOOR}-datasets5.0-${main_stamp}"
 if [ ! -f "$floor_stamp" ]; then
   echo "[setup] installing $FLOOR into $FLOOR_VENV"
-  "$FLOOR_VENV/bin/python" -m pip install --quiet "$FLOOR"
+  "$FLOOR_VENV/bin/python" -m pip install --quiet "${FLOOR_WITH[@]}"
   rm -f "$FLOOR_VENV"/.floor-* "$FLOOR_VENV"/.ds_adabatch-*
   touch "$floor_stamp"
   # scripts/test.sh's env.sh finds the project installed (through the layer) and installs nothing more.
