@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite (about 25 minutes on 2 cores, plus the first install): bash scripts/test.sh [pytest options...]
+# The test suite (about 21 minutes on 2 cores, plus the first install): bash scripts/test.sh [pytest options...]
 # Fails when a test fails and when no test ran.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
