@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["fixed-16", "gradient_noise", "goodput"]
 
@@ -44,3 +46,19 @@ def test_time_to_target_smoke(tmp_path):
         assert set(row["times"]) == set(POLICIES), target
     assert (out / "time_to_target.png").stat().st_size > 0
     assert "to val" in proc.stdout
+
+
+def test_time_to_a_target_is_interpolated_between_validations():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import time_to
+
+    curve = [
+        {"train_s": 0.0, "val": 5.0},
+        {"train_s": 4.0, "val": 2.2},
+        {"train_s": 8.0, "val": 1.8},
+        {"train_s": 12.0, "val": 1.9},
+    ]
+    assert time_to(curve, 2.0) == pytest.approx(6.0)  # halfway from 2.2 at 4 s to 1.8 at 8 s
+    assert time_to(curve, 1.8) == pytest.approx(8.0)
+    assert time_to(curve, 6.0) == 0.0
+    assert time_to(curve, 1.7) is None

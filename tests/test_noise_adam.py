@@ -22,6 +22,7 @@ import torch
 from ds_adabatch.config import ConfigError
 from ds_adabatch.config.schedules import GradientNoiseScheduleConfig
 from ds_adabatch.runtime.adam_geometry import (
+    SETTLED_STEPS,
     AdamPreconditioner,
     _Unit,
     check_noise_geometry,
@@ -32,7 +33,7 @@ from ds_adabatch.signals import GradientNoiseEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (0, 1, 2, 3)
-STEPS = 4
+STEPS = SETTLED_STEPS + 3
 CLIP = 0.05  # small enough that DeepSpeed clips every step: the big norm must be taken before it
 
 
@@ -81,8 +82,8 @@ def test_adam_norms_match_a_hand_computation_from_the_optimizer_state():
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-3)
     pre = _plain_preconditioner(model, opt)
     sizes = [(0, 4), (4, 10)]
-    for step in range(2):  # the first step (no exp_avg_sq before it) is measured too
-        lo_hi = [(lo + 10 * step, hi + 10 * step) for lo, hi in sizes]
+    for step in range(SETTLED_STEPS + 1):
+        lo_hi = [(lo + 10 * (step % 6), hi + 10 * (step % 6)) for lo, hi in sizes]
         micro = [_grads(model, x[lo:hi], y[lo:hi]) for lo, hi in lo_hi]
         model.zero_grad()
         probe = NoiseProbe(model.parameters(), "cpu", preconditioner=pre)
@@ -100,6 +101,10 @@ def test_adam_norms_match_a_hand_computation_from_the_optimizer_state():
         inv = _inverse_roots(opt)  # Adam's denominator of the step just taken
 
         mean_small, n, inv_b, weighted, plain, missing = (float(v) for v in probe.local_sums())
+        if step + 1 < SETTLED_STEPS:  # v_hat of fewer steps: reported as not measured, not fed
+            assert pre.unsettled and missing == 1 and weighted == 0 and plain == 0, f"step {step + 1}"
+            continue
+        assert not pre.unsettled
         expected_small = sum(float(((gi * w) ** 2).sum()) for g in micro for gi, w in zip(g, inv)) / 2
         expected_weighted = sum(float(((g * w) ** 2).sum()) for g, w in zip(big, inv))
         expected_plain = sum(float((g**2).sum()) for g in big)
@@ -147,10 +152,12 @@ def _shares_total(units_of_rank, grads: dict, world: int) -> tuple[float, float]
 
 
 def _stepped(keys: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """An AdamW that has taken SETTLED_STEPS steps with the same gradients (so v_hat = grad^2)."""
     opt = torch.optim.AdamW(keys, lr=0.01, betas=(0.9, 0.99), eps=1e-3)
-    for k, g in zip(keys, grads):
-        k.grad = g.clone()
-    opt.step()
+    for _ in range(SETTLED_STEPS):
+        for k, g in zip(keys, grads):
+            k.grad = g.clone()
+        opt.step()
     return opt
 
 
@@ -165,7 +172,7 @@ def test_every_coordinate_is_weighed_on_exactly_one_rank(world):
     # Unpartitioned (ZeRO 0): every rank steps full per-parameter state; the shares are consecutive.
     masters = [torch.nn.Parameter(torch.zeros(p.numel())) for p in params]
     full_opt = _stepped(masters, list(flat_grad.split([5, 7, 4])))
-    inv = [1 / ((full_opt.state[m]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for m in masters]
+    inv = [1 / ((full_opt.state[m]["exp_avg_sq"] / (1 - 0.99**SETTLED_STEPS)).sqrt() + 1e-3) for m in masters]
     expected_small = sum(float((micro[p].reshape(-1) * w).square().sum()) for p, w in zip(params, inv))
     expected_weighted = float((flat_grad * torch.cat(inv)).square().sum())
 
@@ -183,7 +190,10 @@ def test_every_coordinate_is_weighed_on_exactly_one_rank(world):
     parts = [torch.nn.Parameter(torch.zeros(width)) for _ in range(world)]
     opts = [_stepped([k], [padded[r * width : (r + 1) * width]]) for r, k in enumerate(parts)]
     inv = torch.cat(
-        [1 / ((o.state[k]["exp_avg_sq"] / (1 - 0.99)).sqrt() + 1e-3) for o, k in zip(opts, parts)]
+        [
+            1 / ((o.state[k]["exp_avg_sq"] / (1 - 0.99**SETTLED_STEPS)).sqrt() + 1e-3)
+            for o, k in zip(opts, parts)
+        ]
     )
     micro_flat = torch.cat([micro[p].reshape(-1) for p in params])
     members = list(zip(params, (0, 5, 12)))
@@ -242,9 +252,10 @@ def test_zero_stages_agree_with_plain_torch(tmp_path):
     doc = json.loads((tmp_path / "adam_geometry.json").read_text())
     for stage in STAGES:
         ref = doc[f"reference{stage}"]
-        assert len(ref["estimates"]) == STEPS
+        measured = STEPS - (SETTLED_STEPS - 1)
+        assert len(ref["estimates"]) == measured
         got = doc[f"zero{stage}"]
-        assert got["count"] == STEPS, f"ZeRO {stage}: {got['count']} measurements, expected {STEPS}"
+        assert got["count"] == measured, f"ZeRO {stage}: {got['count']} measurements, expected {measured}"
         for step, (mine, theirs) in enumerate(zip(got["estimates"], ref["estimates"])):
             for name, a, b in zip(("|G|^2", "tr(Sigma)"), mine, theirs):
                 assert a == pytest.approx(b, rel=1e-4), (
@@ -383,7 +394,7 @@ def _reference(steps: list[list[list[list[int]]]], owners: list[list[int]] | Non
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.0)
     est = GradientNoiseEstimator(ema_beta=0.5, reference_batch=8)
     estimates = []
-    for per_rank in steps:
+    for number, per_rank in enumerate(steps, 1):
         micro = [idx for rank in per_rank for idx in rank]
         rank_of = [r for r, rank in enumerate(per_rank) for _ in rank]
         total = sum(len(idx) for idx in micro)
@@ -412,6 +423,8 @@ def _reference(steps: list[list[list[list[int]]]], owners: list[list[int]] | Non
                     small += sum(float(((g[k] * w) ** 2)[held].sum()) for g in mine) / len(mine)
         big_sq = sum(float(((gk * w) ** 2).sum()) for gk, w in zip(big, inv))
         b_small = len(micro) / sum(1 / len(idx) for idx in micro)
+        if number < SETTLED_STEPS:
+            continue  # the first steps' second moments are too young to weigh by
         est.update(b_small, small, total, big_sq)
         estimates.append([est.last_grad_sq_norm, est.last_trace_sigma])
     params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()

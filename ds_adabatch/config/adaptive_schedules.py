@@ -315,7 +315,9 @@ class GradientNoiseScheduleConfig(_NoiseMeasuringConfig):
         "for such an optimizer, sgd for any other (SGD, Adagrad, Lion, ...). With adam a measured step "
         "holds one fp32 value per coordinate of the rank's share (its partition under ZeRO 1-3, "
         "1/world of the parameters under ZeRO 0) until its optimizer step and issues no extra "
-        "collective: each share's small-batch norm comes from its own rank's micro-batches.",
+        "collective: each share's small-batch norm comes from its own rank's micro-batches. The adam geometry "
+        "starts measuring at the optimizer's 5th step: before it, v_hat averages too few squared gradients "
+        "and a coordinate whose few gradients happened to be small weighs without bound.",
     )
 
     def scale_for(self, geometry: str) -> float:

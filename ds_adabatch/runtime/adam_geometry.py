@@ -31,6 +31,18 @@ __all__ = [
 
 logger = logging.getLogger("ds_adabatch")
 
+SETTLED_STEPS = 5
+"""Adam-geometry measurements start once the optimizer's second moment averages this many steps.
+
+Each coordinate's weight is ``1 / v_hat``, and ``v_hat`` after ``t`` steps is the mean of ``t`` squared
+gradients. For gradients with Gaussian noise, ``1 / v_hat`` then has a finite mean only for ``t > 2``
+and a finite variance only for ``t > 4``: before that a coordinate whose few gradients happened to be
+small gets an unbounded weight. At the first step (``v_hat`` = the step's own squared gradient) the
+micro-batches of a coordinate whose halves cancel in the sum weigh up to ``1 / eps^2``, and one such
+measurement (10^4-10^5 times the later ones, measured on the main job's model) outweighed the moving
+averages for hundreds of measurements. So the first ``SETTLED_STEPS - 1`` optimizer steps are not fed.
+"""
+
 
 class _Unit:
     """One tensor the optimizer keeps state for, and the model parameters it covers.
@@ -284,6 +296,9 @@ class AdamPreconditioner:
             at += size
         self._size = at
         self._buffer: torch.Tensor | None = None
+        self.unsettled = False
+        """Whether the last :meth:`after_step` found the second moments too young to weigh by
+        (:data:`SETTLED_STEPS`); the probe then reports its step as not measured."""
 
     @classmethod
     def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
@@ -346,12 +361,16 @@ class AdamPreconditioner:
         norms of its micro-batches (into ``out[0]``) and the reduced gradient's weighted and plain
         squared norms (``out[1:3]``)."""
         parts: list[torch.Tensor] = []
+        self.unsettled = False
         for group in optimizer.param_groups:
             for t in group["params"]:
                 runs = self._runs.get(id(t))
                 state = optimizer.state.get(t)
                 if runs is None or t.grad is None or not state:
                     continue
+                if _adam_step_count(state, group) < SETTLED_STEPS:
+                    self.unsettled = True  # the step is not fed (SETTLED_STEPS)
+                    return
                 v = state.get("exp_avg_sq")
                 if v is None:
                     raise ValueError(

@@ -228,7 +228,7 @@ class NoiseProbe:
         if self._step_sums is None:
             return [self._sq_sum, float(self._n), self._inv_b]
         small, weighted, plain = self._step_sums.unbind()
-        missing = float(self.preconditioner.holds_share and self._n == 0)
+        missing = float(self.preconditioner.unsettled or (self.preconditioner.holds_share and self._n == 0))
         mean = small / self._n if self._n else small
         return [mean, float(self._n), self._inv_b, weighted, plain, missing]
 
