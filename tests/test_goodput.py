@@ -213,26 +213,49 @@ def test_no_oscillation_over_500_noisy_steps():
     assert late <= 2, f"{late} changes in the last 250 steps"
 
 
-def test_holds_until_the_noise_scale_is_known_and_confident():
+def test_holds_until_the_noise_scale_is_known_and_moves_only_where_its_uncertainty_allows():
     section = _section(schedule={"warmup_steps": 10, "max_relative_error": 0.35})
     controller = BatchSizeController(section, 2)
     for _ in range(5):
         controller.schedule.throughput.observe(4, 1, 2, 0.05)
     base = dict(samples=0, global_batch=8, world_size=2, micro_batch_limit=16)
-    assert controller.next_global_batch(ScheduleContext(step=5, noise_scale=50.0, **base)).global_batch == 8
-    held = controller.next_global_batch(
-        ScheduleContext(step=10, noise_scale=50.0, noise_scale_error=0.9, **base)
-    )
-    assert held.global_batch == 8 and "not yet confident" in held.reason
-    moved = controller.next_global_batch(
-        ScheduleContext(step=15, noise_scale=50.0, noise_scale_error=0.1, **base)
-    )
-    assert moved.global_batch == 16
+
+    def decide(step, error, **ctx):
+        return controller.next_global_batch(
+            ScheduleContext(step=step, noise_scale=50.0, noise_scale_error=error, **{**base, **ctx})
+        )
+
+    assert decide(5, 0.1).global_batch == 8  # warm-up
+    held = decide(10, math.inf)  # no spread known yet: nothing to bound
+    assert held.global_batch == 8 and "not yet confident (relative error inf > 0.35)" in held.reason
+    # Flat cost, an estimate within a factor exp(2 x 0.9) = 6 either way: batch 16 doubles the samples/s
+    # and still gains 34% at B_noise 50 / 6, so the move pays across the interval.
+    moved = decide(20, 0.9)
+    assert moved.global_batch == 16, moved.reason
+    assert "not yet confident" in moved.reason and "across that interval" in moved.reason
     # The reason carries the predicted samples/s and efficiency of the old and the new batch.
     assert "batch 8: 160 samples/s x efficiency 1.000" in moved.reason
     assert "-> batch 16: 320 samples/s x efficiency" in moved.reason
     rating = controller.schedule.last_rating
     assert rating["predicted_samples_per_s"] == pytest.approx(320)
+
+    # A cost that grows with the batch: 16 wins at the estimate (+22%), loses at its low end.
+    affine = BatchSizeController(section, 2)
+    for micro in (4, 8, 16):
+        for _ in range(5):
+            affine.schedule.throughput.observe(micro, 1, 2, 0.02 + 0.004 * micro)
+
+    def decide_affine(step, error):
+        return affine.next_global_batch(
+            ScheduleContext(step=step, noise_scale=50.0, noise_scale_error=error, **base)
+        )
+
+    unsure = decide_affine(10, 0.9)
+    assert unsure.global_batch == 8, unsure.reason
+    assert "not yet confident" in unsure.reason and "at worst" in unsure.reason
+    confident = decide_affine(20, 0.1)
+    # Confident, it moves to the maximum of B / (0.02 + 0.004 B / 2) x 58 / (50 + B): 22.
+    assert confident.global_batch == 22, confident.reason
     state = controller.state_dict()
     again = BatchSizeController(section, 2)
     again.load_state_dict(state)
@@ -289,13 +312,30 @@ def test_simulate_goodput_with_a_step_time_curve(tmp_path):
 
 
 def test_noise_cadence_splits_one_pass_steps_one_in_four():
-    from ds_adabatch.runtime.noise_probe import SPLIT_EVERY, NoiseCadence
+    from ds_adabatch.runtime.noise_probe import SPLIT_BUDGET, SPLIT_EVERY, NoiseCadence
 
     cadence = NoiseCadence(_section().schedule)
     # One rank, GAS 1: only where the step can be split, and one due step in SPLIT_EVERY.
     assert [s for s in range(12) if cadence.due(s, 1, 1, can_split=True)] == list(range(0, 12, SPLIT_EVERY))
     assert not any(cadence.due(s, 1, 1) for s in range(12))
     assert all(cadence.due(s, 2, 1) for s in range(12))  # two micro-batches in total: every step
+    # A split step predicted to cost a quarter more: one due step in ceil(0.25 / SPLIT_BUDGET) = 13.
+    asked = []
+
+    def quarter():
+        asked.append(True)
+        return 0.25
+
+    priced = NoiseCadence(_section().schedule)
+    split = [s for s in range(40) if priced.due(s, 1, 1, can_split=True, split_cost=quarter)]
+    assert split == [0, 13, 26, 39]
+    assert math.ceil(0.25 / SPLIT_BUDGET) == 13
+    # The price (a fit of the throughput model) is asked only from SPLIT_EVERY due steps after a split:
+    # steps 4-13 of each 13, ten times per split after the first.
+    assert len(asked) == 3 * (13 - SPLIT_EVERY + 1)
+    # Cheap splits (or no price known) keep SPLIT_EVERY.
+    cheap = NoiseCadence(_section().schedule)
+    assert [s for s in range(12) if cheap.due(s, 1, 1, can_split=True, split_cost=lambda: 0.01)] == [0, 4, 8]
 
 
 def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):

@@ -273,8 +273,25 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         sampler, so a single-pass step can be split in two for it (_take_step_batch)."""
         can_split = from_loader and self.dataloader is not None and self.plan.global_batch_size >= 2
         return self._noise_cadence.due(
-            self.global_steps, self.world_size, self.plan.gradient_accumulation_steps, can_split=can_split
+            self.global_steps,
+            self.world_size,
+            self.plan.gradient_accumulation_steps,
+            can_split=can_split,
+            split_cost=self._split_cost,
         )
+
+    def _split_cost(self) -> float | None:
+        """What a step split in two half passes costs more than the whole step (a fraction), as the
+        goodput schedule's throughput model predicts it; None without one (or before it measured)."""
+        model = self._step_times.model
+        if model is None:
+            return None
+        size = self.plan.global_batch_size
+        whole = model.predict(size, 1, 1)
+        split = model.predict(-(-size // 2), 2, 1)
+        if whole is None or split is None or not whole > 0:
+            return None
+        return max(0.0, split / whole - 1.0)
 
     def _noise_callback(
         self, total_samples: int, sq_big: Callable[[], float | None]

@@ -272,7 +272,13 @@ def update_estimator(
 
 
 SPLIT_EVERY = 4
-"""On one rank at GAS 1, one due measurement in this many is taken (as a step of two half passes)."""
+"""On one rank at GAS 1, at most one due measurement in this many is taken (as a step of two half
+passes); fewer where a split step costs more (:data:`SPLIT_BUDGET`)."""
+
+SPLIT_BUDGET = 0.02
+"""The share of training time the split steps may cost: where the throughput model predicts a split
+step to cost ``extra`` more than the whole step (0.25: a quarter more), one due step in
+``max(SPLIT_EVERY, ceil(extra / SPLIT_BUDGET))`` is split."""
 
 
 class NoiseCadence:
@@ -284,25 +290,53 @@ class NoiseCadence:
     can cut that step's samples into two half passes (``can_split``: the training data is its own, and
     the batch holds two samples or more), one due step in :data:`SPLIT_EVERY` is measured that way: the
     same samples and the same exact update, for the price of one more pass in that step (its per-pass
-    overhead; the per-sample work is the same). Otherwise the step is skipped with a warning, once per
-    run: the schedule then holds its batch until a step can be measured.
+    overhead; the per-sample work is the same). Where the runtime knows that price (``split_cost``: the
+    goodput schedule's throughput model predicts both shapes), fewer steps are split, so that they cost
+    about :data:`SPLIT_BUDGET` of the training time: one in 13 where a split step costs a quarter more
+    (the 2-core CPU benchmark's), one in 50 where it costs twice the whole step. Otherwise the
+    step is skipped with a warning, once per run: the schedule then holds its batch until a step can be
+    measured.
     """
 
     def __init__(self, schedule_config: Any) -> None:
         self.every = int(schedule_config.measure_every) if measures_noise(schedule_config) else 0
         self.warned = False
+        self.last_split: int | None = None
+        """The latest step split for a measurement (not checkpointed: a resumed run splits its first
+        due step)."""
+
+    def split_interval(self, split_cost: float | None) -> int:
+        """Due steps between two split ones, for a split step costing ``split_cost`` more than whole."""
+        if split_cost is None or not split_cost > 0:
+            return SPLIT_EVERY
+        return max(SPLIT_EVERY, math.ceil(split_cost / SPLIT_BUDGET))
 
     def due(
-        self, step: int, world_size: int, gradient_accumulation_steps: int, *, can_split: bool = False
+        self,
+        step: int,
+        world_size: int,
+        gradient_accumulation_steps: int,
+        *,
+        can_split: bool = False,
+        split_cost: Callable[[], float | None] | None = None,
     ) -> bool:
         """Whether optimizer step ``step`` (completed steps before it) is measured; at one pass in total
-        only where it ``can_split`` (see the class docstring)."""
+        only where it ``can_split`` (see the class docstring), which counts it as split.
+        ``split_cost``: what a split step costs more than the whole one (a fraction), asked only once
+        :data:`SPLIT_EVERY` due steps have passed since the last split."""
         if not self.every or step % self.every:
             return False
         if world_size * gradient_accumulation_steps > 1:
             return True
         if can_split:
-            return (step // self.every) % SPLIT_EVERY == 0
+            if self.last_split is not None:
+                since = step - self.last_split
+                if since < SPLIT_EVERY * self.every:
+                    return False
+                if since < self.split_interval(split_cost() if split_cost else None) * self.every:
+                    return False
+            self.last_split = step
+            return True
         if not self.warned:
             self.warned = True
             logger.warning(

@@ -11,13 +11,16 @@ samples per second times the statistical efficiency relative to ``M0`` = the sch
 :class:`~ds_adabatch.signals.ThroughputModel` the rule holds (:attr:`GoodputSchedule.throughput`, fed by
 the runtime with every step's agreed time, and checkpointed with the rule). Per evaluation::
 
-    if step < warmup, no noise estimate, or it is not yet confident:        hold
+    if step < warmup, no noise estimate, or its error is unknown or > 5:     hold
     if step is not a multiple of decide_every, or no step time measured:    hold
     candidates = plannable batches whose micro-batch and micro x GAS are at most
                  explore_factor x the largest measured (untried shapes are predicted, and explored
                  in bounded steps), and never a micro-batch above the limit (the planner's)
-    best = the candidate of largest goodput (the smaller batch on a tie)
-    if goodput(best) > goodput(current) x (1 + hysteresis):                 best
+    gain(B) = goodput(B) / goodput(current) at B_noise, or, while the estimate is not yet
+              confident (relative error e > max_relative_error), the smaller of the gains at
+              B_noise / exp(2e) and B_noise x exp(2e): a move must pay wherever B_noise may be
+    best = the candidate of largest gain (the smaller batch on a tie)
+    if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
 
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
@@ -42,6 +45,8 @@ __all__ = ["GoodputSchedule"]
 
 _STATE_VERSION = 1
 _MAX_CANDIDATES = 512
+_WIDEST_ERROR = 5.0
+"""Relative errors above this bound nothing (a factor exp(10) either way): the schedule holds."""
 
 
 class GoodputSchedule:
@@ -140,11 +145,13 @@ class GoodputSchedule:
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
             return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
-        if self.max_relative_error is not None and error is not None and not error <= self.max_relative_error:
-            return self._hold(
-                current,
-                f"B_noise {noise:.6g} not yet confident (relative error {error:.3g} > {self.max_relative_error:g})",
-            )
+        band = self._uncertainty_band(noise, error)
+        unsure = (
+            f"B_noise {noise:.6g} not yet confident (relative error "
+            f"{error if error is None else f'{error:.3g}'} > {self.max_relative_error})"
+        )
+        if band == ():
+            return self._hold(current, unsure)
         if ctx.step % self.decide_every:
             nxt = (ctx.step // self.decide_every + 1) * self.decide_every
             return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
@@ -155,32 +162,54 @@ class GoodputSchedule:
         now = self.rate(ctx, current, noise)
         if now is None:
             return self._hold(current, f"the current batch {current} cannot be rated")
-        best, best_rating = current, now
+        edges = band or (noise,)  # a confident estimate: its value; else the ends of its interval
+
+        def gain(batch: int, rating: tuple[float, float, Any]) -> float:
+            """The goodput of ``batch`` over the current batch's, the least across ``edges``."""
+            speedup = rating[0] / now[0]
+            return min(speedup * _efficiency_gain(batch, current, e, self.reference_batch) for e in edges)
+
+        best, best_rating, best_gain = current, now, 1.0
         for batch in self._candidates(ctx.world_size, current):
             rating = self.rate(ctx, batch, noise)
-            if rating is None:
+            if rating is None or batch == current:
                 continue
             plan = rating[2]
             micro, per_rank = (
                 plan.micro_batch_per_gpu,
                 plan.micro_batch_per_gpu * plan.gradient_accumulation_steps,
             )
-            if batch != current and (
-                micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank
-            ):
+            if micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank:
                 continue  # beyond what the measured shapes can predict: explored in bounded steps
-            if rating[0] * rating[1] > best_rating[0] * best_rating[1] * (1 + 1e-12):
-                best, best_rating = batch, rating
+            g = gain(batch, rating)
+            if g > best_gain * (1 + 1e-12):
+                best, best_rating, best_gain = batch, rating, g
         said = f"B_noise {noise:.4g}; batch {current}: {_rated(now)}"
-        if best == current or best_rating[0] * best_rating[1] <= now[0] * now[1] * (1.0 + self.hysteresis):
+        if band:
+            said = f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {current}: {_rated(now)}"
+        if best == current or best_gain <= 1.0 + self.hysteresis:
             self._keep_rating(now)
             if best != current:
-                said += f"; best {best}: {_rated(best_rating)}, within {self.hysteresis:g}"
+                said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
+                said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
             return self._hold(current, f"goodput {said}")
+        if band:
+            said += f"; batch {best} gains {best_gain - 1:+.1%} across that interval"
         self._keep_rating(best_rating)
         self.moves += 1
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
         return float(best)
+
+    def _uncertainty_band(self, noise: float, error: float | None) -> tuple[float, ...] | None:
+        """None for a confident estimate (relative error at most ``max_relative_error``, no test, or no
+        error given); else ``(low, high)``: two relative standard errors either side on a log scale, as
+        ``max_relative_error`` reads them; ``()`` for an error too large (or unknown) to bound."""
+        if self.max_relative_error is None or error is None or error <= self.max_relative_error:
+            return None  # no test, or a value given without an error (ds-adabatch simulate)
+        if not math.isfinite(error) or error > _WIDEST_ERROR:
+            return ()
+        spread = math.exp(2.0 * error)
+        return (noise / spread, noise * spread)
 
     def _keep_rating(self, rating: tuple[float, float, Any]) -> None:
         self.last_rating = {
@@ -201,6 +230,11 @@ class GoodputSchedule:
         check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
         self.moves = int(state["moves"])
         self.throughput.load_state_dict(state["throughput"])
+
+
+def _efficiency_gain(batch: int, current: int, noise: float, reference: int) -> float:
+    """Efficiency of ``batch`` over that of ``current`` at ``noise`` (the reference cancels out)."""
+    return statistical_efficiency(batch, noise, reference) / statistical_efficiency(current, noise, reference)
 
 
 def _rated(rating: tuple[float, float, Any]) -> str:
