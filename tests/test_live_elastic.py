@@ -153,7 +153,7 @@ JOBS = {
     # Two nodes x two ranks: node 1 (ranks 2 and 3) lost; their copies are on node 0.
     "z1x2": (1, 29712, 2, 2, {"LIVE_KILL": f"2:{kill_point(2)}", "LIVE_KILL_ALSO": "3", "LIVE_UNEVEN": "1"}),
     # ZeRO 3, two nodes x two ranks, node 1 lost: the partitions of 4 ranks re-partitioned over 2.
-    "z3x2": (3, 29718, 2, 2, {"LIVE_KILL": f"2:{kill_point(8)}", "LIVE_KILL_ALSO": "3"}),
+    "z3x2": (3, 29718, 2, 2, {"LIVE_KILL": f"2:{kill_point(8)}", "LIVE_KILL_ALSO": "3", "LIVE_UNEVEN": "1"}),
     "both": (2, 29713, 1, 3, {"LIVE_KILL": f"2:{kill_point(3)}", "LIVE_KILL_ALSO": "1"}),
     # ZeRO 0, node 2 hangs (SIGSTOP: its sockets stay open, nothing resets): the watchdog catches it.
     "hung": (0, 29714, 1, 3, {"LIVE_KILL": f"2:{kill_point(5)}", "LIVE_KILL_SIGNAL": "STOP"}),

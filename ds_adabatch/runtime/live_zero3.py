@@ -106,6 +106,10 @@ def restore_zero3(ds_engine: Any, state: Assembled, keys: list[str], step_value:
                 flat.narrow(0, offset, numel).copy_(value)
                 # The low-precision partition the forward gathers (a view into the flat fp16 group).
                 p.ds_tensor.data.view(-1).narrow(0, 0, numel).copy_(value)
+                if p.data.numel() == p.ds_numel:
+                    # Gathered already (a persistent parameter, below stage3_param_persistence_threshold,
+                    # stays whole between passes): its whole value too.
+                    p.data.copy_(entry[_WEIGHTS].view(p.data.shape))
                 for k in keys:
                     moments[k].narrow(0, offset, numel).copy_(entry[k].view(-1).narrow(0, start, numel))
             if keys:
