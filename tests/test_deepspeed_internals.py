@@ -104,6 +104,12 @@ with deepspeed.zero.GatheredParameters(list(model.parameters())):
 again.backward(again(x).pow(2).mean())
 again.step()
 zero3["problems_again"] = internals.contract_problems(again)
+from ds_adabatch.runtime.live_snapshot import coverage_problem
+zero3["covered"] = coverage_problem(again)
+frozen = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+frozen[0].weight.requires_grad_(False)
+engine, *_ = deepspeed.initialize(model=frozen, model_parameters=frozen.parameters(), config=config)
+zero3["frozen"] = coverage_problem(engine)
 print("ZERO3 " + json.dumps(zero3))
 """
 
@@ -141,6 +147,9 @@ def test_every_listed_name_exists_on_real_engines_of_each_stage(tmp_path):
     assert zero3["attributes_as_before"], f"left on the model by ZeRO 3: {zero3['attributes_diff']}"
     assert zero3["hooks_left"] == 0 and zero3["plain_values"] and zero3["plain_forward"], zero3
     assert zero3["repartitioned_forward"] and zero3["problems_again"] == [], zero3
+    # Live elasticity covers such an engine, not one with a parameter the optimizer does not hold.
+    assert zero3["covered"] is None, zero3
+    assert zero3["frozen"].startswith("ZeRO stage 3 with parameters the optimizer does not hold"), zero3
 
 
 def _mentions(path: Path) -> list[tuple[int, str]]:

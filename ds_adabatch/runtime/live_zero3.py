@@ -48,13 +48,15 @@ def zero3_problem(ds_engine: Any) -> str | None:
     held = {id(p) for group in opt.fp16_groups for p in group}
     if any(id(p) not in held for p in ds_engine.module.parameters()):
         return "ZeRO stage 3 with parameters the optimizer does not hold (frozen ones have no fp32 copy)"
+    if int(ds_engine.zero_hpz_partition_size()) > 1:
+        return "ZeRO stage 3 with hpZ (zero_hpz_partition_size > 1: a secondary partition per node)"
     world = torch.distributed.get_world_size()
     for group in opt.fp16_groups:
         if (
             group
             and torch.distributed.get_world_size(internals.param_partition_group(opt, group[0])) != world
         ):
-            return "ZeRO stage 3 partitioned over a sub-group (MiCS, hpZ); partition over the whole world"
+            return "ZeRO stage 3 partitioned over a sub-group (MiCS); partition over the whole world"
     return None
 
 
