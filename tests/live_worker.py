@@ -75,7 +75,7 @@ def mse(engine, batch):
     return ((engine(x).float() - y) ** 2).mean()
 
 
-def config(stage: int, live: bool = True) -> dict:
+def config(stage: int, live: bool = True, persist: bool = False) -> dict:
     fixed = os.environ.get("LIVE_FIXED")  # a constant global batch (benchmarks/live_recovery.py)
     schedule = (
         {"type": "constant", "value": int(fixed)}
@@ -99,7 +99,12 @@ def config(stage: int, live: bool = True) -> dict:
         },
         "gradient_clipping": 0.0,
         "bf16": {"enabled": os.environ.get("LIVE_BF16") == "1"},
-        "zero_optimization": {"stage": stage},
+        # ZeRO 3: every parameter partitioned (none kept whole for being small), gathered in each pass;
+        # ``persist``: DeepSpeed's default, under which this model's small parameters stay whole.
+        "zero_optimization": {
+            "stage": stage,
+            **({"stage3_param_persistence_threshold": 0} if stage == 3 and not persist else {}),
+        },
         "steps_per_print": 10**6,
         "adabatch": {
             "schedule": schedule,
@@ -201,11 +206,9 @@ def run(out: str, stage: int) -> None:
         if shm and os.path.isdir(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", "")))
         else 0
     )
+    final = whole_parameters(engine)  # every rank: a collective under ZeRO 3
     if engine.rank == 0:
-        torch.save(
-            {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-            os.path.join(out, "final.pt"),
-        )
+        torch.save(final, os.path.join(out, "final.pt"))
     _write(
         os.path.join(out, f"end-{pid}.json"),
         {
@@ -224,6 +227,15 @@ def run(out: str, stage: int) -> None:
         },
     )
     engine.close()
+
+
+def whole_parameters(engine) -> dict:
+    """The model's parameters, whole (gathered from every rank's partition under ZeRO 3)."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
 
 
 def checks(out: str) -> None:
@@ -259,16 +271,20 @@ def checks(out: str) -> None:
             "files": files,
             "files_after_close": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
         }
-    result["reform"] = _transient_fault()
+    result["reform"] = _transient_fault(1)
+    result["reform_zero3"] = _transient_fault(3)
     if torch.distributed.get_rank() == 0:
         _write(os.path.join(out, "checks.json"), result)
 
 
-def _transient_fault(steps: int = 8) -> dict:
+def _transient_fault(stage: int, steps: int = 8) -> dict:
     """A collective fails with every process alive (rank 1 cuts its own connections a few ms into step
-    4): the same two ranks re-form and go on; the result against the same job run without the fault."""
+    4): the same two ranks re-form and go on (under ZeRO 3 the model is partitioned over the failed
+    world: it is made whole from the snapshot and partitioned again; here with DeepSpeed's default
+    persistence threshold, so its small parameters stay gathered between passes, where the cluster
+    tests partition every one); the result against the same job run without the fault."""
     engine, optimizer, loader, scheduler = ds_adabatch.initialize(
-        make_model(), config(1), Regression(), loss_fn=mse
+        make_model(), config(stage, persist=True), Regression(), loss_fn=mse
     )
     for step in range(1, steps + 1):
         if step == 4 and engine.rank == 1:
@@ -276,7 +292,7 @@ def _transient_fault(steps: int = 8) -> dict:
         engine.train_batch()
     while engine.global_steps < steps:  # a step the recovery rolled back
         engine.train_batch()
-    got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    got = whole_parameters(engine)
     # The four objects initialize returned, still in use after the engine was rebuilt on the new world.
     handles = {
         "optimizer_lr": optimizer.param_groups[0]["lr"],
@@ -290,10 +306,13 @@ def _transient_fault(steps: int = 8) -> dict:
     events = [{k: e[k] for k in ("kind", "lost", "world_size", "steps_redone")} for e in engine.live_events]
     history = [h.reason for h in engine.history]
     engine.close()
-    plain, *_ = ds_adabatch.initialize(make_model(), config(1, live=False), Regression(), loss_fn=mse)
+    plain, *_ = ds_adabatch.initialize(
+        make_model(), config(stage, live=False, persist=True), Regression(), loss_fn=mse
+    )
     for _ in range(steps):
         plain.train_batch()
-    rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in plain.module.named_parameters())
+    want = whole_parameters(plain)
+    rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items())
     plain.close()
     return {"events": events, "history": history, "relative_difference": rel, "handles": handles}
 
@@ -322,10 +341,7 @@ def reference(out: str, stage: int) -> None:
                 "loss": loss,
             }
         )
-    torch.save(
-        {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-        os.path.join(out, f"reference-z{stage}.pt"),
-    )
+    torch.save(whole_parameters(engine), os.path.join(out, f"reference-z{stage}.pt"))
     with open(os.path.join(out, f"reference-z{stage}.json"), "w") as f:
         json.dump(rows, f)
     engine.close()
@@ -339,7 +355,7 @@ if __name__ == "__main__":
     elif mode == "checks":
         checks(out_dir)
     else:
-        for s in [zero] if zero >= 0 else [0, 1, 2]:
+        for s in [zero] if zero >= 0 else [0, 1, 2, 3]:
             reference(out_dir, s)
             import deepspeed.comm
 

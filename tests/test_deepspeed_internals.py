@@ -50,6 +50,67 @@ for stage in (0, 1, 2, 3):
     }
     engine.destroy()
 print("RESULT " + json.dumps(found))
+
+# ZeRO 3 partitions, and the model back to plain tensors after the engine (no collective).
+def attrs(model):
+    return {
+        "modules": {n: sorted(vars(m)) for n, m in model.named_modules()},
+        "params": {n: sorted(vars(p)) for n, p in model.named_parameters()},
+    }
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+before = attrs(model)
+config = {
+    "train_batch_size": 4,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "steps_per_print": 10**6,
+}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+x = torch.randn(4, 8)
+engine.backward(engine(x).pow(2).mean())
+engine.step()
+layout = internals.zero3_partitions(engine.optimizer)
+placed = {id(p): (offset, size) for _, rows in layout for p, offset, size in rows}
+params = dict(model.named_parameters())
+covered = sorted(placed) == sorted(id(p) for p in params.values()) and all(
+    sum(size for _, _, size in rows) == flat.numel() for flat, rows in layout
+)
+# World 1: a parameter's partition is all of it; the flat fp32 copy is the parameter's value.
+masters = {n: layout[0][0].narrow(0, placed[id(p)][0], p.ds_numel).view(p.ds_shape).clone() for n, p in params.items()}
+with deepspeed.zero.GatheredParameters(list(params.values())):
+    whole = {n: p.detach().clone() for n, p in params.items()}
+    out = model(x).detach()
+engine.module_forward_pre_hook.remove()
+engine.module_forward_post_hook.remove()
+engine.destroy()
+internals.unpartition_zero3_model(model, masters)
+after = attrs(model)
+hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+zero3 = {
+    "layout_covers_every_parameter": covered,
+    "masters_equal_gathered": all(masters[n].equal(whole[n]) for n in whole),
+    "attributes_as_before": after == before,
+    "attributes_diff": [k for k in before["params"] if before["params"][k] != after["params"][k]][:3],
+    "hooks_left": hooks,
+    "plain_values": all(plain[n].equal(whole[n]) for n in whole) and all(type(m._parameters) is dict for m in model.modules()),
+    "plain_forward": model(x).detach().equal(out),
+}
+again, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    zero3["repartitioned_forward"] = model(x).detach().equal(out)
+again.backward(again(x).pow(2).mean())
+again.step()
+zero3["problems_again"] = internals.contract_problems(again)
+from ds_adabatch.runtime.live_snapshot import coverage_problem
+zero3["covered"] = coverage_problem(again)
+frozen = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+frozen[0].weight.requires_grad_(False)
+engine, *_ = deepspeed.initialize(model=frozen, model_parameters=frozen.parameters(), config=config)
+zero3["frozen"] = coverage_problem(engine)
+print("ZERO3 " + json.dumps(zero3))
 """
 
 
@@ -76,6 +137,19 @@ def test_every_listed_name_exists_on_real_engines_of_each_stage(tmp_path):
         "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
         "_PartitionedParameterCoordinator__all_gather_params",
     ]
+    # ZeRO 3: the partitions' layout, and a model partitioned by an engine returned to plain tensors
+    # (what a live recovery does before it rebuilds): nothing of ZeRO 3 left on it, the same values and
+    # forward, and a new engine partitions it again.
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ZERO3 ")), None)
+    assert line, (proc.stdout + proc.stderr)[-4000:]
+    zero3 = json.loads(line[len("ZERO3 ") :])
+    assert zero3["layout_covers_every_parameter"] and zero3["masters_equal_gathered"], zero3
+    assert zero3["attributes_as_before"], f"left on the model by ZeRO 3: {zero3['attributes_diff']}"
+    assert zero3["hooks_left"] == 0 and zero3["plain_values"] and zero3["plain_forward"], zero3
+    assert zero3["repartitioned_forward"] and zero3["problems_again"] == [], zero3
+    # Live elasticity covers such an engine, not one with a parameter the optimizer does not hold.
+    assert zero3["covered"] is None, zero3
+    assert zero3["frozen"].startswith("ZeRO stage 3 with parameters the optimizer does not hold"), zero3
 
 
 def _mentions(path: Path) -> list[tuple[int, str]]:

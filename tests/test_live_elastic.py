@@ -12,7 +12,9 @@ milliseconds into a step chosen from a seed. Checked for every job:
   (fp32, 1e-5 relative): the rollback and the re-done steps lose and repeat nothing;
 - at most one step is trained again.
 
-Launch 1 runs five jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 0
+Launch 1 runs six jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 3,
+two nodes x two ranks, loses a node (its partitioned model made whole from the snapshots and partitioned
+again over the two survivors); ZeRO 0
 has node 2 hang (its sockets stay open: the watchdog must catch it, long before the collective
 timeout); ZeRO 2 loses nodes 1 and 2 at once (node 2's partition and its only copy, on node 1), so the
 survivor takes the restart path and resumes from the last complete checkpoint, still exact; ZeRO 1
@@ -132,7 +134,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """The same job uninterrupted in one process, ZeRO 0, 1 and 2 (one launch)."""
+    """The same job uninterrupted in one process, ZeRO 0, 1, 2 and 3 (one launch)."""
     out = tmp_path_factory.mktemp("live_reference")
     proc = subprocess.run(
         [sys.executable, str(JOB), "reference", str(out), "-1"],
@@ -143,13 +145,15 @@ def reference(tmp_path_factory) -> dict:
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return load_reference(out, (0, 1, 2))
+    return load_reference(out, (0, 1, 2, 3))
 
 
 # name: (ZeRO stage, rendezvous port, ranks per node, nodes, environment)
 JOBS = {
     # Two nodes x two ranks: node 1 (ranks 2 and 3) lost; their copies are on node 0.
     "z1x2": (1, 29712, 2, 2, {"LIVE_KILL": f"2:{kill_point(2)}", "LIVE_KILL_ALSO": "3", "LIVE_UNEVEN": "1"}),
+    # ZeRO 3, two nodes x two ranks, node 1 lost: the partitions of 4 ranks re-partitioned over 2.
+    "z3x2": (3, 29718, 2, 2, {"LIVE_KILL": f"2:{kill_point(8)}", "LIVE_KILL_ALSO": "3", "LIVE_UNEVEN": "1"}),
     "both": (2, 29713, 1, 3, {"LIVE_KILL": f"2:{kill_point(3)}", "LIVE_KILL_ALSO": "1"}),
     # ZeRO 0, node 2 hangs (SIGSTOP: its sockets stay open, nothing resets): the watchdog catches it.
     "hung": (0, 29714, 1, 3, {"LIVE_KILL": f"2:{kill_point(5)}", "LIVE_KILL_SIGNAL": "STOP"}),
@@ -203,7 +207,7 @@ def launch_one(cluster, tmp_path_factory) -> dict[str, Path]:
     return outs
 
 
-@pytest.mark.parametrize("name,stage,world,lost", [("z1x2", 1, 4, 2), ("hung", 0, 3, 1)])
+@pytest.mark.parametrize("name,stage,world,lost", [("z1x2", 1, 4, 2), ("z3x2", 3, 4, 2), ("hung", 0, 3, 1)])
 def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage, world, lost):
     out = launch_one[name]
     event = check_survived_in_place(out, world, lost)

@@ -29,8 +29,8 @@ class LiveElasticConfig(BaseModel):
             "Keep the surviving processes when a node is lost: re-form the group among them, restore "
             "the newest snapshot every survivor can assemble and continue with the same global batch. "
             "Needs torchrun with one agent per node and the c10d rendezvous (--nnodes MIN:MAX "
-            "--nproc-per-node 1 --rdzv-backend c10d), ZeRO stage 0, 1 or 2, and training_data given to "
-            "ds_adabatch.initialize; elsewhere a lost node takes the restart path (one warning says why)."
+            "--nproc-per-node 1 --rdzv-backend c10d), ZeRO stage 0-3 (stage 3 without offload), and "
+            "training_data given to ds_adabatch.initialize; elsewhere a lost node takes the restart path (one warning says why)."
         ),
     )
     snapshot_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

@@ -18,6 +18,9 @@ What the runtime needs from DeepSpeed's inside, by job:
   group and fragment map a failed world leaves behind;
 - **ZeRO 1/2 partitions**: each parameter's fragment map (``_hp_mapping``) and the optimizer's flag that
   the fragments are linked to the flat state (snapshots and their restore);
+- **ZeRO 3 partitions**: where each parameter's partition sits in the optimizer's flat fp32 groups
+  (snapshots and their restore), and the model returned to plain full tensors after a lost peer (what
+  ZeRO 3 hung on the modules and parameters removed, without a collective, before the engine is rebuilt);
 - **the config**: the raw dict an engine was built with, and the universal-checkpoint switch.
 
 Not yet behind this door (read through attributes DeepSpeed keeps without a leading underscore, each
@@ -49,6 +52,8 @@ __all__ = [
     "raw_config",
     "reset_backward_depth",
     "seed_world_group",
+    "unpartition_zero3_model",
+    "zero3_partitions",
 ]
 
 PRIVATE_NAMES: dict[str, str] = {
@@ -69,6 +74,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "_hp_optimizer_states_linked": "DeepSpeedZeroOptimizer (stage_1_and_2.py)",
     "_dp_group": "parameters under ZeRO 1/2 (link_hp_params)",
     "_WORLD_GROUP": "deepspeed.utils.groups (module global)",
+    "_z3_optimizer": "parameters under ZeRO 3 (stage3.py DeepSpeedZeroOptimizer_Stage3.__init__)",
+    "_original_parameters": "modules under ZeRO 3 (parameter_offload.py _inject_parameters)",
+    "_external_params": "modules under ZeRO 3 (partition_parameters.py _init_external_params)",
 }
 """Every private DeepSpeed name ds_adabatch touches, with what holds it."""
 
@@ -260,6 +268,93 @@ def mark_hp_states_linked(opt: Any) -> None:
     opt._hp_optimizer_states_linked = True
 
 
+# -- ZeRO 3 partitions ----------------------------------------------------------------------------------
+Zero3Group = tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int, int]]]
+"""A flat fp32 sub-group of this rank and, per parameter in it, (parameter, offset, partition size)."""
+
+# What ZeRO 3 sets on a parameter besides the ``ds_*`` attributes (0.19.8: partition_parameters.py
+# ``Init._convert_to_deepspeed_param`` binds the methods, stage3.py ``__init__`` sets ``_z3_optimizer``,
+# ``group_id`` and ``use_muon``).
+_ZERO3_PARAM_NAMES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "partition",
+    "partition_gradients",
+    "reduce_gradients_at_owner",
+    "partition_numel",
+    "padding_size",
+    "aligned_size",
+    "convert_to_zero_parameters",
+    "item",
+    "is_external_param",
+    "nvme_swapper",
+    "group_id",
+    "use_muon",
+    "_z3_optimizer",
+)
+# ... and on a module besides ``ds_*`` (0.19.8 parameter_offload.py ``_inject_parameters`` and the
+# backward hooks of ``_register_hooks_recursively``; partition_parameters.py ``_init_external_params``).
+_ZERO3_MODULE_NAMES = (
+    "_original_parameters",
+    "_external_params",
+    "all_parameters",
+    "pre_bwd_fn",
+    "post_bwd_fn",
+    "applied_pre_backward_ref_cnt",
+)
+
+
+def zero3_partitions(opt: Any) -> list[Zero3Group]:
+    """Where this rank's partition of each parameter sits in ``DeepSpeedZeroOptimizer_Stage3``'s flat fp32
+    sub-groups (0.19.8 stage3.py, as ``_get_fp32_opt_state_partition`` reads it): sub-group ``i`` is
+    ``fp32_partitioned_groups_flat[i]``, its parameters ``fp16_groups[i]``, and ``grad_position[id]``
+    is ``[i, offset, partition size]`` (padding included). The optimizer state is keyed by the flat
+    tensor; each parameter's low-precision partition is its ``ds_tensor``."""
+    groups: list[Zero3Group] = []
+    for i, params in enumerate(_require(opt, "fp16_groups")):
+        flat = _require(opt, "fp32_partitioned_groups_flat")[i]
+        placed = []
+        for p in params:
+            group, offset, numel = _require(opt, "grad_position")[opt.get_param_id(p)]
+            if int(group) != i:
+                raise ContractError(f"ZeRO 3 parameter {p.ds_id} placed in sub-group {group}, listed in {i}")
+            placed.append((p, int(offset), int(numel)))
+        groups.append((flat, placed))
+    return groups
+
+
+def unpartition_zero3_model(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Return a model that a ZeRO 3 engine partitioned to plain, whole parameters, without a collective.
+
+    After a lost peer the failed engine's ``destroy()`` has removed its hooks, but every parameter is
+    still a ZeRO 3 parameter of the failed world (an empty ``data``, its partition in ``ds_tensor``,
+    methods bound to the failed group) and every module's ``_parameters`` a ``ZeROOrderedDict`` that
+    all-gathers on access. A new engine would take those parameters for converted already (0.19.8
+    parameter_offload.py ``_convert_to_zero_parameters`` skips any with a ``ds_id``). So: ``full`` (per
+    parameter name, the whole fp32 value) becomes each parameter's data in its own dtype, the
+    parameters keep their identity (an optimizer's param groups, ties), and whatever ZeRO 3 set on
+    them and on the modules is removed.
+    """
+    done: set[int] = set()
+    for prefix, module in model.named_modules():
+        # dict.items, not the ZeROOrderedDict's: its __getitem__ gathers a partitioned parameter.
+        params = list(dict.items(module._parameters))
+        for key, p in params:
+            if p is None or id(p) in done:
+                continue
+            done.add(id(p))
+            name = f"{prefix}.{key}" if prefix else key
+            p.data = full[name].to(device=p.device, dtype=p.dtype).clone()
+            p.grad = None
+            for attr in list(vars(p)):
+                if attr.startswith("ds_") or attr in _ZERO3_PARAM_NAMES:
+                    delattr(p, attr)
+        module._parameters = dict(params)
+        for attr in list(vars(module)):
+            if attr.startswith("ds_") or attr in _ZERO3_MODULE_NAMES:
+                delattr(module, attr)
+
+
 # -- the contract ----------------------------------------------------------------------------------------
 def contract_problems(ds_engine: Any) -> list[str]:
     """The names this engine's stage needs that it lacks (an empty list: the contract holds).
@@ -301,6 +396,13 @@ def contract_problems(ds_engine: Any) -> list[str]:
             (opt, "params_already_reduced"),
         ]
         needed += [(coordinator, _ZERO3_GATHER), (coordinator, "_invalidate_trace")]
+        needed += [
+            (opt, name)
+            for name in ("fp16_groups", "fp32_partitioned_groups_flat", "grad_position", "get_param_id")
+        ]
+        params = [p for group in opt.fp16_groups for p in group]
+        needed += [(p, name) for p in params[:1] for name in ("_z3_optimizer", "ds_tensor", "ds_shape")]
+        needed += [(ds_engine.module, "_original_parameters"), (ds_engine.module, "_external_params")]
     return [f"{type(owner).__name__}.{name}" for owner, name in needed if not hasattr(owner, name)]
 
 

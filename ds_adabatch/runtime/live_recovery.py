@@ -10,6 +10,7 @@ runs inside :meth:`LiveRecovery.run_step`::
       agree       the survivors agree on who is left, on the launcher's store
       re-form     a new default group among them; DeepSpeed's group seeded with the timeout
       assemble    the newest step every partition of which a survivor holds, broadcast, made whole
+      unpartition ZeRO 3: the model's parameters whole again from it, no collective (live_zero3)
       rebuild     the same initialize() on the smaller world; the state restored; the same global
                   batch re-planned (micro-batch / GAS up); the steps after the snapshot trained again
 
@@ -44,6 +45,7 @@ from .live_snapshot import (
     snapshot_root,
 )
 from .live_world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
+from .live_zero3 import full_shapes, unpartition_model
 from .metrics import PlanChange
 from .process_group import restart_safe_namespace
 
@@ -280,7 +282,9 @@ class LiveRecovery:
         self.model = model
         self.rebuild = rebuild
         self.root = snapshot_root(live.snapshot_dir)
-        self.shapes = {n: p.shape for n, p in model.named_parameters()}
+        self.shapes = full_shapes(model)
+        # Under ZeRO 3 the model itself is partitioned over the world a loss breaks.
+        self.zero3 = int(engine.deepspeed.zero_optimization_stage()) == 3
         self.shrinks = 0
         self.events: list[dict[str, Any]] = []
         self.restored_step: int | None = None
@@ -426,6 +430,8 @@ class LiveRecovery:
             self._group = self._host_group()
             phase("reform_s")
             state = assemble(self.root, self.world.job_id, self.shapes, self._group)
+            if self.zero3:
+                unpartition_model(self.model, state)
             phase("assemble_s")
             self.rebuild()  # the same engine object, driving a DeepSpeed engine of the new world
             phase("rebuild_s")

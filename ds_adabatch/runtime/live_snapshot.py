@@ -9,6 +9,9 @@ What a rank owns (DeepSpeed 0.19.8):
   parameter, ``hp_fragment_address`` in the partition). One partition per data-parallel rank.
 - ZeRO 0 (fp32): every parameter and its optimizer state, the same on every rank: one partition that
   every rank holds.
+- ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3``): its slice of every parameter in the flat fp32 sub-groups
+  and their optimizer state (:mod:`.live_zero3`, which also returns a failed world's partitioned model
+  to whole parameters before the rebuild). One partition per data-parallel rank.
 
 A snapshot is one flat fp32 tensor per partition: for the master weights and then each optimizer-state
 tensor, the owned pieces in a fixed order (the *layout*: parameter name, start, length). Each rank keeps
@@ -45,6 +48,7 @@ import torch
 
 from . import comm
 from . import deepspeed_internals as internals
+from .live_zero3 import restore_zero3, zero3_problem, zero3_units
 
 __all__ = [
     "Assembled",
@@ -81,10 +85,10 @@ def snapshot_root(configured: str | None) -> str:
 def coverage_problem(ds_engine: Any) -> str | None:
     """Why snapshots cannot capture this engine's state (None: they can)."""
     stage = int(ds_engine.zero_optimization_stage())
-    if stage == 3:
-        return "ZeRO stage 3 (parameters are partitioned too; use stage 0, 1 or 2)"
     if ds_engine.fp16_enabled():
         return "fp16 (its loss scaler is not snapshotted; use bf16 or fp32)"
+    if stage == 3:
+        return zero3_problem(ds_engine)
     opt = ds_engine.optimizer
     if stage == 0 and not isinstance(opt, torch.optim.Optimizer):
         return f"ZeRO stage 0 with {type(opt).__name__} (bf16 at stage 0; use stage 1 or 2 with bf16)"
@@ -125,6 +129,8 @@ def _owned_units(ds_engine: Any, names: dict[torch.Tensor, str]) -> tuple[list[_
         base = _base_optimizer(ds_engine)
         units = [_Unit(p, base, [_Piece(names[p], 0, p.numel(), 0)]) for p in ds_engine.module.parameters()]
         return units, 0, 1
+    if stage == 3:
+        return zero3_units(ds_engine, names)
     opt = ds_engine.optimizer
     units = []
     for i in range(len(opt.optimizer.param_groups)):
@@ -206,7 +212,7 @@ class Snapshots:
     """This rank's snapshots of one world (generation); build a new one after every world change.
 
     Args:
-        ds_engine: the DeepSpeed engine (ZeRO 0-2, see :func:`coverage_problem`).
+        ds_engine: the DeepSpeed engine (ZeRO 0-3, see :func:`coverage_problem`).
         root: the node-local folder (:func:`snapshot_root`).
         job_id: the launch's id (``LiveWorld.job_id``); ``family``: this world's id within the job.
         group: a gloo group of this world for the buddy exchange (None: no exchange).
@@ -431,16 +437,20 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size], group: Any) 
 
 
 def restore(ds_engine: Any, state: Assembled) -> None:
-    """Load an assembled snapshot into a freshly built engine (ZeRO 0-2, any data-parallel size)."""
+    """Load an assembled snapshot into a freshly built engine (ZeRO 0-3, any data-parallel size)."""
     meta = state.meta
     keys = meta["keys"]
     names = {p: n for n, p in ds_engine.module.named_parameters()}
     step_value = torch.tensor(float(meta["opt_step"])) if meta["step_is_tensor"] else meta["opt_step"]
+    stage = int(ds_engine.zero_optimization_stage())
+    if stage == 3:
+        restore_zero3(ds_engine, state, keys, step_value)
+        _restore_hyperparameters(_base_optimizer(ds_engine), meta)
+        return
     with torch.no_grad():
         for p, name in names.items():
             p.data.copy_(state.full[name][_WEIGHTS])  # ZeRO 0-2: the model's weights are whole everywhere
     base = _base_optimizer(ds_engine)
-    stage = int(ds_engine.zero_optimization_stage())
     if stage == 0:
         if keys:
             for p, name in names.items():
@@ -472,6 +482,10 @@ def restore(ds_engine: Any, state: Assembled) -> None:
                 map_to_flat_opt_states(hp, opt.bit16_groups[i], base.state, keys)
         # The fragments are linked to the state already; a lazy link at the first step would redo it.
         internals.mark_hp_states_linked(opt)
+    _restore_hyperparameters(base, meta)
+
+
+def _restore_hyperparameters(base: Any, meta: dict[str, Any]) -> None:
     for group, saved in zip(base.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if not isinstance(v, torch.Tensor):

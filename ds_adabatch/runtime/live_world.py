@@ -7,13 +7,14 @@ This module re-forms the world among the survivors **in the same processes**, on
 agent hosts for the workers (the one :mod:`.process_group` forms generation 0 in), under a prefix per
 generation::
 
-    <namespace>/gen<g>/...            the default group of generation g (g >= 1)
+    <namespace>/live<n>/gen<g>/group/...   the default group of generation g (g >= 1)
     <namespace>/live<n>/hb/<origin>   a counter each process adds to every heartbeat_period_s
     <namespace>/live<n>/gen<g>/join/<origin>, .../members   the agreement on generation g
 
     <namespace>/live<n>/gen<g>/ports/<origin>   the TCP ports its gloo groups listen on
 
-(``n`` counts the live engines built in this process.)
+(``n`` counts the live engines built in this process: a second engine's generation g must not read the
+addresses a first one's generation g left in the store.)
 
 Detection. A lost node's peers usually see "Connection reset by peer" in the collective they were in;
 the first to see it cuts its own connections of the failed generation (:mod:`.live_sockets`), so every
@@ -252,7 +253,7 @@ class LiveWorld:
         """Form the next generation's default group among ``members`` (after the old one is torn down)."""
         self.generation += 1
         self.members = members
-        store = torch.distributed.PrefixStore(f"{self.namespace.prefix}/gen{self.generation}/", self.store)
+        store = torch.distributed.PrefixStore(f"{self._live}/gen{self.generation}/group/", self.store)
         torch.distributed.init_process_group(
             self.backend, store=store, rank=self.rank, world_size=self.size, timeout=self.timeout
         )
