@@ -75,16 +75,18 @@ def ways(engine, data) -> dict[str, Callable[[], object]]:
     return {"bare": bare, "train_batch(it)": ours_iter, "train_batch()": engine.train_batch}
 
 
-def interleaved(steps: dict[str, Callable[[], object]], n: int) -> dict[str, list[float]]:
-    """Per-step wall seconds of each way, run in a rotating order ``n`` times."""
+def interleaved(
+    steps: dict[str, Callable[[], object]], n: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
+    """Per-step seconds of each way on ``clock``, run in a rotating order ``n`` times."""
     names = list(steps)
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(n):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            t = time.perf_counter()
+            t = clock()
             steps[name]()
-            out[name].append(time.perf_counter() - t)
+            out[name].append(clock() - t)
     return out
 
 
@@ -99,12 +101,12 @@ def collate_cost(data, n: int) -> float:
     return statistics.median(times)
 
 
-def profile(steps: dict[str, Callable[[], object]], n: int, top: int) -> None:
+def profile(steps: dict[str, Callable[[], object]], n: int, top: int, clock: Callable[[], float]) -> None:
     """Self time per step in ds_adabatch's files for each ``train_batch`` way, heaviest functions first."""
     for name, step in steps.items():
         if name == "bare":
             continue
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(clock)
         prof.enable()
         for _ in range(n):
             step()
@@ -127,7 +129,15 @@ def main() -> None:
     p.add_argument("--stages", default="0,2", help="comma-separated ZeRO stages")
     p.add_argument("--model", default="small", choices=sorted(h.MODELS))
     p.add_argument("--top", type=int, default=12, help="ds_adabatch functions listed per profile")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="wall: perf_counter (the figure, on an idle machine); cpu: this thread's CPU time (steadier "
+        "on a loaded machine, blind to waits)",
+    )
     args = p.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(h.idle_check("before"))
     ds_adabatch.init_distributed()
     data, spec = h.lm_data(), h.MODELS[args.model]
@@ -136,10 +146,10 @@ def main() -> None:
     for stage in (int(s) for s in args.stages.split(",")):
         engine = build(stage, data, spec)
         steps = ways(engine, data)
-        interleaved(steps, args.warmup)
-        times = interleaved(steps, args.steps)
+        interleaved(steps, args.warmup, clock)
+        times = interleaved(steps, args.steps, clock)
         bare = times["bare"]
-        print(f"\nZeRO {stage}, {args.steps} interleaved steps of each way:")
+        print(f"\nZeRO {stage}, {args.steps} interleaved steps of each way ({args.clock} time):")
         print("| way | median step | ours per step (median of paired differences) | ratio of medians |")
         print("|---|---:|---:|---:|")
         for name, ts in times.items():
@@ -148,7 +158,7 @@ def main() -> None:
                 f"| {name} | {statistics.median(ts) * 1e3:.3f} ms | {diff * 1e3:+.3f} ms "
                 f"| {statistics.median(ts) / statistics.median(bare):.3f} |"
             )
-        profile(steps, args.profile_steps, args.top)
+        profile(steps, args.profile_steps, args.top, clock)
         engine.close()
     print(h.idle_check("after", own_processes=1))
 
