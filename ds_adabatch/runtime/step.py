@@ -40,7 +40,7 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .recovery import OomRecovery
-from .step_core import Progress, StepAttachments, StepCore, plan_change
+from .step_core import Progress, StepAttachments, StepCore, in_core, plan_change
 from .step_loss import StepLoss
 from .step_sync import StepSync
 from .step_times import step_times_for
@@ -244,28 +244,11 @@ class AdaptiveEngineBase(CheckpointMixin):
         return self.lr_coupling.multiplier
 
     # The signals the schedule reads live in the step core; these names are the engine's public view.
-    @property
-    def last_loss(self) -> float | None:
-        """The global mean loss of the latest resolved step."""
-        return self.core.last_loss
-
-    @last_loss.setter
-    def last_loss(self, value: float | None) -> None:
-        self.core.last_loss = value
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The gradient norm of the latest resolved step (None where DeepSpeed did not compute one)."""
-        return self.core.last_grad_norm
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: float | None) -> None:
-        self.core.last_grad_norm = value
-
-    @property
-    def loss_ema(self) -> EmaLoss:
-        """The smoothed loss the schedule reads."""
-        return self.core.loss_ema
+    last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")
+    last_grad_norm = in_core[float | None](
+        "The gradient norm of the latest resolved step (None where none was computed)."
+    )
+    loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
 
     @property
     def oom_recovery(self) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..plan import BatchPlan, plan_batch
 from ..schedules import BatchSizeController, ScheduleContext
@@ -36,9 +36,18 @@ from .metrics import PlanChange
 from .step_sync import StepSync
 from .step_times import NoStepTimes
 
-__all__ = ["Decision", "Progress", "StepAttachments", "StepCore", "TokenStepLoader", "plan_change"]
+__all__ = [
+    "Decision",
+    "Progress",
+    "StepAttachments",
+    "StepCore",
+    "TokenStepLoader",
+    "in_core",
+    "plan_change",
+]
 
 _LOSS_SIGNALS = frozenset({"loss", "loss_ema"})
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -279,3 +288,23 @@ def plan_change(
         lr_multiplier=lr_multiplier,
         reason=reason,
     )
+
+
+class in_core(Generic[T]):  # noqa: N801 - used like ``property``
+    """An attribute of a step core's holder that lives in its core (``holder.core.<same name>``):
+    ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, holder: Any, owner: type | None = None) -> T:
+        if holder is None:
+            return self  # type: ignore[return-value]  # the descriptor itself, on the class
+        return getattr(holder.core, self.name)
+
+    def __set__(self, holder: Any, value: T) -> None:
+        setattr(holder.core, self.name, value)

@@ -35,7 +35,7 @@ from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.runtime.recovery import memory_for
-from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore
+from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore, in_core
 from ds_adabatch.runtime.step_sync import StepSync
 from ds_adabatch.runtime.step_times import step_times_for
 from ds_adabatch.schedules import BatchSizeController
@@ -161,29 +161,12 @@ class AdaptiveBatchState(StreamProgress):
             )
 
     # -- the step core's state -----------------------------------------------------------------------
-    @property
-    def scheduled_batch(self) -> int:
-        """The global batch the schedule chose for the latest decided step (before any epoch-tail replan):
-        samples, or a token target with a schedule counted in tokens."""
-        return self.core.scheduled_batch
-
-    @scheduled_batch.setter
-    def scheduled_batch(self, value: int) -> None:
-        self.core.scheduled_batch = value
-
-    @property
-    def last_loss(self) -> float | None:
-        """The global mean loss of the latest logged step."""
-        return self.core.last_loss
-
-    @last_loss.setter
-    def last_loss(self, value: float | None) -> None:
-        self.core.last_loss = value
-
-    @property
-    def loss_ema(self) -> EmaLoss:
-        """The smoothed loss the schedule reads."""
-        return self.core.loss_ema
+    scheduled_batch = in_core[int](
+        "The global batch the schedule chose for the latest decided step (before any epoch-tail replan): "
+        "samples, or a token target with a schedule counted in tokens."
+    )
+    last_loss = in_core[float | None]("The global mean loss of the latest logged step.")
+    loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
 
     def _progress(self) -> Progress:
         return Progress(
