@@ -162,6 +162,7 @@ class AdaptiveEngineBase(CheckpointMixin):
             scheduled_batch=self.plan.global_batch_size,
             token_loader=dataloader if self.token_budget else None,
             token_budget=bool(self.token_budget),
+            resolve_losses=self.resolve_losses,  # overridden by the pipeline engine (its own losses)
         )
         self._step_ooms = 0
         self._apply_plan(self.plan, reason="initial plan", record=False)

@@ -119,6 +119,8 @@ class StepCore:
         scheduled_batch: the global batch of step 0.
         token_loader: with a token budget, the loader that lays out each step (None otherwise).
         token_budget: whether steps are token-budget steps (``adabatch.micro_batch_tokens``).
+        resolve_losses: how the holder makes every pending step's loss known (the pipeline engine reads
+            DeepSpeed's aggregated loss as well); None: ``sync.reduce()``.
     """
 
     def __init__(
@@ -134,9 +136,11 @@ class StepCore:
         scheduled_batch: int,
         token_loader: TokenStepLoader | None = None,
         token_budget: bool = False,
+        resolve_losses: Callable[[], None] | None = None,
     ) -> None:
         self.controller = controller
         self.sync = sync
+        self._resolve_losses = resolve_losses or sync.reduce
         self.attach = attach
         self._progress = progress
         self.rank = rank
@@ -203,7 +207,7 @@ class StepCore:
             ):
                 # The rule reads the latest loss (or the step times of a goodput decision): every
                 # pending step's, summed over ranks. A goodput decision costs this every decide_every.
-                self.sync.reduce()
+                self._resolve_losses()
             decision = controller.next_global_batch(self.context(step))
             batch, reason = decision.global_batch, decision.reason
             if evaluates and self._agrees:
