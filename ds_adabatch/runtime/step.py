@@ -32,7 +32,7 @@ import torch
 
 from ..config.schedules import measures_noise
 from ..plan import BatchPlan, plan_batch
-from ..schedules import BatchSizeController, ScheduleContext
+from ..schedules import BatchSizeController
 from ..signals import EmaLoss, GradientNoiseEstimator
 from .adam_geometry import measured_geometry
 from .batch_shape import apply_plan_to_engine
@@ -125,28 +125,8 @@ class AdaptiveEngineBase(CheckpointMixin):
             controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
         )
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
-        # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
-        memory_cfg = cfg
-        self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
-        if not recovers_from_oom:
-            if self._oom_off is None and self.rank == 0:
-                # On by default everywhere else: say so once, loudly (the JSONL says it every step).
-                logger.warning(
-                    "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
-                    "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
-                    "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
-                    "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
-                )
-            self._oom_off = self._oom_off or "pipeline"
-            memory_cfg = cfg.model_copy(
-                update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
-            )
-        self.memory_recovery = OomRecovery(
-            ds_engine,
-            memory_cfg,
-            rank=self.rank,
-            world_size=agreement_world or world_size,
-            model_communicates=model_communicates,
+        self.memory_recovery = self._oom_recovery(
+            ds_engine, recovers_from_oom, agreement_world or world_size, model_communicates
         )
         # The decision of every step (step_core.py), with the features that ride on it attached.
         self.core = StepCore(
@@ -166,6 +146,35 @@ class AdaptiveEngineBase(CheckpointMixin):
         )
         self._step_ooms = 0
         self._apply_plan(self.plan, reason="initial plan", record=False)
+
+    def _oom_recovery(
+        self, ds_engine: Any, recovers_from_oom: bool, agreement_world: int, model_communicates: bool
+    ) -> OomRecovery:
+        """The out-of-memory recovery of this engine (its reason to be off in ``_oom_off``). Every
+        process joins the agreement (a tensor rank that fails leaves its peers waiting too)."""
+        cfg = self.config
+        memory_cfg = cfg
+        self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
+        if not recovers_from_oom:
+            if self._oom_off is None and self.rank == 0:
+                # On by default everywhere else: say so once, loudly (the JSONL says it every step).
+                logger.warning(
+                    "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
+                    "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
+                    "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
+                    "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
+                )
+            self._oom_off = self._oom_off or "pipeline"
+            memory_cfg = cfg.model_copy(
+                update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
+            )
+        return OomRecovery(
+            ds_engine,
+            memory_cfg,
+            rank=self.rank,
+            world_size=agreement_world,
+            model_communicates=model_communicates,
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Delegation
@@ -353,10 +362,6 @@ class AdaptiveEngineBase(CheckpointMixin):
             epoch=self.epoch,
             lr=lrs[0] if lrs else None,
         )
-
-    def _context(self) -> ScheduleContext:
-        """What the schedule sees for the next step."""
-        return self.core.context(self.global_steps)
 
     def next_plan(self) -> BatchPlan:
         """Decide (once) and apply the plan of the next optimizer step, and return it.
