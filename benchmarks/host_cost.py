@@ -1,6 +1,7 @@
 """Our own Python in a steady optimizer step: ``train_batch`` against the same DeepSpeed engine, bare.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_cost.py [--steps 400 --stages 0,2]
+    python benchmarks/host_cost.py --model large      # on one CUDA GPU (DS_ACCELERATOR=cuda)
 
 A world of one (plain ``python``), the main job's small model (``--model``), global 16 = micro 8 x GAS 2,
 a constant schedule (every step steady: no plan change, no collective). One ds_adabatch engine is built
@@ -19,7 +20,10 @@ from the same rotation), which is the host cost of ours; and the time ``default_
 step's micro-batches alone (work any loader does, bare or not). Then a cProfile of steady steps of the
 two ``train_batch`` ways: the self time per step in ``ds_adabatch``'s own files and the heaviest
 functions (cProfile inflates every Python call: an upper bound; the interleaved difference is the
-figure). The goal of the host-cost work is at most 0.3 ms of ours per steady step.
+figure). Last, a host-only table: the same ways with DeepSpeed's ``forward`` / ``backward`` / ``step``
+replaced by stand-ins that return at once, on both sides alike, which leaves the Python around them
+(``--clock cpu`` makes it steady on a busy machine). The goal is at most 0.3 ms of ours per steady step.
+On a GPU the micro-batches live on the device for every way and each step ends with a synchronisation.
 """
 
 from __future__ import annotations
@@ -53,8 +57,14 @@ def build(stage: int, data, spec):
 
 def ways(engine, data) -> dict[str, Callable[[], object]]:
     """The three ways of running one optimizer step on ``engine`` (module docstring)."""
-    pool = [default_collate([data[i] for i in range(j * MICRO, (j + 1) * MICRO)]) for j in range(8)]
     ds = engine.deepspeed
+    pool = [
+        {
+            k: v.to(ds.device)
+            for k, v in default_collate([data[i] for i in range(j * MICRO, (j + 1) * MICRO)]).items()
+        }
+        for j in range(8)
+    ]
     turn = {"bare": 0, "iter": 0}
 
     def micro_batches(way: str) -> list[dict[str, torch.Tensor]]:
@@ -87,6 +97,8 @@ def interleaved(
         for name in names[k:] + names[:k]:
             t = clock()
             steps[name]()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # a step's time on a GPU includes its kernels
             out[name].append(clock() - t)
     return out
 
@@ -127,7 +139,7 @@ def without_deepspeed(engine) -> None:
     once (a one-element loss), for every way alike: what is left of a step is the Python around them,
     ours and the bare loop's, measured to the microsecond on a busy machine too."""
     ds = engine.deepspeed
-    weight = torch.zeros((), requires_grad=True)
+    weight = torch.zeros((), device=ds.device, requires_grad=True)
     # Instance attributes shadow the methods (nn.Module.__call__ calls self.forward).
     ds.forward = lambda *args, **kwargs: SimpleNamespace(loss=weight * 1.0)
     ds.backward = lambda loss, **kwargs: None
