@@ -44,13 +44,13 @@ class CheckpointMixin:
             # per-process RNG files are restored only where the layout is the same.
             "processes": _processes(),
             "global_batch": self.plan.global_batch_size,
-            "scheduled_batch": self._scheduled_batch,
+            "scheduled_batch": self.core.scheduled_batch,
             "plan": self.plan.to_dict(),
             "global_steps": self.global_steps,
             "global_samples": self.global_samples,
             "global_tokens": self.global_tokens,
             "history": [e.to_dict() for e in self.history],
-            "override": self._override,
+            "override": self.core.override,
             "controller": self.controller.state_dict(),
             "data": self._checkpoint_data_state(),
             "lr": self.lr_coupling.state_dict(),
@@ -79,7 +79,7 @@ class CheckpointMixin:
         self.global_samples = state["global_samples"]
         self.global_tokens = state["global_tokens"]
         self.history = [PlanChange(**e) for e in state["history"]]
-        self._override = tuple(state["override"]) if state["override"] else None
+        self.core.override = tuple(state["override"]) if state["override"] else None
         self.controller.load_state_dict(state["controller"])
         if self.dataloader is not None and state.get("data") is not None:
             self.dataloader.load_state_dict(state["data"])
@@ -104,7 +104,7 @@ class CheckpointMixin:
             plan = self._plan_for(batch)
         except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
             raise ValueError(f"cannot resume: {err}") from err
-        self._scheduled_batch = batch
+        self.core.scheduled_batch = batch
         self._decided_step = None
         self._apply_plan(plan, reason="resume", record=False)
         self.deepspeed.global_samples = self.global_samples

@@ -46,8 +46,8 @@ from .live_snapshot import (
 )
 from .live_world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
 from .live_zero3 import full_shapes, unpartition_model
-from .metrics import PlanChange
 from .process_group import restart_safe_namespace
+from .step_core import plan_change
 
 __all__ = [
     "LiveRecovery",
@@ -460,16 +460,11 @@ class LiveRecovery:
         self._first_step_after = (detected, event)
         plan = engine.plan
         engine.history.append(
-            PlanChange(
+            plan_change(
+                old_plan,
+                plan,
                 step=engine.global_steps,
                 samples=engine.global_samples,
-                old_global_batch=old_plan.global_batch_size,
-                new_global_batch=plan.global_batch_size,
-                old_micro_batch_per_gpu=old_plan.micro_batch_per_gpu,
-                new_micro_batch_per_gpu=plan.micro_batch_per_gpu,
-                old_gradient_accumulation_steps=old_plan.gradient_accumulation_steps,
-                new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
-                world_size=plan.world_size,
                 lr_multiplier=engine.lr_coupling.multiplier,
                 reason=(
                     f"shrink: lost {lost} of {old_size} processes"

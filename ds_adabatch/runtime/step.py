@@ -32,7 +32,7 @@ import torch
 
 from ..config.schedules import measures_noise
 from ..plan import BatchPlan, plan_batch
-from ..schedules import BatchSizeController, ScheduleContext
+from ..schedules import BatchSizeController
 from ..signals import EmaLoss, GradientNoiseEstimator
 from .adam_geometry import measured_geometry
 from .batch_shape import apply_plan_to_engine
@@ -40,6 +40,7 @@ from .checkpoint import CheckpointMixin
 from .lr import BatchCoupledLR
 from .metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
 from .recovery import OomRecovery
+from .step_core import Progress, StepAttachments, StepCore, in_core, plan_change
 from .step_loss import StepLoss
 from .step_sync import StepSync
 from .step_times import step_times_for
@@ -112,16 +113,9 @@ class AdaptiveEngineBase(CheckpointMixin):
         self.global_samples = 0
         self.global_tokens = 0
         self.history: list[PlanChange] = []
-        self._override: tuple[int, str] | None = None
-        self._override_agreed = False
         self._decided_step: int | None = None  # the step whose plan next_plan() already applied
-        self._scheduled_batch = self.plan.global_batch_size
-        self._planned: tuple[int, int] | None = None  # (batch, micro-batch limit) self.plan solves
         self.last_step_batch: Any = None
         self.last_metrics: StepMetrics | None = None
-        self.last_loss: float | None = None
-        self.last_grad_norm: float | None = None
-        self.loss_ema = EmaLoss(beta=0.9)
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._every_steps = cfg.log.every_steps
@@ -131,7 +125,34 @@ class AdaptiveEngineBase(CheckpointMixin):
             controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
         )
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
-        # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
+        self.memory_recovery = self._oom_recovery(
+            ds_engine, recovers_from_oom, agreement_world or world_size, model_communicates
+        )
+        # The decision of every step (step_core.py), with the features that ride on it attached.
+        self.core = StepCore(
+            controller,
+            sync=self._sync,
+            attach=StepAttachments(
+                memory=self.memory_recovery.memory, noise=self.noise, step_times=self._step_times
+            ),
+            progress=self._progress,
+            rank=self.rank,
+            world_size=world_size,
+            allow_uneven=cfg.allow_uneven,
+            scheduled_batch=self.plan.global_batch_size,
+            token_loader=dataloader if self.token_budget else None,
+            token_budget=bool(self.token_budget),
+            resolve_losses=self.resolve_losses,  # overridden by the pipeline engine (its own losses)
+        )
+        self._step_ooms = 0
+        self._apply_plan(self.plan, reason="initial plan", record=False)
+
+    def _oom_recovery(
+        self, ds_engine: Any, recovers_from_oom: bool, agreement_world: int, model_communicates: bool
+    ) -> OomRecovery:
+        """The out-of-memory recovery of this engine (its reason to be off in ``_oom_off``). Every
+        process joins the agreement (a tensor rank that fails leaves its peers waiting too)."""
+        cfg = self.config
         memory_cfg = cfg
         self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
         if not recovers_from_oom:
@@ -147,16 +168,13 @@ class AdaptiveEngineBase(CheckpointMixin):
             memory_cfg = cfg.model_copy(
                 update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
             )
-        self.memory_recovery = OomRecovery(
+        return OomRecovery(
             ds_engine,
             memory_cfg,
             rank=self.rank,
-            world_size=agreement_world or world_size,
+            world_size=agreement_world,
             model_communicates=model_communicates,
         )
-        self._memory_reason: str | None = None
-        self._step_ooms = 0
-        self._apply_plan(self.plan, reason="initial plan", record=False)
 
     # ---------------------------------------------------------------------------------------------
     # Delegation
@@ -234,6 +252,13 @@ class AdaptiveEngineBase(CheckpointMixin):
     @property
     def lr_multiplier(self) -> float:
         return self.lr_coupling.multiplier
+
+    # The signals the schedule reads live in the step core; these names are the engine's public view.
+    last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")
+    last_grad_norm = in_core[float | None](
+        "The gradient norm of the latest resolved step (None where none was computed)."
+    )
+    loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
 
     @property
     def oom_recovery(self) -> str:
@@ -313,15 +338,11 @@ class AdaptiveEngineBase(CheckpointMixin):
             PlanError: ``n`` cannot be split over this world size.
         """
         self._decided_step = None
-        if n is None:
-            self._override = None
-            return
-        if not self.token_budget:  # a token target is formed into a step, not split by plan_batch
+        if n is not None and not self.token_budget:  # a token target is formed into a step, not split
             plan_batch(
                 n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven
             )
-        self._override = (int(n), reason)
-        self._override_agreed = False
+        self.core.set_override(n, reason)
 
     def resolve_losses(self) -> None:
         """Sum every pending step's loss (and queued measurements) over ranks now; call on every rank.
@@ -332,25 +353,14 @@ class AdaptiveEngineBase(CheckpointMixin):
         self._sync.reduce()
 
     # ---------------------------------------------------------------------------------------------
-    # Batch-size decisions
-    def _context(self) -> ScheduleContext:
-        noise = self.noise.noise_scale
+    # Batch-size decisions (step_core.py decides; the engine applies)
+    def _progress(self) -> Progress:
         lrs = self.lr_coupling.get_lr()
-        return ScheduleContext(
-            step=self.global_steps,
+        return Progress(
             samples=self.global_samples,
             tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
             epoch=self.epoch,
-            # The scheduled batch, not a one-off epoch-tail remainder, is what the schedule steers.
-            global_batch=self._scheduled_batch,
-            world_size=self.world_size,
-            loss=self.last_loss,
-            loss_ema=self.loss_ema.value,
-            grad_norm=self.last_grad_norm,
-            noise_scale=noise,
-            noise_scale_error=self.noise.relative_error,
             lr=lrs[0] if lrs else None,
-            micro_batch_limit=None if self.token_budget else self.micro_batch_limit,
         )
 
     def next_plan(self) -> BatchPlan:
@@ -366,70 +376,19 @@ class AdaptiveEngineBase(CheckpointMixin):
         return self.plan
 
     def _decide_plan(self) -> None:
-        # Batch shape must be identical on every rank. Schedules fed only global values (step,
-        # samples, tokens, all-reduced signals) decide identically everywhere with no collective;
-        # inputs that can differ between ranks (a user's function, set_global_batch_size) are agreed
-        # in one small collective: rank 0's value is the one applied.
-        step = self.global_steps
-        if self._override is not None:
-            batch, reason = self._override
-            if not self._override_agreed:
-                batch = self._agree([batch])[0]
-                self._override, self._override_agreed = (batch, reason), True
-        else:
-            controller = self.controller
-            evaluates = controller.evaluates_at(step)
-            schedule = controller.schedule
-            if evaluates and (
-                "loss" in schedule.requires
-                or ("step_time" in schedule.requires and schedule.decides_at(step))
-            ):
-                # The rule reads the latest loss (or the step times of a goodput decision): they must
-                # be all-reduced. A goodput decision costs this collective every decide_every steps.
-                self.resolve_losses()
-            decision = controller.next_global_batch(self._context())
-            batch, reason = decision.global_batch, decision.reason
-            if evaluates and getattr(controller.schedule, "needs_agreement", False):
-                batch = self._agree_schedule(batch)
+        decision = self.core.decide(self.global_steps)
         # A token-budget step's shape changes with its samples: only a new target is a plan change.
-        record = not self.token_budget or batch != self._scheduled_batch
-        self._scheduled_batch = batch
-        if not self.token_budget and self._planned == (batch, self.micro_batch_limit):
-            plan = self.plan  # the steady case: nothing to solve
-        else:
-            plan = self._plan_for(batch)
+        record = not self.token_budget or decision.batch != decision.previous
+        memory_reason = self.core.take_memory_reason()
+        plan = decision.plan
         if plan != self.plan:
-            if self._memory_reason is not None and batch == self.plan.global_batch_size:
-                reason = self._memory_reason
+            reason = decision.reason
+            if memory_reason is not None and decision.batch == self.plan.global_batch_size:
+                reason = memory_reason
             self._apply_plan(plan, reason=reason, record=record)
-        self._memory_reason = None
-
-    def _agree(self, values: list[int]) -> list[int]:
-        """Rank 0's ``values`` on every rank, in one collective (with whatever StepSync has queued)."""
-        mine = [float(v) if self.rank == 0 else 0.0 for v in values]
-        return [int(round(float(v))) for v in self._sync.reduce(mine)]
-
-    def _agree_schedule(self, batch: int) -> int:
-        """Agree on a rank-dependent schedule's answer and on the state it keeps (rank 0's)."""
-        schedule = self.controller.schedule
-        state = list(schedule.shared_state())
-        agreed = self._agree([batch, *state])
-        schedule.load_shared_state(agreed[1:])
-        return agreed[0]
 
     def _plan_for(self, batch: int) -> BatchPlan:
-        if self.token_budget:  # batch is a token target; the loader forms the step (data/tokens.py)
-            if self.dataloader is None:
-                raise ValueError(
-                    "token-budget steps need training_data and lengths in ds_adabatch.initialize"
-                )
-            # Cut with the learned token budget (micro_batch_tokens until an OOM lowers it).
-            self.dataloader.sampler.pass_budget = self.micro_batch_limit
-            return self.dataloader.plan_for_tokens(batch)
-        limit = self.micro_batch_limit
-        plan = plan_batch(batch, self.world_size, limit, allow_uneven=self.config.allow_uneven)
-        self._planned = (batch, limit)
-        return plan
+        return self.core.plan_for(batch)
 
     def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
@@ -437,27 +396,21 @@ class AdaptiveEngineBase(CheckpointMixin):
         self._apply_shape(plan)
         old_mult = self.lr_coupling.multiplier
         # With token-budget steps the LR follows the token target, not the step's varying sample count.
-        lr_batch = self._scheduled_batch if self.token_budget else plan.global_batch_size
+        lr_batch = self.core.scheduled_batch if self.token_budget else plan.global_batch_size
         new_mult = self.lr_coupling.set_global_batch(lr_batch)
         self.plan = plan
-        if plan.global_batch_size != self._scheduled_batch:
-            self._planned = None  # an epoch tail or an OOM re-plan: the next decision solves again
         if not record:
             return
-        event = PlanChange(
-            step=self.global_steps,
-            samples=self.global_samples,
-            old_global_batch=old.global_batch_size,
-            new_global_batch=plan.global_batch_size,
-            old_micro_batch_per_gpu=old.micro_batch_per_gpu,
-            new_micro_batch_per_gpu=plan.micro_batch_per_gpu,
-            old_gradient_accumulation_steps=old.gradient_accumulation_steps,
-            new_gradient_accumulation_steps=plan.gradient_accumulation_steps,
-            world_size=plan.world_size,
-            lr_multiplier=new_mult,
-            reason=reason,
+        self.history.append(
+            plan_change(
+                old,
+                plan,
+                step=self.global_steps,
+                samples=self.global_samples,
+                lr_multiplier=new_mult,
+                reason=reason,
+            )
         )
-        self.history.append(event)
         if self.rank == 0:
             logger.info(
                 line
@@ -502,12 +455,8 @@ class AdaptiveEngineBase(CheckpointMixin):
             if self.token_budget
             else self.plan.micro_batch_per_gpu
         )
-        decision = self.memory_recovery.memory.on_clean_step(largest) if count_memory else None
-        if decision is not None:
-            # Logged once, with the plan change it causes at the next decision.
-            self._memory_reason = (
-                f"micro-batch limit {decision.old_limit} -> {decision.new_limit} ({decision.reason})"
-            )
+        if count_memory:  # a limit that grows back is logged with the plan change it causes
+            self.core.clean_step(largest)
 
     def _record_step(
         self, step: int, started: float, lr_used: float
@@ -552,8 +501,7 @@ class AdaptiveEngineBase(CheckpointMixin):
             record.loss = mean
             record.grad_norm = grad_norm if grad_norm is None or math.isfinite(grad_norm) else None
             record.noise_scale = self.noise.noise_scale
-            self.last_loss, self.last_grad_norm = mean, record.grad_norm
-            self.loss_ema.update(mean)
+            self.core.signals_resolved(mean, record.grad_norm)
             self.metrics.write(record)
 
         # The step's record now; its loss and grad norm are filled in when resolved.

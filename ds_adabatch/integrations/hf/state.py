@@ -35,9 +35,10 @@ from ds_adabatch.plan import BatchPlan, plan_batch
 from ds_adabatch.runtime.memory import MicroBatchMemory
 from ds_adabatch.runtime.noise_probe import NoiseCadence
 from ds_adabatch.runtime.recovery import memory_for
+from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore, in_core
 from ds_adabatch.runtime.step_sync import StepSync
 from ds_adabatch.runtime.step_times import step_times_for
-from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+from ds_adabatch.schedules import BatchSizeController
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
 from .progress import StreamProgress
@@ -107,25 +108,15 @@ class AdaptiveBatchState(StreamProgress):
         self.max_steps = int(max_steps)
         self.lr = lr
         self.loss_normalization = loss_normalization
+        """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
         self.sync = StepSync(device)
         """Sums per-rank values over ranks in as few all-reduces as possible (``runtime.step_sync``)."""
-        """``"sample"`` or ``"token"`` when the config says so; ``None``: as the Trainer would normalise."""
         self.memory: MicroBatchMemory = memory_for(config)
         """The micro-batch limit (samples per pass, or with a token budget tokens per pass), lowered by
         out-of-memory errors and grown back (``"adabatch".memory``)."""
-        self.scheduled_batch = controller.initial_global_batch()
-        """The global batch the schedule chose for the latest decided step (before any epoch-tail replan):
-        samples, or a token target with a schedule counted in tokens."""
-        self.initial_plan = self.plan_for(self.scheduled_batch)
-        self.plan: BatchPlan = self.initial_plan
-        """The plan of the latest step run (an epoch's smaller tail batch included)."""
-        self.last_step: StepBatch | None = None
-        """This rank's micro-batches of the latest step (indices, sizes, pads)."""
-        self.last_loss: float | None = None
         self.last_lr: float | None = None
         self._tokens = 0
         self._pending_tokens: list[torch.Tensor] = []
-        self.loss_ema = EmaLoss(beta=0.9)
         schedule = config.schedule
         self.noise: GradientNoiseEstimator | None = (
             GradientNoiseEstimator(**schedule.estimator_settings()) if measures_noise(schedule) else None
@@ -137,6 +128,24 @@ class AdaptiveBatchState(StreamProgress):
         self.step_times = step_times_for(rule, getattr(rule, "throughput", None), device)
         """Each step's time for the ``goodput`` schedule's model, agreed in the step's collective
         (``runtime.step_times``); a no-op object for every other schedule."""
+        self.core = StepCore(
+            controller,
+            sync=self.sync,
+            attach=StepAttachments(memory=self.memory, noise=self.noise, step_times=self.step_times),
+            progress=self._progress,
+            rank=self.rank,
+            world_size=self.world_size,
+            allow_uneven=config.allow_uneven,
+            scheduled_batch=controller.initial_global_batch(),
+            token_loader=loader if self.token_budget else None,
+            token_budget=self.token_budget,
+        )
+        """Decides each step's batch and plan, as ``ds_adabatch.runtime`` does (``runtime.step_core``)."""
+        self.initial_plan = self.plan_for(self.scheduled_batch)
+        self.plan: BatchPlan = self.initial_plan
+        """The plan of the latest step run (an epoch's smaller tail batch included)."""
+        self.last_step: StepBatch | None = None
+        """This rank's micro-batches of the latest step (indices, sizes, pads)."""
         self._decided: tuple[int, BatchPlan] | None = None
         self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
@@ -150,6 +159,22 @@ class AdaptiveBatchState(StreamProgress):
                 "AdaptiveBatchSizeTrainer does not measure; use ds_adabatch.initialize (the DeepSpeed "
                 "runtime) for it, or pick another schedule"
             )
+
+    # -- the step core's state -----------------------------------------------------------------------
+    scheduled_batch = in_core[int](
+        "The global batch the schedule chose for the latest decided step (before any epoch-tail replan): "
+        "samples, or a token target with a schedule counted in tokens."
+    )
+    last_loss = in_core[float | None]("The global mean loss of the latest logged step.")
+    loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
+
+    def _progress(self) -> Progress:
+        return Progress(
+            samples=self.sampler.samples_consumed,
+            tokens=self.tokens if self.needs_tokens or self.token_budget else None,
+            epoch=self.sampler.fractional_epoch,
+            lr=self.last_lr,
+        )
 
     # -- progress ------------------------------------------------------------------------------------
     @property
@@ -288,19 +313,12 @@ class AdaptiveBatchState(StreamProgress):
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
         """The plan of the next step for the schedule's ``global_batch`` (a token step: as laid out)."""
-        if self.token_budget:
-            sampler = self.loader.sampler
-            # Cut with the learned token budget (micro_batch_tokens until an out-of-memory error lowers
-            # it), as ds_adabatch.runtime.AdaptiveBatchEngine does.
-            sampler.pass_budget = self.memory.limit  # ceiling: micro_batch_tokens (memory_for)
-            return self.loader.plan_for_tokens(global_batch)
-        cfg = self.config
-        return plan_batch(global_batch, self.world_size, self.memory.limit, allow_uneven=cfg.allow_uneven)
+        return self.core.plan_for(global_batch)
 
     def after_clean_step(self, step: StepBatch) -> None:
         """A step completed without an out-of-memory error: the learned limit may grow back."""
         largest = step.global_batch.largest_pass if self.token_budget else step.plan.micro_batch_per_gpu
-        self.memory.on_clean_step(largest)
+        self.core.clean_step(largest)
 
     def recut_after_oom(self, step: StepBatch, failed: dict[int, int | None], number: int) -> BatchPlan:
         """Every rank agreed that the ranks in ``failed`` ran out of memory in a token step (``failed``
@@ -340,51 +358,15 @@ class AdaptiveBatchState(StreamProgress):
         """
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
-        controller = self.controller
-        evaluates = controller.evaluates_at(step)
-        schedule = controller.schedule
-        decides_on_times = "step_time" in schedule.requires and schedule.decides_at(step)
-        if evaluates and (self.needs_loss or decides_on_times):
-            # The rule reads the latest loss or step times: every pending step's, summed over ranks.
-            self.sync.reduce()
-        ctx = ScheduleContext(
-            step=step,
-            samples=self.sampler.samples_consumed,
-            global_batch=self.scheduled_batch,
-            world_size=self.world_size,
-            tokens=self.tokens if self.needs_tokens or self.token_budget else None,
-            epoch=self.sampler.fractional_epoch,
-            loss=self.last_loss,
-            loss_ema=self.loss_ema.value,
-            lr=self.last_lr,
-            noise_scale=None if self.noise is None else self.noise.noise_scale,
-            noise_scale_error=None if self.noise is None else self.noise.relative_error,
-            micro_batch_limit=None if self.token_budget else self.memory.limit,
-        )
-        decision = controller.next_global_batch(ctx)
-        batch = decision.global_batch
-        if evaluates and getattr(controller.schedule, "needs_agreement", False):
-            batch = self._agree_schedule(batch)
-        plan = self.plan_for(batch)
+        decision = self.core.decide(step)
+        plan = decision.plan
         self._notes = (step, [])
-        if batch != self.scheduled_batch:
-            line = (
-                f"step {step}: global batch {self.scheduled_batch} -> {plan.describe()} ({decision.reason})"
-            )
+        if decision.batch != decision.previous:
+            line = f"step {step}: global batch {decision.previous} -> {plan.describe()} ({decision.reason})"
             self._notes[1].append((logging.INFO, line, None))
         self._warn_if_micro_one(step, plan)
-        self.scheduled_batch = batch
         self._decided = (step, plan)
         return plan
-
-    def _agree_schedule(self, batch: int) -> int:
-        """Rank 0's answer and remembered state of a schedule that may answer differently by rank, in
-        one all-reduce (which also carries whatever the step sync has queued)."""
-        schedule = self.controller.schedule
-        mine = [batch, *schedule.shared_state()]
-        agreed = [int(round(float(v))) for v in self.sync.reduce([v if self.rank == 0 else 0 for v in mine])]
-        schedule.load_shared_state(agreed[1:])
-        return agreed[0]
 
     def _warn_if_micro_one(self, step: int, plan: BatchPlan) -> None:
         """Warn (rank 0, once per global batch) before a step runs one sample per pass where an uneven

@@ -1,0 +1,157 @@
+"""The step core (``runtime/step_core.py``): one decision cycle, held by every entry point.
+
+One process (no process group: a ``StepSync`` all-reduce sums the values themselves, and counts its
+collectives); the same decisions over two gloo ranks are checked through the engines in
+``test_step_collectives.py`` and ``test_hf_step_collectives.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.plan import plan_batch
+from ds_adabatch.runtime.memory_model import _allocator_counters, _CudaCounters, _peak_and_resident
+from ds_adabatch.runtime.recovery import memory_for
+from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore, plan_change
+from ds_adabatch.runtime.step_sync import StepSync
+from ds_adabatch.schedules import BatchSizeController
+
+ROOT = Path(__file__).resolve().parent.parent / "ds_adabatch"
+
+CALLS: list[int] = []
+
+
+def grow_by_four(step: int, batch_size: int) -> int:
+    """A user schedule: +4 samples at every evaluation (it remembers its answer: agreed state)."""
+    CALLS.append(step)
+    return batch_size + 4
+
+
+def core_for(schedule: dict, world: int = 2, rank: int = 0, **fields) -> tuple[StepCore, dict]:
+    cfg = AdaBatchConfig.model_validate({"schedule": schedule, "max_micro_batch_per_gpu": 4, **fields})
+    controller = BatchSizeController(cfg, world)
+    progress = {"samples": 0, "lr": None}
+    core = StepCore(
+        controller,
+        sync=StepSync("cpu"),
+        attach=StepAttachments(memory=memory_for(cfg)),
+        progress=lambda: Progress(samples=progress["samples"], tokens=None, epoch=0.0, lr=progress["lr"]),
+        rank=rank,
+        world_size=world,
+        allow_uneven=cfg.allow_uneven,
+        scheduled_batch=controller.initial_global_batch(),
+    )
+    return core, progress
+
+
+def test_a_ramp_is_decided_planned_and_the_steady_plan_is_not_solved_again():
+    core, progress = core_for({"type": "step", "start": 8, "end": 16, "increment": 8, "ramp_samples": 16})
+    first = core.decide(0)
+    assert (first.batch, first.previous) == (8, 8)
+    assert first.plan == plan_batch(8, 2, 4)
+    progress["samples"] = 8
+    held = core.decide(1)
+    assert held.batch == 8 and held.plan is first.plan, "a steady step must reuse the solved plan"
+    progress["samples"] = 16
+    grown = core.decide(2)
+    assert (grown.batch, grown.previous, core.scheduled_batch) == (16, 8, 16)
+    assert grown.plan == plan_batch(16, 2, 4) and grown.plan.gradient_accumulation_steps == 2
+    assert core.sync.collectives == 0, "a schedule fed global values needs no collective"
+
+
+def test_a_lower_limit_replans_the_same_batch():
+    core, _ = core_for({"type": "constant", "value": 16})
+    assert core.decide(0).plan.micro_batch_per_gpu == 4
+    core.attach.memory.on_oom(4)  # the learned limit drops: the cached plan no longer applies
+    lowered = core.decide(1).plan
+    assert lowered.global_batch_size == 16 and lowered.micro_batch_per_gpu < 4
+
+
+def test_a_loss_schedule_resolves_pending_losses_before_it_decides():
+    core, _ = core_for({"type": "loss_plateau", "start": 8})
+    seen: list[float | None] = []
+    read = core._progress
+    core._progress = lambda: (seen.append(core.last_loss), read())[1]  # the context is being built
+    core.decide(0)
+    core.sync.defer([torch.tensor(2.5)], lambda sums: core.signals_resolved(float(sums[0]), None))
+    core.decide(1)
+    assert core.sync.collectives == 1 and not core.sync.pending, "the pending loss must be summed"
+    assert seen[-1] == 2.5, "the loss must be resolved before the schedule's context is built"
+    assert core.context(2).loss == 2.5 and core.loss_ema.value is not None
+
+
+def test_an_override_is_agreed_once_and_a_user_function_at_every_evaluation():
+    core, _ = core_for({"type": "constant", "value": 8})
+    core.decide(0)
+    core.set_override(24, "manual")
+    assert core.decide(1).batch == 24 and core.decide(2).batch == 24
+    assert core.sync.collectives == 1, "an override is agreed in one collective, once"
+    core.set_override(None)
+    assert core.decide(3).batch == 8
+
+    CALLS.clear()
+    user, _ = core_for({"type": "callable", "function": f"{__name__}:grow_by_four", "start": 8})
+    for step in range(4):
+        decision = user.decide(step)
+    assert CALLS == [1, 2, 3] and decision.batch == 20
+    assert user.sync.collectives == 3, "a user function's answer is agreed at each evaluation"
+
+
+def test_plan_changes_are_built_in_one_place():
+    old, new = plan_batch(8, 2, 4), plan_batch(24, 2, 4)
+    event = plan_change(old, new, step=5, samples=40, lr_multiplier=3.0, reason="manual")
+    assert (event.old_global_batch, event.new_global_batch) == (8, 24)
+    assert (event.old_micro_batch_per_gpu, event.new_micro_batch_per_gpu) == (4, 4)
+    assert (event.old_gradient_accumulation_steps, event.new_gradient_accumulation_steps) == (1, 3)
+    assert (event.step, event.samples, event.world_size, event.reason) == (5, 40, 2, "manual")
+    built = [
+        path.relative_to(ROOT).as_posix()
+        for path in ROOT.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "PlanChange"
+        and any(k.arg for k in node.keywords)
+    ]
+    assert built == ["runtime/step_core.py"], f"PlanChange is built field by field in {built}"
+
+
+def test_every_entry_point_decides_through_the_core():
+    """The schedule's decision (evaluates_at, the agreement, the context) is written in the core only."""
+    for name in ("evaluates_at(", "needs_agreement", "ScheduleContext(", "load_shared_state("):
+        users = sorted(
+            p.relative_to(ROOT).as_posix()
+            for p in (ROOT / "runtime").rglob("*.py")
+            if name in p.read_text(encoding="utf-8")
+        ) + sorted(
+            p.relative_to(ROOT).as_posix()
+            for p in (ROOT / "integrations").rglob("*.py")
+            if name in p.read_text(encoding="utf-8") and p.name in ("state.py", "step.py")
+        )
+        assert users == ["runtime/step_core.py"], f"{name} is used outside the step core: {users}"
+
+
+def test_the_allocator_counters_read_off_an_accelerator_are_the_stand_ins():
+    class Counters:
+        def max_memory_allocated(self) -> int:
+            return 7
+
+        def memory_allocated(self) -> int:
+            return 3
+
+    assert _peak_and_resident(Counters()) == (7, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_counters_read_what_torch_reads_in_one_call():
+    counters = _allocator_counters()
+    assert isinstance(counters, _CudaCounters)
+    keep = torch.empty(1 << 20, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    torch.empty(1 << 22, device="cuda")
+    assert counters.peak_and_resident() == (torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated())
+    del keep
