@@ -130,11 +130,10 @@ def classes(case: str):
     if case != "dpo":
 
         class ShiftedCount(base):
-            # transformers before Trainer._loss_shifts_labels (4.57.6 up to 5.3 at least; 5.17 has it)
-            # count labels != -100 in Trainer._get_num_items_in_batch before the causal shift (one
-            # target per unmasked sequence start too many), so TRL's loss is the token sum over a count
-            # that is not its tokens': the reference counts the step's target tokens, as later
-            # releases do.
+            # transformers before Trainer._loss_shifts_labels (4.57.6 to 5.9; 5.10 added it) count
+            # labels != -100 in Trainer._get_num_items_in_batch before the causal shift (one target per
+            # unmasked sequence start too many), so TRL's loss is the token sum over a count that is not
+            # its tokens': the reference counts the step's target tokens, as later releases do.
             def _get_num_items_in_batch(self, batch_samples, device):
                 if hasattr(self, "_loss_shifts_labels"):  # the release counts after the shift itself
                     return super()._get_num_items_in_batch(batch_samples, device)
