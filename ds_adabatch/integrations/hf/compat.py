@@ -38,7 +38,8 @@ is mixed into the trainer there (``LOOP_MIXINS``) and reaches each step where th
 DeepSpeed's input dtype (4.57 only)    :func:`adapt_arguments`: fp32 unless the config enables fp16
                                        or bf16, as 5.x and DeepSpeed itself decide
 ``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
-                                       ``parallelism_config`` as 5.x reads them
+                                       ``parallelism_config`` as 5.x reads them (5.0-5.2 have both,
+                                       computed the same way)
 =====================================  ===============================================================
 
 The loop iterates ``len(train_dataloader)`` updates per epoch, read once at the epoch's start: the
