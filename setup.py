@@ -19,8 +19,8 @@ setup(
     install_requires=[
         # The ranges are what CI runs (docs/versions.md): the whole suite on torch 2.13.0 (the README's
         # commands pin it: the CPU build here), the focused suite (scripts/test_torch_matrix.sh) on torch
-        # 2.11.0, 2.12.1, 2.14.1 and 2.15.0; deepspeed 0.19.8; transformers 5.18.0 and the newest 5.x,
-        # accelerate 1.15.
+        # 2.11.0, 2.12.1, 2.14.1 and 2.15.0; deepspeed 0.19.8; transformers 4.57.6, 5.0.0, 5.2.0, 5.3.0,
+        # 5.17.0 and the newest 5.x, accelerate 1.15.
         "torch>=2.11,<2.16",
         "deepspeed>=0.19.8,<0.20",
         "pydantic>=2.5,<3",
@@ -29,10 +29,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # transformers 4.57.6 and 5.18+ (ds_adabatch/integrations/hf/versions.py's REQUIREMENT: 5.0-5.17
-        # are refused there, with the reason), accelerate 1.15.
+        # transformers 4.57.6 (the last 4.x) up to the newest 5.x (ds_adabatch/integrations/hf/versions.py's
+        # REQUIREMENT), accelerate 1.15.
         "hf": [
-            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
+            "transformers>=4.57.6,<6",
             "accelerate>=1.15.0,<2",
         ],
         # TRL's trainers composed with AdaptiveBatchSizeTrainer (docs/trainer.md); TRL 1.16 runs on
@@ -47,7 +47,7 @@ setup(
             "hypothesis>=6.100",
             "ruff>=0.6",
             "matplotlib>=3.7",
-            "transformers>=4.57.6,<6,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.*,!=5.6.*,!=5.7.*,!=5.8.*,!=5.9.*,!=5.10.*,!=5.11.*,!=5.12.*,!=5.13.*,!=5.14.*,!=5.15.*,!=5.16.*,!=5.17.*",
+            "transformers>=4.57.6,<6",
             "accelerate>=1.15.0,<2",
             # One pure-Python wheel (its dependencies come with datasets); TRL 1.16 needs Python 3.11.
             'trl>=1.16.0,<1.17; python_version >= "3.11"',

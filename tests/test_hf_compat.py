@@ -1,7 +1,9 @@
-"""The transformers 4.57 ways in (``ds_adabatch/integrations/hf/compat.py``), one process, any release.
+"""The ways into transformers' one-function loop and the plain Trainer's fixes before 5.18
+(``ds_adabatch/integrations/hf/compat.py``), one process, any release.
 
-The whole Trainer suite runs on 4.57.6 in ``scripts/test_hf_floor.sh``; here, the pieces that answer
-4.57's loop arithmetic and token count, and that the mixin is used exactly on 4.x.
+The Trainer's focused suite runs on 4.57.6, 5.0.0, 5.2.0, 5.3.0 and 5.17.0 in
+``scripts/test_hf_floor.sh``; here, the pieces that answer the one-function loop's arithmetic and token
+count, and that each mixin is used exactly on the releases that behave as it assumes.
 """
 
 from __future__ import annotations
@@ -57,12 +59,39 @@ def test_the_token_count_sees_the_real_micro_batches_flat():
     assert int(inputs["attention_mask"].sum()) == 7 + 6
 
 
-def test_the_mixin_is_used_exactly_on_4x():
+def test_the_loop_mixin_is_used_exactly_where_the_loop_is_one_function():
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
 
-    legacy = transformers.__version__.startswith("4.")
-    assert (compat.Transformers4Loop in AdaptiveBatchSizeTrainer.__mro__) == legacy
+    # 5.3 split the loop into _init_training_state / _prepare_for_training / _run_epoch.
+    one_function = not hasattr(transformers.Trainer, "_prepare_for_training")
+    assert (compat.OneFunctionLoop in AdaptiveBatchSizeTrainer.__mro__) == one_function
     assert AdaptiveBatchSizeTrainer.__name__ == "AdaptiveBatchSizeTrainer"
+
+
+def _filled_warmup(tmp_path) -> object:
+    """What this release's deepspeed_init writes into an "auto" warmup_num_steps without a warmup."""
+    from transformers import TrainingArguments
+
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 0},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
+    }
+    args = TrainingArguments(str(tmp_path), deepspeed=ds, warmup_steps=0, report_to=[], use_cpu=True)
+    assert compat.auto_warmup(args)
+    config = args.hf_deepspeed_config
+    config.trainer_config_finalize(args, torch.nn.Linear(2, 2), 10)  # as deepspeed_init calls it
+    return config.get_value("scheduler.params.warmup_num_steps")
+
+
+def test_the_fixes_are_mixed_in_exactly_where_the_release_fills_a_zero_warmup(tmp_path, monkeypatch):
+    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    filled = _filled_warmup(tmp_path)
+    assert filled in (0, 1), filled
+    assert (compat.PlainTrainerFixes in AdaptiveBatchSizeTrainer.__mro__) == (filled == 0)
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith("4."), reason="a transformers 4.57 argument")

@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from ds_adabatch.config import ConfigError
-from ds_adabatch.integrations.hf.versions import legacy_loop
+from ds_adabatch.integrations.hf.versions import legacy_loop, transformers_4
 
 transformers = pytest.importorskip("transformers")
 
 LEGACY = legacy_loop()
-"""transformers 4.57 (its own loop, banner and log rounding)."""
+"""transformers 4.57.6 and 5.0-5.2: the one-function loop (its banner has no steps-per-epoch line)."""
+ROUNDS = transformers_4()
+"""transformers 4.57 logs the loss rounded to 4 decimals."""
 
 
 @pytest.fixture(autouse=True)
@@ -239,7 +241,7 @@ def test_the_jsonl_log_has_every_step_with_its_global_mean_loss(tmp_path):
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "train_coverage" in e}
     for r, plan in zip(records, _plans(rec)):
         # transformers 4.57 logs the loss rounded to 4 decimals; 5.x as computed.
-        assert r["loss"] == pytest.approx(logged[r["step"]], rel=1e-6, abs=5e-5 if LEGACY else 0)
+        assert r["loss"] == pytest.approx(logged[r["step"]], rel=1e-6, abs=5e-5 if ROUNDS else 0)
         assert [r["global_batch"], r["micro_batch_per_gpu"], r["gradient_accumulation_steps"]] == plan
     assert records[-1]["samples"] == 48 and records[-1]["epoch"] == pytest.approx(2.0)
     assert all(r["grad_norm"] is not None and math.isfinite(r["lr"]) for r in records)
@@ -318,7 +320,7 @@ def test_the_banner_and_state_give_replayed_steps_epochs_and_gas(tmp_path):
     text = "\n".join(lines)
     first_epoch = sum(1 for s in rec.steps if s["epoch"] <= 1.0 + 1e-9)
     epochs = math.ceil(rec.steps[-1]["epoch"] - 1e-9)
-    if not LEGACY:  # transformers 4.57's banner has no steps-per-epoch line (ds_adabatch's says it)
+    if not LEGACY:  # the one-function loop's banner has no steps-per-epoch line (ds_adabatch's says it)
         assert f"Num update steps per epoch = {first_epoch} in the first epoch" in text, text
     assert f"optimizer steps per epoch: {first_epoch} in the first epoch" in text, text
     assert f"Num Epochs = {epochs} (estimated from the schedule)" in text and "9,223,372" not in text

@@ -252,11 +252,11 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
         "gas4": [[8, 1, 4]] * 2,
         "changing": [[2, 1, 1], [8, 1, 4], [4, 1, 2], [6, 1, 3]],
     }
-    from ds_adabatch.integrations.hf.versions import legacy_loop
+    from ds_adabatch.integrations.hf.versions import transformers_4
 
     # transformers 4.57's BertForSequenceClassification.forward takes no **kwargs (5.x's does): there the
     # Trainer normalises BERT by samples, and the step must still be the exact mean.
-    takes_kwargs = {"bert": not legacy_loop(), "gpt2": True, "plain": False}
+    takes_kwargs = {"bert": not transformers_4(), "gpt2": True, "plain": False}
     out = _results(request, backend)
     for rank in (0, 1):
         result = _read(out, "models", backend, rank)
@@ -271,7 +271,7 @@ def test_every_kind_of_model_steps_with_the_exact_mean_and_logs_the_true_loss(re
                     f"{s['grad_ratio']:.6f}x the full-batch mean's norm, max rel. error {s['grad_rel_err']:.3g}"
                 )
                 # (transformers 4.57 logs the loss rounded to 4 decimals.)
-                rounding = 5e-5 if legacy_loop() else 0
+                rounding = 5e-5 if transformers_4() else 0
                 assert s["logged_loss"] == pytest.approx(s["true_loss"], rel=1e-5, abs=rounding), (
                     f"{backend} {name} step {k + 1}: logged loss {s['logged_loss']}, true mean {s['true_loss']}"
                 )

@@ -5,9 +5,9 @@
   constant global batch (the whole dataset, so both train exactly the same samples every step): the
   parameters after two steps agree as closely as TRL's trainer agrees with itself at another split
   of that batch (one micro-batch per rank against two), and a fraction of the distance a wrong
-  normalisation gives (the mean of micro-batch means is 0.2 away where these are 0.002). On
-  transformers 4.57 the reference counts the target tokens after the causal shift, as 5.x does (4.57's
-  own count is one per sequence too many: ``trl_worker.classes``).
+  normalisation gives (the mean of micro-batch means is 0.2 away where these are 0.002). Before
+  transformers 5.10 the reference counts the target tokens after the causal shift, as 5.10+ does (the
+  older releases' own count is one per sequence too many: ``trl_worker.classes``).
 * ``tests/trl_sft_script.py``: TRL's own ``trl/scripts/sft.py`` with the documented swap, under DeepSpeed
   ZeRO-2 with a linear ramp in the config's ``"adabatch"`` section, on a tiny local Llama, character
   tokenizer and JSON-lines dataset: its JSONL says every step's batch and the epoch's samples.

@@ -125,17 +125,18 @@ def classes(case: str):
     from trl import DPOTrainer, SFTTrainer
 
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
-    from ds_adabatch.integrations.hf.versions import legacy_loop
 
     base = DPOTrainer if case == "dpo" else SFTTrainer
-    if legacy_loop() and case != "dpo":
+    if case != "dpo":
 
         class ShiftedCount(base):
-            # transformers 4.57 Trainer._get_num_items_in_batch counts labels != -100 before the causal
-            # shift (one target per unmasked sequence start too many; 5.x counts after it), so TRL's
-            # loss is the token sum over a count that is not its tokens': the reference counts the
-            # step's target tokens, as 5.x does.
+            # transformers before Trainer._loss_shifts_labels (4.57.6 to 5.9; 5.10 added it) count
+            # labels != -100 in Trainer._get_num_items_in_batch before the causal shift (one target per
+            # unmasked sequence start too many), so TRL's loss is the token sum over a count that is not
+            # its tokens': the reference counts the step's target tokens, as later releases do.
             def _get_num_items_in_batch(self, batch_samples, device):
+                if hasattr(self, "_loss_shifts_labels"):  # the release counts after the shift itself
+                    return super()._get_num_items_in_batch(batch_samples, device)
                 shifted = [{**b, "labels": b["labels"][..., 1:]} for b in batch_samples]
                 return super()._get_num_items_in_batch(shifted, device)
 

@@ -1,19 +1,21 @@
-"""transformers 4.57: where ``AdaptiveBatchSizeTrainer`` plugs into the one-function training loop.
+"""transformers 4.57.6 and 5.0-5.17: where ``AdaptiveBatchSizeTrainer`` plugs into older loops.
 
-From 5.18 the Trainer's loop calls the methods the integration overrides (``hf.versions`` lists them):
+From 5.3 the Trainer's loop calls the methods the integration overrides (``hf.versions`` lists them):
 ``_init_training_state`` and ``_prepare_for_training`` exist, ``set_initial_training_values`` takes
 ``(args, dataloader)``, ``_track_num_input_tokens`` counts the tokens. transformers 4.57.6 (the last
-4.x) runs the same steps inline in ``Trainer._inner_training_loop``; :class:`Transformers4Loop` is mixed
-into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop offers a way in:
+4.x) and 5.0-5.2 run the same steps inline in ``Trainer._inner_training_loop``; :class:`OneFunctionLoop`
+is mixed into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop offers a way in
+(the rows say 4.57; 5.0-5.2 are the same but where a row names 5.1):
 
 =====================================  ===============================================================
-5.18+ (``hf.trainer``)                 4.57.6 (this module)
+5.3+ (``hf.trainer``)                  4.57.6, 5.0-5.2 (this module)
 =====================================  ===============================================================
 ``set_initial_training_values``        same name, ``(args, dataloader, total_train_batch_size)``,
 (the run's bounds)                     returning ``(epochs, steps per epoch, examples, samples,
                                        epoch_based, batches per epoch, LR length)``
-``_prepare_for_training`` (GAS)        ``create_optimizer_and_scheduler``, which 4.57 calls right after
-                                       ``deepspeed_init``: the banner's GAS (the loop reads
+``_prepare_for_training`` (GAS)        ``create_optimizer``, which 4.57 calls right after
+                                       ``deepspeed_init`` (inside ``create_optimizer_and_scheduler``;
+                                       5.1+ directly): the banner's GAS (the loop reads
                                        ``args.gradient_accumulation_steps`` at every update and must
                                        see 1: one loader item is one step)
 ``_init_training_state`` (resume)      ``_load_callback_state``, which 4.57 calls right after it
@@ -26,25 +28,25 @@ into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop o
 ``_prepare_for_training`` (LR, log)    the ``deepspeed`` attribute, which 4.57 assigns right after
                                        ``accelerator.prepare`` builds the engine and before a resumed
                                        engine loads its checkpoint: the scheduler is coupled there,
-                                       as 5.18+ does in ``create_scheduler`` after ``prepare``
+                                       as 5.3+ does in ``create_scheduler`` after ``prepare`` (5.1+
+                                       makes it there too; it is made again on the same optimizer)
 ``_track_num_input_tokens``            4.57 counts inline ``inputs[main_input_name]`` /
                                        ``inputs["attention_mask"]`` of each loop item:
                                        :class:`CountedStepInputs` shows it the step's real
                                        micro-batches, flattened (zero-weight pads left out)
 ``get_total_train_batch_size``         the banner's total batch: the first step's global batch
-DeepSpeed's ``"auto"`` warmup         ``create_optimizer_and_scheduler`` (4.57 calls it right after
-                                       ``deepspeed_init``): 0 becomes 1, as 5.18 fills it
-a CPU multi-process optimizer resume   ``_load_optimizer_and_scheduler``: ``map_location="cpu"``, as
-                                       5.18 (4.57's ``cpu:0`` cannot be restored by torch)
-DeepSpeed's input dtype               :func:`adapt_arguments`: fp32 unless the config enables fp16
+DeepSpeed's input dtype (4.57 only)    :func:`adapt_arguments`: fp32 unless the config enables fp16
                                        or bf16, as 5.x and DeepSpeed itself decide
 ``get_cp_size`` / ``get_sp_size``      added (4.57 has ``get_tp_size`` only), from accelerate's
-                                       ``parallelism_config`` as 5.x reads them
+                                       ``parallelism_config`` as 5.x reads them (5.0-5.2 have both,
+                                       computed the same way)
 =====================================  ===============================================================
 
 The loop iterates ``len(train_dataloader)`` updates per epoch, read once at the epoch's start: the
 step loader reports an upper bound there (the dataset's samples), and ends the epoch itself where the
-stream does, as on 5.18+. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
+stream does, as on 5.3+. :class:`PlainTrainerFixes` is mixed in on every release before 5.18 (both
+loops): the ``"auto"`` warmup DeepSpeed refuses and the CPU optimizer resume torch refuses, each fixed
+as 5.18 fixes it. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
 training dataloader once before training, which would draw from the sample stream: it is refused.
 """
 
@@ -58,7 +60,7 @@ import torch
 
 from .data import StepInputs, StepLoader
 from .progress import ShownInt
-from .versions import legacy_loop
+from .versions import legacy_loop, plain_trainer_faults, transformers_4
 
 _OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers 4.57 OPTIMIZER_NAME, SCHEDULER_NAME
 
@@ -66,8 +68,10 @@ __all__ = [
     "LOOP_MIXINS",
     "CountedStepInputs",
     "StepsPerEpoch",
-    "Transformers4Loop",
+    "OneFunctionLoop",
+    "PlainTrainerFixes",
     "adapt_arguments",
+    "auto_warmup",
     "check_arguments",
 ]
 
@@ -79,7 +83,7 @@ class StepsPerEpoch(ShownInt):
     skipping ``global_step % steps_per_epoch`` batches; the sample stream knows its own epoch and
     skips nothing (its cursor is in the checkpoint). ``int // StepsPerEpoch`` asks ``epoch_of(step)``
     (Python tries the right operand's reflected method first when it is a subclass of the left's type),
-    and ``int % StepsPerEpoch`` is 0, as 5.18+ ``_init_training_state`` returns ``(epoch, 0)``.
+    and ``int % StepsPerEpoch`` is 0, as 5.3+ ``_init_training_state`` returns ``(epoch, 0)``.
     """
 
     epoch_of: Callable[[int], int]
@@ -122,9 +126,58 @@ class CountedStepInputs(StepInputs):
         return torch.cat(parts)
 
 
-class Transformers4Loop:
+class PlainTrainerFixes:
+    """Two faults of the plain ``Trainer`` before 5.18 (4.57.6 and 5.0-5.17), each stopping a run on
+    these machines, fixed as 5.18 fixes them; mixed into the trainer on those releases (``LOOP_MIXINS``).
+
+    * ``deepspeed_init`` (``HfTrainerDeepSpeedConfig.trainer_config_finalize``) fills an ``"auto"``
+      ``scheduler.params.warmup_num_steps`` with ``args.get_warmup_steps()``, 0 without a warmup, and
+      deepspeed 0.19.8's ``WarmupLR`` refuses 0 when ``accelerator.prepare`` builds the engine. 5.18 fills
+      ``max(1, steps)``; so does :meth:`create_optimizer`, which every release calls right after
+      ``deepspeed_init`` and before ``prepare`` (4.57-5.1 through ``create_optimizer_and_scheduler``).
+    * A multi-process run's ``optimizer.pt`` is loaded with ``map_location=args.device``, which is
+      ``cpu:0`` on CPU ranks under accelerate 1.15, and torch cannot restore storages tagged ``cpu:0``.
+      5.18 loads it on ``"cpu"``; so does :meth:`_load_optimizer_and_scheduler`, for that case only.
+    """
+
+    args: Any
+    is_deepspeed_enabled: bool
+    _auto_warmup: bool
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        if self.is_deepspeed_enabled and config is not None and self._auto_warmup:
+            node, key = config.find_config_node("scheduler.params.warmup_num_steps")
+            if node is not None and node.get(key) == 0:
+                node[key] = 1
+        return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        # Trainer._load_optimizer_and_scheduler before 5.18 loads a multi-process run's optimizer.pt with
+        # map_location=args.device, torch.device("cpu:0") on CPU ranks under accelerate 1.15, and torch
+        # cannot restore storages tagged "cpu:0". 5.18 loads it on "cpu"; so does this, for that case
+        # only (no DeepSpeed or FSDP, which load their own state).
+        if (
+            checkpoint is None
+            or self.is_deepspeed_enabled
+            or getattr(self, "is_fsdp_enabled", False)
+            or self.args.world_size <= 1
+            or self.args.device.type != "cpu"
+            or not os.path.isfile(os.path.join(checkpoint, _OPTIMIZER))
+            or not os.path.isfile(os.path.join(checkpoint, _SCHEDULER))
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        optimizer = torch.load(os.path.join(checkpoint, _OPTIMIZER), map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(optimizer)  # type: ignore[attr-defined]
+        scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[attr-defined]
+        return None
+
+
+class OneFunctionLoop:
     """The overrides :class:`~ds_adabatch.integrations.hf.trainer.AdaptiveBatchSizeTrainer` adds on
-    transformers 4.57 (see the module docstring for where each reaches the loop)."""
+    transformers 4.57.6 and 5.0-5.2 (see the module docstring for where each reaches the loop)."""
 
     # Provided by AdaptiveBatchSizeTrainer / transformers.Trainer.
     args: Any
@@ -188,7 +241,7 @@ class Transformers4Loop:
     def deepspeed(self, engine: Any) -> None:
         # 4.57 Trainer._inner_training_loop assigns the engine accelerate built, before a resumed run
         # loads its DeepSpeed checkpoint: the LR scheduler is coupled to the engine now, so the
-        # checkpoint's scheduler state loads into the coupled scheduler (5.18+ does this in
+        # checkpoint's scheduler state loads into the coupled scheduler (5.3+ does this in
         # create_scheduler, which its loop calls after accelerator.prepare).
         self.__dict__["_deepspeed_wrapped"] = engine
         if engine is None or not self.is_in_train or self.batch_state is None:
@@ -203,41 +256,15 @@ class Transformers4Loop:
         if self._lr_coupling is None:
             self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        # 4.57 calls this right after deepspeed_init, whose HfTrainerDeepSpeedConfig.trainer_config_finalize
-        # filled an "auto" scheduler.params.warmup_num_steps with args.get_warmup_steps(), 0 without a
-        # warmup; deepspeed 0.19.8's WarmupLR refuses 0 when accelerator.prepare builds the engine next.
-        # 5.18 fills max(1, steps) there: so does this.
-        super().create_optimizer_and_scheduler(num_training_steps)  # type: ignore[misc]
-        # The banner's GAS and the loop's 1, now that deepspeed_init has checked the DeepSpeed config's
-        # accumulation steps against the arguments' (as 5.x sets them after it, in _prepare_for_training).
-        self._show_first_gas()  # type: ignore[attr-defined]
-        config = getattr(self.args, "hf_deepspeed_config", None)
-        if self.is_deepspeed_enabled and config is not None:
-            node, key = config.find_config_node("scheduler.params.warmup_num_steps")
-            if node is not None and node.get(key) == 0:
-                node[key] = 1
-
-    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
-        # 4.57 loads a multi-process run's optimizer.pt with map_location=args.device, which is
-        # torch.device("cpu:0") on CPU ranks under accelerate 1.15, and torch cannot restore storages
-        # tagged "cpu:0". 5.18 loads it on "cpu"; so does this, for that case only (no DeepSpeed or
-        # FSDP, which load their own state).
-        if (
-            checkpoint is None
-            or self.is_deepspeed_enabled
-            or getattr(self, "is_fsdp_enabled", False)
-            or self.args.world_size <= 1
-            or self.args.device.type != "cpu"
-            or not os.path.isfile(os.path.join(checkpoint, _OPTIMIZER))
-            or not os.path.isfile(os.path.join(checkpoint, _SCHEDULER))
-        ):
-            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        optimizer = torch.load(os.path.join(checkpoint, _OPTIMIZER), map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(optimizer)  # type: ignore[attr-defined]
-        scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
-        self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[attr-defined]
-        return None
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        # 4.57-5.1 call this (inside create_optimizer_and_scheduler) and 5.2 directly, right after
+        # deepspeed_init, which checked the DeepSpeed config's accumulation steps against the arguments':
+        # the banner's GAS and the loop's 1 (as 5.3+ sets them after it, in _prepare_for_training).
+        # deepspeed_init may itself call it (a config without an optimizer), after that check too.
+        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+        if self.is_in_train and self.batch_state is not None:
+            self._show_first_gas()  # type: ignore[attr-defined]
+        return optimizer
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any) -> tuple[list, None]:
         items, count = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
@@ -265,7 +292,7 @@ def adapt_arguments(args: Any) -> None:
     as DeepSpeed already reads it, and the input dtype set to match.
     """
     config = getattr(args, "hf_deepspeed_config", None)
-    if not legacy_loop() or config is None:
+    if not transformers_4() or config is None:
         return
     if config.get_value("fp16.enabled") is None and not config.is_true("bf16.enabled"):
         config.config.setdefault("fp16", {})["enabled"] = False
@@ -275,5 +302,16 @@ def adapt_arguments(args: Any) -> None:
         config._dtype = torch.float32
 
 
-LOOP_MIXINS: tuple[type, ...] = (Transformers4Loop,) if legacy_loop() else ()
-"""Mixed into the trainer before ``transformers.Trainer``: the 4.57 ways in, or nothing on 5.18+."""
+def auto_warmup(args: Any) -> bool:
+    """Whether the run's DeepSpeed config leaves ``scheduler.params.warmup_num_steps`` to the Trainer
+    (``"auto"``), read before ``deepspeed_init`` fills it."""
+    config = getattr(args, "hf_deepspeed_config", None)
+    return config is not None and config.get_value("scheduler.params.warmup_num_steps") == "auto"
+
+
+LOOP_MIXINS: tuple[type, ...] = (
+    *((OneFunctionLoop,) if legacy_loop() else ()),
+    *((PlainTrainerFixes,) if plain_trainer_faults() else ()),
+)
+"""Mixed into the trainer before ``transformers.Trainer``: the ways into the one-function loop (4.57.6,
+5.0-5.2) and the plain Trainer's two fixes (before 5.18); nothing on 5.18+."""

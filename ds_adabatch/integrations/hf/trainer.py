@@ -12,9 +12,9 @@ Where the global batch comes from: the scheduler (asked for step 0 too; largest 
 ``per_device_train_batch_size x gradient_accumulation_steps x world size``. ``hf.config`` says
 what every key of the section does under the Trainer.
 
-Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 4.57.6 and 5.18
-to 5.x and accelerate 1.15+, checked at construction: ``hf.versions``; on 4.57 ``hf.compat`` reaches the
-same steps of its one-function loop). The Trainer's outer loop is kept, so
+Design (written against transformers 5.23 and accelerate 1.15; runs on transformers 4.57.6 to 5.x and
+accelerate 1.15+, checked at construction: ``hf.versions``; on 4.57.6 and 5.0-5.2 ``hf.compat`` reaches
+the same steps of their one-function loop, and fixes two faults of the plain Trainer before 5.18). The Trainer's outer loop is kept, so
 callbacks, logging, evaluation, checkpoint rotation and hub pushes behave as usual; only the data and
 the inside of one optimizer step change:
 
@@ -69,7 +69,7 @@ from ds_adabatch.runtime.recovery import OomRecovery
 from ds_adabatch.runtime.restart_record import RestartRecords
 
 from .callback import AdaptiveBatchCallback
-from .compat import LOOP_MIXINS, adapt_arguments, check_arguments
+from .compat import LOOP_MIXINS, adapt_arguments, auto_warmup, check_arguments
 from .config import TrainerSection, read_trainer_section
 from .data import StepInputs, StepLoader
 from .dist import trainer_arguments
@@ -147,8 +147,8 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
     ``unit: "tokens"`` sets each step's token target.
 
     Raises:
-        RuntimeError: transformers or accelerate outside the releases it runs on (transformers 4.57.6
-            or >= 5.18, < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
+        RuntimeError: transformers or accelerate outside the releases it runs on (transformers
+            >= 4.57.6, < 6; accelerate >= 1.15, < 2: ``hf.versions`` says why), before anything else.
         ValueError: on transformers 4.57, ``include_tokens_per_second=True`` (``hf.compat``).
         TypeError: ``batch_size_scheduler`` is not callable.
         ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
@@ -221,6 +221,8 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
         self._resume_path: Any = None
+        # Read before deepspeed_init fills it (transformers before 5.18 fills 0: hf.compat).
+        self._auto_warmup = auto_warmup(self.args)
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
         self.callback_handler.callbacks.insert(0, AdaptiveBatchCallback(self))
 
