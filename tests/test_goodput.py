@@ -256,6 +256,12 @@ def test_holds_until_the_noise_scale_is_known_and_moves_only_where_its_uncertain
     confident = decide_affine(20, 0.1)
     # Confident, it moves to the maximum of B / (0.02 + 0.004 B / 2) x 58 / (50 + B): 22.
     assert confident.global_batch == 22, confident.reason
+    # Back toward start needs only the estimate: at 16 (an exploration) with B_noise 5 +- a factor 16,
+    # the estimate favours the smaller batch, which the interval's high end would not.
+    back = affine.next_global_batch(
+        ScheduleContext(step=30, noise_scale=5.0, noise_scale_error=1.4, **{**base, "global_batch": 16})
+    )
+    assert 8 <= back.global_batch < 16 and "back toward start" in back.reason, back.reason
     state = controller.state_dict()
     again = BatchSizeController(section, 2)
     again.load_state_dict(state)

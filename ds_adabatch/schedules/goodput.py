@@ -17,8 +17,10 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
                  explore_factor x the largest measured (untried shapes are predicted, and explored
                  in bounded steps), and never a micro-batch above the limit (the planner's)
     gain(B) = goodput(B) / goodput(current) at B_noise, or, while the estimate is not yet
-              confident (relative error e > max_relative_error), the smaller of the gains at
-              B_noise / exp(2e) and B_noise x exp(2e): a move must pay wherever B_noise may be
+              confident (relative error e > max_relative_error) and B is farther from start than
+              the current batch, the smaller of the gains at B_noise / exp(2e) and B_noise x exp(2e):
+              leaving start must pay wherever B_noise may be; a move back toward it (after an
+              exploration that measured worse than its flat prediction) needs only the estimate
     best = the candidate of largest gain (the smaller batch on a tie)
     if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
@@ -162,12 +164,18 @@ class GoodputSchedule:
         now = self.rate(ctx, current, noise)
         if now is None:
             return self._hold(current, f"the current batch {current} cannot be rated")
-        edges = band or (noise,)  # a confident estimate: its value; else the ends of its interval
+        start = self.reference_batch
 
         def gain(batch: int, rating: tuple[float, float, Any]) -> float:
-            """The goodput of ``batch`` over the current batch's, the least across ``edges``."""
+            """The goodput of ``batch`` over the current batch's: at the estimate, or, while it is not
+            yet confident and ``batch`` lies farther from ``start`` than the current batch, the least
+            across the estimate's interval (leaving the configured start needs a move that pays
+            wherever B_noise may be; coming back toward it, after an exploration measured worse than
+            predicted, needs only the estimate)."""
+            away = abs(math.log(batch / start)) > abs(math.log(current / start))
+            edges = band if band and away else (noise,)
             speedup = rating[0] / now[0]
-            return min(speedup * _efficiency_gain(batch, current, e, self.reference_batch) for e in edges)
+            return min(speedup * _efficiency_gain(batch, current, e, start) for e in edges)
 
         best, best_rating, best_gain = current, now, 1.0
         for batch in self._candidates(ctx.world_size, current):
@@ -194,7 +202,10 @@ class GoodputSchedule:
                 said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
             return self._hold(current, f"goodput {said}")
         if band:
-            said += f"; batch {best} gains {best_gain - 1:+.1%} across that interval"
+            back = abs(math.log(best / start)) <= abs(math.log(current / start))
+            said += f"; batch {best} gains {best_gain - 1:+.1%} " + (
+                "at the estimate (back toward start)" if back else "across that interval"
+            )
         self._keep_rating(best_rating)
         self.moves += 1
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
