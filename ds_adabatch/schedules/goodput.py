@@ -149,8 +149,13 @@ class GoodputSchedule:
             return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
         band = self._uncertainty_band(noise, error)
         unsure = (
-            f"B_noise {noise:.6g} not yet confident (relative error "
-            f"{error if error is None else f'{error:.3g}'} > {self.max_relative_error})"
+            ""
+            if band is None
+            # said only while the estimate is not yet confident
+            else (
+                f"B_noise {noise:.6g} not yet confident (relative error "
+                f"{error if error is None else f'{error:.3g}'} > {self.max_relative_error})"
+            )
         )
         if band == ():
             return self._hold(current, unsure)
