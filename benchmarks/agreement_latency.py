@@ -5,7 +5,7 @@ own gloo group, as the runtime builds them) and times, interleaved in rounds, th
 one call of:
 
 - ``flags all-reduce (before)``: the out-of-memory agreement as it was, an all-reduce of N float32 flags;
-- ``recursive doubling (now)``: :class:`ds_adabatch.runtime.agreement.HostAgreement` reducing
+- ``recursive doubling (now)``: :class:`ds_adabatch.runtime.distributed.agreement.HostAgreement` reducing
   ``[anyone failed, -predicted micro-batch limit]`` (max, max): what every reducing pass pays now;
 - ``StepSync all-reduce``: ``comm.all_reduce_sum`` of ``--values`` float64 (the one collective a step
   issues when it has per-rank values to sum: token counts, noise-scale sums, a user function's answer,
@@ -48,8 +48,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ds_adabatch.runtime import comm  # noqa: E402
-from ds_adabatch.runtime.agreement import HostAgreement, host_group  # noqa: E402
+from ds_adabatch.runtime.distributed import comm  # noqa: E402
+from ds_adabatch.runtime.distributed.agreement import HostAgreement, host_group  # noqa: E402
 
 METHODS = ("flags all-reduce (before)", "recursive doubling (now)", "StepSync all-reduce")
 PROJECT = (256, 1024, 4096, 16384)

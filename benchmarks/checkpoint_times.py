@@ -2,7 +2,7 @@
 
 Run on 2 ranks; for each ZeRO stage: a few steps, then ``engine.save_checkpoint`` (median of
 ``--saves``), then on rank 0 the conversion to DeepSpeed's universal format that a resume on another
-world size triggers (``ds_adabatch.runtime.elastic.ensure_universal``), then a load of that copy::
+world size triggers (``ds_adabatch.runtime.checkpoint.universal.ensure_universal``), then a load of that copy::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/checkpoint_times.py
 
@@ -21,7 +21,7 @@ import time
 from _harness import ROOT, lm_data, lm_model, median
 
 import ds_adabatch
-from ds_adabatch.runtime import elastic
+from ds_adabatch.runtime.checkpoint import universal as elastic
 
 
 def config(stage: int) -> dict:

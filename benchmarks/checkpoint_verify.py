@@ -30,7 +30,8 @@ from _harness import ROOT, lm_data, lm_model, median
 
 import ds_adabatch
 from ds_adabatch.checkpoint_manifest import checksum_file, hash_folder
-from ds_adabatch.runtime import checkpoint_verify, elastic
+from ds_adabatch.runtime.checkpoint import universal as elastic
+from ds_adabatch.runtime.checkpoint import verify as checkpoint_verify
 
 
 def _state(mb: int) -> dict[str, torch.Tensor]:

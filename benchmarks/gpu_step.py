@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import ds_adabatch  # noqa: E402
-from ds_adabatch.runtime.noise_probe import loss_scale  # noqa: E402
+from ds_adabatch.runtime.noise.probe import loss_scale  # noqa: E402
 
 MICRO, GAS, SEQ, VOCAB = 8, 4, 512, 16384
 

@@ -38,7 +38,7 @@ os.environ.setdefault("LOCAL_RANK", "0")
 import torch  # noqa: E402
 
 import ds_adabatch  # noqa: E402
-from ds_adabatch.runtime.oom import is_out_of_memory  # noqa: E402
+from ds_adabatch.runtime.memory.oom import is_out_of_memory  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
 

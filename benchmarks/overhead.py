@@ -67,7 +67,7 @@ def adaptive_loop(world: int, data, spec, extra: dict | None = None):
 
 
 def adaptive_user_loop(world: int, data, spec):
-    """The plain loop's body unchanged, over the loader ds_adabatch.initialize returns (runtime/loop.py)."""
+    """The plain loop's body unchanged, over the loader ds_adabatch.initialize returns (runtime/engine/loop.py)."""
     engine, loader = _adaptive_engine(world, data, spec)
     batches = iter(loader)
 

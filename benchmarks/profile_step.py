@@ -26,9 +26,9 @@ import ds_adabatch
 # Functions whose cumulative time is listed: DeepSpeed's calls and ds_adabatch's around them.
 CUMULATIVE = {
     "deepspeed/runtime/engine.py": ("forward", "backward", "step"),
-    "ds_adabatch/runtime/engine.py": ("train_batch", "_take_step_batch", "_complete_step"),
-    "ds_adabatch/runtime/loop.py": ("__next__", "_begin_loop_step", "backward", "step"),
-    "ds_adabatch/runtime/passes.py": ("__init__", "backward"),
+    "ds_adabatch/runtime/engine/data_parallel.py": ("train_batch", "_take_step_batch", "_complete_step"),
+    "ds_adabatch/runtime/engine/loop.py": ("__next__", "_begin_loop_step", "backward", "step"),
+    "ds_adabatch/runtime/core/passes.py": ("__init__", "backward"),
 }
 
 

@@ -29,10 +29,10 @@ if TYPE_CHECKING:  # pragma: no cover
         AdaptivePipelineEngine,
         LiveRecoveryFailed,
         UnrecoverableOutOfMemory,
-        initialize,
     )
-    from .runtime.comm import finish
-    from .runtime.process_group import init_distributed
+    from .runtime.distributed.comm import finish
+    from .runtime.distributed.process_group import init_distributed
+    from .runtime.initialize import initialize
 
 _LAZY = {
     "AdaBatchConfig": "ds_adabatch.config",
@@ -46,8 +46,8 @@ _LAZY = {
     "SampleLengths": "ds_adabatch.data",
     "TokenBudgetSampler": "ds_adabatch.data",
     "CheckpointCorrupt": "ds_adabatch.checkpoint_manifest",
-    "finish": "ds_adabatch.runtime.comm",
-    "init_distributed": "ds_adabatch.runtime.process_group",
+    "finish": "ds_adabatch.runtime.distributed.comm",
+    "init_distributed": "ds_adabatch.runtime.distributed.process_group",
 }
 
 __all__ = [

@@ -256,7 +256,7 @@ def _layout_problems(loaded: LoadedConfig, stages: int, tensor: int, replicas: i
     """What ``initialize`` would refuse for this layout (DeepSpeed's import only when it matters)."""
     if stages * tensor == 1:
         return []
-    from .plan.layout import ParallelLayout, model_parallel_problems, pipeline_config_problems
+    from .config.parallel import ParallelLayout, model_parallel_problems, pipeline_config_problems
 
     layout = ParallelLayout(replicas, 0, stages, tensor, 0)
     if stages > 1:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from .runtime import stand_ins
+from .runtime.memory import stand_ins
 
 __all__ = ["SimulatedMemoryLimit", "simulated_limit_installed", "simulated_memory", "simulated_memory_limit"]
 
@@ -41,8 +41,8 @@ def simulated_limit_installed() -> bool:
 def simulated_memory() -> SimulatedMemoryLimit | None:
     """The newest installed :func:`simulated_memory_limit` with a simulated memory
     (``device_memory_bytes``) that applies to this rank, else None. The runtime reads its counters in
-    place of the accelerator's (:mod:`ds_adabatch.runtime.memory_model`, through
-    :mod:`ds_adabatch.runtime.stand_ins`)."""
+    place of the accelerator's (:mod:`ds_adabatch.runtime.memory.predictor`, through
+    :mod:`ds_adabatch.runtime.memory.stand_ins`)."""
     found = stand_ins.memory_stand_in()
     return found if isinstance(found, SimulatedMemoryLimit) else None
 

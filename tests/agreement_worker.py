@@ -22,8 +22,8 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import ds_adabatch  # noqa: E402
-from ds_adabatch.runtime.agreement import HostAgreement, host_group  # noqa: E402
-from ds_adabatch.runtime.process_group import init_process_group_restart_safe  # noqa: E402
+from ds_adabatch.runtime.distributed.agreement import HostAgreement, host_group  # noqa: E402
+from ds_adabatch.runtime.distributed.process_group import init_process_group_restart_safe  # noqa: E402
 
 
 def main() -> None:

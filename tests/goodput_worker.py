@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import ds_adabatch  # noqa: E402
-from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV  # noqa: E402
+from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_worker import NOISE_DIM, GaussianRegression, full_params, half_mse  # noqa: E402

@@ -23,7 +23,7 @@ from hf_worker import IndexRegression, Regressor, StepRecorder, _args, flat  # n
 
 import ds_adabatch  # noqa: E402
 from ds_adabatch.integrations import AdaptiveBatchSizeTrainer  # noqa: E402
-from ds_adabatch.runtime.restart_record import new_record, write_record  # noqa: E402
+from ds_adabatch.runtime.memory.restart_record import new_record, write_record  # noqa: E402
 from ds_adabatch.testing import simulated_memory_limit  # noqa: E402
 
 SAMPLES = 32

@@ -593,7 +593,7 @@ GOODPUT_STEPS = 14
 def _run_goodput(out: Path, common: dict) -> dict:
     """The goodput schedule from the section, with a simulated flat step time (a host-bound step: a
     larger batch costs nothing more): the batch must climb to max_global_batch, explaining every move."""
-    from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV
+    from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV
 
     section = {
         "schedule": {

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_adabatch.runtime.live_recovery import is_peer_failure  # noqa: E402
-from ds_adabatch.runtime.live_sockets import cut_connections, listening_ports  # noqa: E402
+from ds_adabatch.runtime.live.recovery import is_peer_failure  # noqa: E402
+from ds_adabatch.runtime.live.sockets import cut_connections, listening_ports  # noqa: E402
 
 
 def main(rank: int, mode: str, store_port: int, service_port: int, out: str) -> None:

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node 2 --max-restarts 1 tests/oom_restart_worker.py OUT_DIR [--loop]
 (run by tests/test_oom_restart.py). ``--loop`` trains with DeepSpeed's forward / backward / step loop
-over the loader ``initialize`` returns instead of ``train_batch`` (runtime/loop.py): the same error is
+over the loader ``initialize`` returns instead of ``train_batch`` (runtime/engine/loop.py): the same error is
 recorded from ``engine(x)`` and the restart resumes the same way. Every parameter is partitioned (``stage3_param_persistence_threshold``
 0), so a forward gathers parameters before its first layer runs. The last rank fits 6 samples per
 forward (``simulated_memory_limit(6, phase="mid_forward")``: the error comes after the first layer, past

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_adabatch.runtime.agreement import HostAgreement
+from ds_adabatch.runtime.distributed.agreement import HostAgreement
 
 pytestmark = pytest.mark.multirank
 

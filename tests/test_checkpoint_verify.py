@@ -131,7 +131,7 @@ def test_checkpoint_without_manifest_loads_unverified_said_once(results):
 
 
 def test_each_file_is_listed_by_the_rank_that_wrote_it(results):
-    # The contract with DeepSpeed 0.19.8 (runtime/checkpoint_verify.py, recording_writes): every file of a
+    # The contract with DeepSpeed 0.19.8 (runtime/checkpoint/verify.py, recording_writes): every file of a
     # checkpoint is written through engine.checkpoint_engine.save, where the rank that writes it is seen.
     # Were it written another way, rank 0 would list it (hashing it after the save) and this would fail.
     files = read_manifest(str(results / "saved" / "global_step6"))

@@ -104,7 +104,7 @@ with deepspeed.zero.GatheredParameters(list(model.parameters())):
 again.backward(again(x).pow(2).mean())
 again.step()
 zero3["problems_again"] = internals.contract_problems(again)
-from ds_adabatch.runtime.live_snapshot import coverage_problem
+from ds_adabatch.runtime.live.snapshot import coverage_problem
 zero3["covered"] = coverage_problem(again)
 frozen = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 frozen[0].weight.requires_grad_(False)

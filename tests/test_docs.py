@@ -627,7 +627,7 @@ def _run_jobs(spec: str) -> None:
         raise Finished(exit_code)
 
     ds_adabatch.finish = finish
-    import ds_adabatch.runtime.comm as comm
+    import ds_adabatch.runtime.distributed.comm as comm
 
     comm.finish = finish
     rank = int(os.environ.get("RANK", "0"))

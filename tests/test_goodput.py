@@ -318,7 +318,7 @@ def test_simulate_goodput_with_a_step_time_curve(tmp_path):
 
 
 def test_noise_cadence_splits_one_pass_steps_one_in_four():
-    from ds_adabatch.runtime.noise_probe import SPLIT_BUDGET, SPLIT_EVERY, NoiseCadence
+    from ds_adabatch.runtime.noise.probe import SPLIT_BUDGET, SPLIT_EVERY, NoiseCadence
 
     cadence = NoiseCadence(_section().schedule)
     # One rank, GAS 1: only where the step can be split, and one due step in SPLIT_EVERY.
@@ -359,8 +359,13 @@ def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
 def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch):
     import time
 
-    from ds_adabatch.runtime.step_sync import StepSync
-    from ds_adabatch.runtime.step_times import SIMULATED_STEP_TIME_ENV, NoStepTimes, StepTimes, step_times_for
+    from ds_adabatch.runtime.core.step_times import (
+        SIMULATED_STEP_TIME_ENV,
+        NoStepTimes,
+        StepTimes,
+        step_times_for,
+    )
+    from ds_adabatch.runtime.core.sync import StepSync
 
     plan = plan_batch(16, 2, 4)  # micro 4 x gas 2 on 2 ranks
     model = ThroughputModel(skip_first=0)

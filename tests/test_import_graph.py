@@ -115,12 +115,104 @@ def find_cycle(graph: dict[str, set[str]], inside: str) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("inside", [f"{PACKAGE}.integrations", f"{PACKAGE}.schedules"])
+@pytest.mark.parametrize(
+    "inside", [PACKAGE, f"{PACKAGE}.integrations", f"{PACKAGE}.runtime", f"{PACKAGE}.schedules"]
+)
 def test_no_import_cycle(inside):
     graph = import_graph()
     assert any(n.startswith(inside) for n in graph), f"no module found under {inside}"
     cycle = find_cycle(graph, inside)
     assert cycle is None, f"import cycle in {inside}: " + " -> ".join(cycle or [])
+
+
+# The layers of the package, lowest first: a module imports only from its own layer or a lower one. The
+# package's ``__init__`` (the public facade, every name imported lazily) stands above them all.
+PACKAGE_LAYERS = [
+    "_version",
+    "checkpoint_manifest",
+    "plan",
+    "config",
+    "signals",
+    "schedules",
+    "data",
+    "runtime",
+    "integrations",
+    "launch",
+    "cli",
+    "testing",
+]
+# The runtime's capabilities, lowest first (docs/architecture.md draws the same picture): the door to
+# DeepSpeed's private names, process groups, memory, the noise scale, the step core, checkpoints, the
+# engines, the pipeline engine, live elasticity, and ``initialize`` that wires them.
+RUNTIME_LAYERS = [
+    "deepspeed_internals",
+    "distributed",
+    "memory",
+    "noise",
+    "core",
+    "checkpoint",
+    "engine",
+    "pipeline",
+    "live",
+    "initialize",
+]
+
+
+def _layer(module: str, under: str, layers: list[str]) -> int | None:
+    if not module.startswith(under + "."):
+        return None
+    head = module[len(under) + 1 :].split(".")[0]
+    assert head in layers, f"{under}.{head} is in no layer: add it to the list of layers in this test"
+    return layers.index(head)
+
+
+def upward_imports(graph: dict[str, set[str]], under: str, layers: list[str]) -> list[str]:
+    """``"a -> b"`` for every import of ``graph`` from a layer of ``under`` to a higher one."""
+    upward = []
+    for module, edges in sorted(graph.items()):
+        mine = _layer(module, under, layers)
+        if mine is None:
+            continue
+        for target in sorted(edges):
+            theirs = _layer(target, under, layers)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{module} -> {target}")
+    return upward
+
+
+@pytest.mark.parametrize(
+    ("under", "layers"), [(PACKAGE, PACKAGE_LAYERS), (f"{PACKAGE}.runtime", RUNTIME_LAYERS)]
+)
+def test_every_layer_imports_only_downward(under, layers):
+    upward = upward_imports(import_graph(), under, layers)
+    assert upward == [], "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_the_runtime_is_its_capabilities():
+    # Every runtime module lives in the sub-package of its capability; only the door stands alone.
+    flat = sorted(p.name for p in (ROOT / "runtime").glob("*.py") if p.name != "__init__.py")
+    assert flat == ["deepspeed_internals.py"], flat
+    folders = sorted(p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(RUNTIME_LAYERS[1:]), folders
+
+
+def test_a_layer_that_imports_upward_is_found(tmp_path):
+    root = tmp_path / "pkg"
+    _write(
+        root,
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/a.py": "def f():\n    from ..high import b\n",
+            "high/__init__.py": "",
+            "high/b.py": "from ..low.a import f\n",
+        },
+    )
+    graph = import_graph(root, "pkg")
+    assert upward_imports(graph, "pkg", ["low", "high"]) == ["pkg.low.a -> pkg.high.b"]
+    assert upward_imports(graph, "pkg", ["high", "low"]) == ["pkg.high.b -> pkg.low.a"]
+    with pytest.raises(AssertionError, match="pkg.low is in no layer"):
+        upward_imports(graph, "pkg", ["high"])
 
 
 def test_the_schedule_base_imports_no_schedule():
@@ -209,7 +301,7 @@ def test_the_imports_users_have_still_work():
 
 
 def test_no_production_module_imports_the_testing_helpers():
-    # The simulated memory (ds_adabatch.testing) is passed in through runtime/stand_ins.py: the runtime
+    # The simulated memory (ds_adabatch.testing) is passed in through runtime/memory/stand_ins.py: the runtime
     # reads whatever stands in for the accelerator, never the test helpers themselves.
     graph = import_graph()
     testing = f"{PACKAGE}.testing"

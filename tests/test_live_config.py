@@ -19,8 +19,8 @@ from _util import free_port, torchrun
 
 import ds_adabatch
 from ds_adabatch.launch import _script_index
-from ds_adabatch.runtime.comm import CollectiveError
-from ds_adabatch.runtime.live_recovery import is_peer_failure
+from ds_adabatch.runtime.distributed.comm import CollectiveError
+from ds_adabatch.runtime.live.recovery import is_peer_failure
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "live_worker.py"

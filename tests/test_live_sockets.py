@@ -1,4 +1,4 @@
-"""Breaking a generation's gloo connections (``runtime/live_sockets.py``), with two real processes.
+"""Breaking a generation's gloo connections (``runtime/live/sockets.py``), with two real processes.
 
 A gloo operation blocked on a peer wakes only when that peer's socket closes (torch 2.13's
 ``ProcessGroupGloo.abort()`` does not wake it): cutting the connections must wake it within

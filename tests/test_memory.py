@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ds_adabatch.config import ConfigError, load_ds_config
-from ds_adabatch.runtime.memory import MicroBatchMemory
-from ds_adabatch.runtime.memory_model import PeakMemoryModel
-from ds_adabatch.runtime.restart_record import new_record, read_records, remove_records, write_record
+from ds_adabatch.runtime.memory.limit import MicroBatchMemory
+from ds_adabatch.runtime.memory.predictor import PeakMemoryModel
+from ds_adabatch.runtime.memory.restart_record import new_record, read_records, remove_records, write_record
 from ds_adabatch.testing import simulated_memory, simulated_memory_limit
 
 

@@ -21,14 +21,14 @@ import torch
 
 from ds_adabatch.config import ConfigError
 from ds_adabatch.config.schedules import GradientNoiseScheduleConfig
-from ds_adabatch.runtime.adam_geometry import (
+from ds_adabatch.runtime.noise.adam_geometry import (
     SETTLED_STEPS,
     AdamPreconditioner,
     _Unit,
     check_noise_geometry,
     configured_geometry,
 )
-from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
+from ds_adabatch.runtime.noise.probe import NoiseProbe, update_estimator
 from ds_adabatch.signals import GradientNoiseEstimator
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The guard around DeepSpeed's JIT op loads (ds_adabatch/runtime/op_builds.py): a build lock left by a
+"""The guard around DeepSpeed's JIT op loads (ds_adabatch/runtime/distributed/op_builds.py): a build lock left by a
 killed process no longer stops every later start.
 
 The unit tests use real files, locks and processes in a temporary directory. The last test starts 2 ranks
@@ -23,7 +23,7 @@ import pytest
 from _util import free_port, run_killing_group
 from torch.utils import cpp_extension
 
-from ds_adabatch.runtime import op_builds
+from ds_adabatch.runtime.distributed import op_builds
 
 pytestmark = pytest.mark.matrix
 
@@ -85,7 +85,7 @@ def test_an_old_lock_of_a_running_build_is_waited_for(tmp_path):
 def test_the_guard_is_installed_exactly_where_torch_waits_for_the_lock_file_to_go():
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    from ds_adabatch.runtime.torch_compat import jit_build_lock_is_advisory
+    from ds_adabatch.runtime.distributed.torch_compat import jit_build_lock_is_advisory
 
     # torch 2.14.0 replaced FileBaton (a lock file whose existence blocks) with FileLock (an advisory lock).
     advisory = hasattr(cpp_extension, "FileLock")
@@ -153,8 +153,11 @@ def test_a_launch_starts_although_a_killed_process_left_the_shm_op_lock(tmp_path
         pytest.fail(
             "DeepSpeed's CPU shared-memory op is not compatible here: the launch below would not load it"
         )
-    build = "from ds_adabatch.runtime.op_builds import guard_jit_builds as g; g()\n" + probe.split("\n")[0]
-    build += "\nb.load(); from ds_adabatch.runtime.op_builds import build_directory; print(build_directory(b.NAME))"
+    build = (
+        "from ds_adabatch.runtime.distributed.op_builds import guard_jit_builds as g; g()\n"
+        + probe.split("\n")[0]
+    )
+    build += "\nb.load(); from ds_adabatch.runtime.distributed.op_builds import build_directory; print(build_directory(b.NAME))"
     done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     built = Path(done.stdout.strip().splitlines()[-1])

@@ -27,5 +27,5 @@ def test_import_does_not_pull_heavy_dependencies():
 def test_public_names_resolve():
     for name in ds_adabatch.__all__:
         assert getattr(ds_adabatch, name) is not None, name
-    assert ds_adabatch.initialize.__module__ == "ds_adabatch.runtime.initialize"
+    assert ds_adabatch.initialize.__module__ == "ds_adabatch.runtime.initialize.build"
     assert issubclass(ds_adabatch.ConfigError, ValueError) and issubclass(ds_adabatch.PlanError, ValueError)

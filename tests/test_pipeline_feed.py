@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ds_adabatch.config import load_ds_config
-from ds_adabatch.runtime.parallel_layout import ParallelLayout, model_parallel_problems, parallel_layout
-from ds_adabatch.runtime.pipeline_feed import (
+from ds_adabatch.runtime.initialize.layout import ParallelLayout, model_parallel_problems, parallel_layout
+from ds_adabatch.runtime.pipeline.feed import (
     WeightedPipelineLoss,
     check_pipeline_batch,
     loss_reduction,

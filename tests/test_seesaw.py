@@ -189,7 +189,7 @@ def test_curve_matches_deepspeed_scheduler_in_samples(section):
     # The closed form equals DeepSpeed's own scheduler stepped by the runtime's samples-mode wrapper.
     from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-    from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
+    from ds_adabatch.runtime.core.lr import BatchCoupledLR, CurrentBaseLR
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
     cls = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}

@@ -535,7 +535,7 @@ def test_noise_cadence_measures_every_n_steps_and_warns_once_when_it_cannot(capl
     import logging
 
     from ds_adabatch.config import AdaBatchConfig
-    from ds_adabatch.runtime.noise_probe import NoiseCadence
+    from ds_adabatch.runtime.noise.probe import NoiseCadence
 
     def schedule(spec):
         return AdaBatchConfig.model_validate({"schedule": spec, "max_micro_batch_per_gpu": 4}).schedule

@@ -1,4 +1,4 @@
-"""The step core (``runtime/step_core.py``): one decision cycle, held by every entry point.
+"""The step core (``runtime/core/step_core.py``): one decision cycle, held by every entry point.
 
 One process (no process group: a ``StepSync`` all-reduce sums the values themselves, and counts its
 collectives); the same decisions over two gloo ranks are checked through the engines in
@@ -15,10 +15,10 @@ import torch
 
 from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.plan import plan_batch
-from ds_adabatch.runtime.memory_model import _allocator_counters, _CudaCounters, _peak_and_resident
-from ds_adabatch.runtime.recovery import memory_for
-from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore, plan_change
-from ds_adabatch.runtime.step_sync import StepSync
+from ds_adabatch.runtime.core.step_core import Progress, StepAttachments, StepCore, plan_change
+from ds_adabatch.runtime.core.sync import StepSync
+from ds_adabatch.runtime.memory.predictor import _allocator_counters, _CudaCounters, _peak_and_resident
+from ds_adabatch.runtime.memory.recovery import memory_for
 from ds_adabatch.schedules import BatchSizeController
 
 ROOT = Path(__file__).resolve().parent.parent / "ds_adabatch"
@@ -117,7 +117,7 @@ def test_plan_changes_are_built_in_one_place():
         and getattr(node.func, "id", None) == "PlanChange"
         and any(k.arg for k in node.keywords)
     ]
-    assert built == ["runtime/step_core.py"], f"PlanChange is built field by field in {built}"
+    assert built == ["runtime/core/step_core.py"], f"PlanChange is built field by field in {built}"
 
 
 def test_every_entry_point_decides_through_the_core():
@@ -132,7 +132,7 @@ def test_every_entry_point_decides_through_the_core():
             for p in (ROOT / "integrations").rglob("*.py")
             if name in p.read_text(encoding="utf-8") and p.name in ("state.py", "step.py")
         )
-        assert users == ["runtime/step_core.py"], f"{name} is used outside the step core: {users}"
+        assert users == ["runtime/core/step_core.py"], f"{name} is used outside the step core: {users}"
 
 
 def test_the_allocator_counters_read_off_an_accelerator_are_the_stand_ins():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_adabatch.runtime.step_sync import StepSync
+from ds_adabatch.runtime.core.sync import StepSync
 
 
 def _recorder(log: list, name: str):

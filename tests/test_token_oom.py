@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from ds_adabatch.data.packing import micro_batch_cost, pack_step
 from ds_adabatch.data.tokens import SampleLengths, TokenBudgetSampler
-from ds_adabatch.runtime.agreement import HostAgreement
-from ds_adabatch.runtime.memory import MicroBatchMemory
-from ds_adabatch.runtime.oom import OomAgreement, UnrecoverableOutOfMemory
-from ds_adabatch.runtime.recovery import replan_token_step_after_oom
+from ds_adabatch.runtime.distributed.agreement import HostAgreement
+from ds_adabatch.runtime.memory.limit import MicroBatchMemory
+from ds_adabatch.runtime.memory.oom import OomAgreement, UnrecoverableOutOfMemory
+from ds_adabatch.runtime.memory.recovery import replan_token_step_after_oom
 from ds_adabatch.testing import simulated_memory_limit
 
 

@@ -42,7 +42,7 @@ def test_the_launcher_hooks_ds_adabatch_run_uses():
 def test_host_memory_snapshots_and_the_op_build_directory(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
-    from ds_adabatch.runtime.op_builds import build_directory
+    from ds_adabatch.runtime.distributed.op_builds import build_directory
 
     # live_snapshot: a tensor backed by a shared file, seen by a second mapping of the same file.
     path = str(tmp_path / "slot")

@@ -4,7 +4,7 @@ With ``enabled`` the survivors of a lost node keep their processes: they abandon
 form a new process group among themselves on the launcher's store, rebuild the DeepSpeed engine for the
 smaller world, restore the weights and optimizer state from host-memory snapshots (each rank keeps its
 own ZeRO partition and a copy of one other rank's) and re-plan the same global batch
-(:mod:`ds_adabatch.runtime.live_recovery`). What it needs and covers is in ``docs/clusters.md``.
+(:mod:`ds_adabatch.runtime.live.recovery`). What it needs and covers is in ``docs/clusters.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The DeepSpeed runtime: ``initialize``, ``AdaptiveBatchEngine`` and ``AdaptivePipelineEngine``."""
 
-from .engine import AdaptiveBatchEngine
-from .initialize import initialize
-from .live_recovery import LiveRecoveryFailed
-from .lr import BatchCoupledLR
-from .memory import MicroBatchMemory
-from .metrics import PlanChange, StepMetrics
-from .oom import UnrecoverableOutOfMemory
-from .pipeline import AdaptivePipelineEngine
-from .step_loss import StepLoss
+from .core.loss import StepLoss
+from .core.lr import BatchCoupledLR
+from .core.metrics import PlanChange, StepMetrics
+from .engine.data_parallel import AdaptiveBatchEngine
+from .initialize.build import initialize
+from .live.recovery import LiveRecoveryFailed
+from .memory.limit import MicroBatchMemory
+from .memory.oom import UnrecoverableOutOfMemory
+from .pipeline.engine import AdaptivePipelineEngine
 
 __all__ = [
     "AdaptiveBatchEngine",

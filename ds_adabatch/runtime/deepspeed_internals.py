@@ -25,8 +25,8 @@ What the runtime needs from DeepSpeed's inside, by job:
 
 Not yet behind this door (read through attributes DeepSpeed keeps without a leading underscore, each
 commented where it is read): the flat-buffer layouts of the ZeRO optimizers that
-``runtime/adam_geometry.py`` and ``runtime/live_snapshot.py`` walk, DeepSpeed's ``/dev/shm`` buffer name
-(``runtime/process_group.py``) and the JIT build lock (``runtime/op_builds.py``).
+``runtime/noise/adam_geometry.py`` and ``runtime/live/snapshot.py`` walk, DeepSpeed's ``/dev/shm`` buffer name
+(``runtime/distributed/process_group.py``) and the JIT build lock (``runtime/distributed/op_builds.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ LR through a :class:`BaseLRSource`: ``source.base_lr(samples)`` is the learning 
 schedule sets for the optimizer step that starts after ``samples`` samples, *before* any batch-size
 multiplier (``lr_scaling``), for the first parameter group. Two implementations exist:
 
-* the runtime's (``ds_adabatch.runtime.lr.CurrentBaseLR``): the LR the wrapped DeepSpeed or torch
+* the runtime's (``ds_adabatch.runtime.core.lr.CurrentBaseLR``): the LR the wrapped DeepSpeed or torch
   scheduler has just set, with the multiplier divided out. It is exact for any scheduler, and only
   answers for the samples count the run is at (that is the only one a schedule asks for).
 * :class:`DeepSpeedSchedulerCurve`: DeepSpeed's ``scheduler`` section (``WarmupLR``, ``WarmupDecayLR``,

@@ -31,7 +31,7 @@ micro-batch ``m``, ``GAS`` accumulation steps and ``W`` ranks:
 All four numbers must be the same on every rank (all-reduced) so every rank holds the same estimate.
 
 With ``geometry: "adam"`` the runtime measures both squared norms with every coordinate divided by the
-denominator of the Adam step taken, ``sqrt(v_hat) + eps`` (``ds_adabatch.runtime.adam_geometry``). The
+denominator of the Adam step taken, ``sqrt(v_hat) + eps`` (``ds_adabatch.runtime.noise.adam_geometry``). The
 estimator is the same: for a per-coordinate weight ``P`` fixed within the step, ``E |P g_b|^2 = |P G|^2
 + tr(P Sigma P) / b``, so the ratio is the noise scale of the preconditioned step. (``v_hat`` includes
 the step's own reduced gradient, a ``(1 - beta2)`` share of it, a small dependence the formula ignores.)

@@ -3,7 +3,7 @@
 Three pieces, each standing where accelerate 1.15 has its own:
 
 * :class:`AdaptiveTrainDataLoader` — in place of accelerate's ``DataLoaderShard``: iterates the engine's
-  forward / backward / step loop loader (:mod:`ds_adabatch.runtime.loop`), moves each micro-batch to the
+  forward / backward / step loop loader (:mod:`ds_adabatch.runtime.engine.loop`), moves each micro-batch to the
   engine's device, and before handing it out tells accelerate's ``GradientState`` where the plan's
   boundary is: ``end_of_dataloader`` is true on the step's last micro-batch and ``num_steps`` is the
   step's micro-batch count, so ``accelerator.accumulate()`` (``Accelerator._do_sync``) sets
@@ -76,7 +76,9 @@ class AdaptiveTrainDataLoader:
 
     def _mark_boundary(self) -> None:
         """Make accelerate's next ``accumulate()`` say ``sync_gradients`` exactly on the plan's boundary."""
-        loop = self.engine._loop  # the step in progress (runtime/loop.py): its micro-batch just handed out
+        loop = (
+            self.engine._loop
+        )  # the step in progress (runtime/engine/loop.py): its micro-batch just handed out
         index, count = loop.current, len(loop.micro)
         last = index == loop.last
         accelerator, state = self.accelerator, self.accelerator.gradient_state

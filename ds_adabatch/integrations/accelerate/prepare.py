@@ -25,7 +25,7 @@ import torch
 
 from ...config import ConfigError, load_ds_config
 from ...config.loader import BATCH_KEYS, SECTION
-from ...runtime.initialize import initialize, refuse_replaced_deepspeed_initialize
+from ...runtime.initialize.build import initialize, refuse_replaced_deepspeed_initialize
 from .loop import AdaptiveTrainDataLoader, PlanBackward, StepsAsAccelerate, skip_nothing, unwrap_through
 
 __all__ = ["prepare"]

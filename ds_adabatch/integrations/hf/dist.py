@@ -7,7 +7,7 @@ process group exists but the Trainer ignores it, both ranks act as the main proc
 is trained once per rank. :func:`ensure_data_parallel_group` detects that and rebuilds the arguments
 with ``use_cpu=True``, which makes the ranks one gloo data-parallel group (DeepSpeed included).
 
-The step's collectives are ``ds_adabatch.runtime.comm``'s, on ``torch.distributed``'s default group,
+The step's collectives are ``ds_adabatch.runtime.distributed.comm``'s, on ``torch.distributed``'s default group,
 which is the Trainer's with and without DeepSpeed.
 """
 

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from ds_adabatch.plan import BatchPlan
-from ds_adabatch.runtime.batch_shape import apply_plan_to_engine
-from ds_adabatch.runtime.lr import BatchCoupledLR
-from ds_adabatch.runtime.weights import IGNORE_INDEX
+from ds_adabatch.runtime.core.batch_shape import apply_plan_to_engine
+from ds_adabatch.runtime.core.lr import BatchCoupledLR
+from ds_adabatch.runtime.initialize.weights import IGNORE_INDEX
 
 from .state import LrSettings
 

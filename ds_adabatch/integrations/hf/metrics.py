@@ -1,6 +1,6 @@
 """Per-step records of an ``AdaptiveBatchSizeTrainer`` run: ``adabatch.log`` as the runtime writes it.
 
-Every optimizer step makes one :class:`~ds_adabatch.runtime.metrics.StepMetrics` record (global batch,
+Every optimizer step makes one :class:`~ds_adabatch.runtime.core.metrics.StepMetrics` record (global batch,
 micro-batch, GAS, LR, loss, samples, tokens, coverage, epoch, LR multiplier, step time, grad norm, noise
 scale). Rank 0 appends it to the JSONL file of ``adabatch.log.jsonl`` and to DeepSpeed's monitor (where
 the DeepSpeed config enables one), once the step's loss is known: each step's loss sum stays on the
@@ -21,7 +21,7 @@ import torch
 
 from ds_adabatch.config import LogConfig
 from ds_adabatch.plan import BatchPlan
-from ds_adabatch.runtime.metrics import MetricsWriter, StepMetrics
+from ds_adabatch.runtime.core.metrics import MetricsWriter, StepMetrics
 
 from .state import AdaptiveBatchState
 
@@ -32,7 +32,7 @@ class TrainerStepLog:
     """Defers each step's loss sum and writes its record when the sums arrive (identical calls on every rank).
 
     Args:
-        state: the run's batch state (its :class:`~ds_adabatch.runtime.step_sync.StepSync`).
+        state: the run's batch state (its :class:`~ds_adabatch.runtime.core.sync.StepSync`).
         log: the section's ``log`` settings.
         monitor: DeepSpeed's ``engine.monitor`` under DeepSpeed, else None.
     """

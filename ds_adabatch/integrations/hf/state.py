@@ -32,12 +32,12 @@ from ds_adabatch.data import ElasticDataLoader, ElasticSampler, GlobalBatch, Ste
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler, TokenStep
 from ds_adabatch.plan import BatchPlan, plan_batch
-from ds_adabatch.runtime.memory import MicroBatchMemory
-from ds_adabatch.runtime.noise_probe import NoiseCadence
-from ds_adabatch.runtime.recovery import memory_for
-from ds_adabatch.runtime.step_core import Progress, StepAttachments, StepCore, in_core
-from ds_adabatch.runtime.step_sync import StepSync
-from ds_adabatch.runtime.step_times import step_times_for
+from ds_adabatch.runtime.core.step_core import Progress, StepAttachments, StepCore, in_core
+from ds_adabatch.runtime.core.step_times import step_times_for
+from ds_adabatch.runtime.core.sync import StepSync
+from ds_adabatch.runtime.memory.limit import MicroBatchMemory
+from ds_adabatch.runtime.memory.recovery import memory_for
+from ds_adabatch.runtime.noise.probe import NoiseCadence
 from ds_adabatch.schedules import BatchSizeController
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
@@ -57,7 +57,7 @@ _SUPPORTED_SIGNALS = frozenset({"loss", "loss_ema", "tokens", "lr", "noise_scale
 
 @dataclass(frozen=True)
 class LrSettings:
-    """How the learning-rate schedule follows the batch (see ``ds_adabatch.runtime.lr.BatchCoupledLR``)."""
+    """How the learning-rate schedule follows the batch (see ``ds_adabatch.runtime.core.lr.BatchCoupledLR``)."""
 
     unit: str
     """``"samples"``: the scheduler advances once per ``reference_batch`` samples; ``"steps"``: once per
@@ -307,7 +307,7 @@ class AdaptiveBatchState(StreamProgress):
 
     def should_measure_noise(self, step: int, plan: BatchPlan) -> bool:
         """Whether optimizer step ``step`` (completed steps before it) measures the noise scale
-        (see :class:`~ds_adabatch.runtime.noise_probe.NoiseCadence`)."""
+        (see :class:`~ds_adabatch.runtime.noise.probe.NoiseCadence`)."""
         return self._noise_cadence.due(step, self.world_size, plan.gradient_accumulation_steps)
 
     # -- decisions -----------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class AdaptiveBatchState(StreamProgress):
         Raises:
             UnrecoverableOutOfMemory: every failed pass held a single sample.
         """
-        from ds_adabatch.runtime.recovery import replan_token_step_after_oom
+        from ds_adabatch.runtime.memory.recovery import replan_token_step_after_oom
 
         sampler = self.loader.sampler
         new, _, line = replan_token_step_after_oom(self.memory, sampler, step.global_batch, failed, number)
@@ -343,7 +343,7 @@ class AdaptiveBatchState(StreamProgress):
         Raises:
             UnrecoverableOutOfMemory: the failed micro-batch was 1 sample.
         """
-        from ds_adabatch.runtime.recovery import replan_after_oom
+        from ds_adabatch.runtime.memory.recovery import replan_after_oom
 
         new, _, line = replan_after_oom(self.memory, plan, ranks, step, self.config.allow_uneven)
         if self.rank == 0:

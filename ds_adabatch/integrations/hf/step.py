@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ds_adabatch.runtime.adam_geometry import configured_geometry, measured_geometry
-from ds_adabatch.runtime.noise_probe import NoiseProbe, update_estimator
-from ds_adabatch.runtime.recovery import OomRecovery
-from ds_adabatch.runtime.weights import loss_weight
+from ds_adabatch.runtime.initialize.weights import loss_weight
+from ds_adabatch.runtime.memory.recovery import OomRecovery
+from ds_adabatch.runtime.noise.adam_geometry import configured_geometry, measured_geometry
+from ds_adabatch.runtime.noise.probe import NoiseProbe, update_estimator
 
 from .data import StepInputs
 from .engine import count_target_tokens, loss_shifts_labels

@@ -30,7 +30,7 @@ the inside of one optimizer step change:
   follows the schedule and closes exactly when the epochs are trained. The training banner and
   ``trainer_state.json`` give the steps per epoch and of the run replayed from the schedule where it
   depends on the training clock only (``hf.progress``), and the first step's real batch and GAS.
-* The LR scheduler is wrapped in ``ds_adabatch.runtime.lr.BatchCoupledLR``: with ``num_train_epochs``
+* The LR scheduler is wrapped in ``ds_adabatch.runtime.core.lr.BatchCoupledLR``: with ``num_train_epochs``
   it advances once per initial-global-batch of samples (so its length is right whatever the batch
   does); with ``max_steps`` once per optimizer step. The section's ``lr_schedule_unit`` and
   ``lr_scaling`` override both.
@@ -63,10 +63,10 @@ from transformers.utils import is_datasets_available
 
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.plan import BatchPlan
-from ds_adabatch.runtime.lr import BatchCoupledLR, CurrentBaseLR
-from ds_adabatch.runtime.op_builds import guard_jit_builds
-from ds_adabatch.runtime.recovery import OomRecovery
-from ds_adabatch.runtime.restart_record import RestartRecords
+from ds_adabatch.runtime.core.lr import BatchCoupledLR, CurrentBaseLR
+from ds_adabatch.runtime.distributed.op_builds import guard_jit_builds
+from ds_adabatch.runtime.memory.recovery import OomRecovery
+from ds_adabatch.runtime.memory.restart_record import RestartRecords
 
 from .callback import AdaptiveBatchCallback
 from .compat import LOOP_MIXINS, adapt_arguments, auto_warmup, check_arguments
@@ -85,7 +85,7 @@ from .versions import check_versions
 __all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
 
 # TrainingArguments forms DeepSpeed's process group (and loads its JIT-built ops) before the Trainer
-# exists: the guard against a dead process's build lock (runtime/op_builds.py) is installed on import.
+# exists: the guard against a dead process's build lock (runtime/distributed/op_builds.py) is installed on import.
 guard_jit_builds()
 
 BatchSizeScheduler = Callable[[int, int], int]
@@ -277,7 +277,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._restart_records = None
         if self.is_deepspeed_enabled and self.batch_state.config.memory.recover_from_oom:
             # Records an exited process left in output_dir bound the first step's plan already (the
-            # recovery itself needs the engine, built later); runtime/restart_record.py.
+            # recovery itself needs the engine, built later); runtime/memory/restart_record.py.
             state = self.batch_state
             records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)
             unit = "tokens" if state.token_budget else "samples"
@@ -437,7 +437,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
 
         The returned value averaged over ranks is the step's mean loss over the global batch. Under
         DeepSpeed with ``memory.recover_from_oom`` (the default), an out-of-memory error on any rank
-        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.recovery``); with a
+        re-runs the same samples with a smaller micro-batch (``ds_adabatch.runtime.memory.recovery``); with a
         token budget, cut into passes of a lower token budget.
         """
         if not isinstance(inputs, StepInputs):
@@ -471,7 +471,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             self._close_recovery()
             self._recovery_closed = False
             # An unrecoverable error of this run is recorded in output_dir; the records imposed when the
-            # batch state was built are deleted once a checkpoint holds them (runtime/restart_record.py).
+            # batch state was built are deleted once a checkpoint holds them (runtime/memory/restart_record.py).
             records = self._restart_records
             if records is None:
                 records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)

@@ -1,0 +1,314 @@
+"""The decision of an optimizer step, written once: decide -> plan -> account.
+
+Every entry point holds one :class:`StepCore`: the DeepSpeed engines (``train_batch``, the forward /
+backward / step loop, the pipeline engine, through :class:`~ds_adabatch.runtime.engine.base.AdaptiveEngineBase`)
+and the Hugging Face Trainer (through ``integrations.hf.state.AdaptiveBatchState``). It imports neither
+DeepSpeed nor transformers; the holder runs the passes and applies the plan its own way::
+
+    decide    decide(step): an override (agreed once) or the schedule's answer for ScheduleContext,
+              losses resolved first where the rule reads them, a user function's answer agreed
+    plan      plan_for(batch): the plan of a global batch under the learned micro-batch limit (a token
+              target: the step the loader lays out); the steady case is answered from a cache
+    account   clean_step(largest): the learned limit may grow back; signals_resolved(loss, norm): the
+              step's global loss reaches the signals the next decision reads
+
+What rides on a step attaches at named points (:class:`StepAttachments`), each a no-op object when off:
+``memory`` (out-of-memory recovery and the memory predictor read and lower it), ``noise`` (the noise
+probe's estimate; None when no schedule reads it) and ``step_times`` (the goodput schedule's throughput
+measurements).
+
+A decision is identical on every rank: the context holds only global values, and inputs that may differ
+between ranks (``set_global_batch_size``, a user's function) are agreed in one small collective in which
+rank 0's value wins (:class:`~ds_adabatch.runtime.core.sync.StepSync` carries it with what is queued).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from ...plan import BatchPlan, plan_batch
+from ...schedules import BatchSizeController, ScheduleContext
+from ...signals import EmaLoss, GradientNoiseEstimator
+from ..memory.limit import MicroBatchMemory
+from .metrics import PlanChange
+from .step_times import NoStepTimes
+from .sync import StepSync
+
+__all__ = [
+    "Decision",
+    "Progress",
+    "StepAttachments",
+    "StepCore",
+    "TokenStepLoader",
+    "in_core",
+    "plan_change",
+]
+
+_LOSS_SIGNALS = frozenset({"loss", "loss_ema"})
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the run stands as a step is decided: global values, identical on every rank."""
+
+    samples: int
+    """Samples trained over all ranks and epochs."""
+    tokens: int | None
+    """Tokens trained over all ranks (None where they are not counted)."""
+    epoch: float
+    """Fractional epoch: completed epochs plus the current one's coverage."""
+    lr: float | None
+    """Learning rate of the latest step (None before the first)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`StepCore.decide` settled for one optimizer step."""
+
+    step: int
+    """Optimizer steps completed before the decided one."""
+    batch: int
+    """The global batch the schedule (or an override) chose: samples, or a token target."""
+    previous: int
+    """The scheduled batch before this decision."""
+    reason: str
+    """Why: the schedule's reason, ``"hold until step N"``, or the override's reason."""
+    plan: BatchPlan
+    """The plan of ``batch`` (a token target: the step the loader laid out)."""
+
+
+class TokenStepLoader(Protocol):
+    """A loader that forms token-budget steps (``data.token_loader.TokenBudgetLoader``)."""
+
+    @property
+    def sampler(self) -> _TokenSampler: ...
+
+    def plan_for_tokens(self, target: int) -> BatchPlan: ...
+
+
+class _TokenSampler(Protocol):
+    pass_budget: int
+
+
+@dataclass
+class StepAttachments:
+    """The features that ride on a step, at their named points (each a no-op object when off)."""
+
+    memory: MicroBatchMemory
+    """The learned micro-batch limit: out-of-memory recovery lowers it, the memory predictor caps it,
+    clean steps grow it back (samples per pass, or tokens per pass with a token budget)."""
+    noise: GradientNoiseEstimator | None = None
+    """The gradient-noise-scale estimate the noise probe feeds (None: nothing measures it)."""
+    step_times: NoStepTimes | None = None
+    """The goodput schedule's step times (``NoStepTimes`` for every other schedule)."""
+
+
+class StepCore:
+    """Decides, plans and accounts optimizer steps for one holder (see the module docstring).
+
+    Args:
+        controller: the batch-size controller (schedule, bounds, granularity).
+        sync: the holder's step sync; agreements and loss resolution ride its collectives.
+        attach: the features attached to the step.
+        progress: the holder's global counts, read as a step is decided.
+        rank, world_size: this process and the data-parallel ranks plans are made for.
+        allow_uneven: ``adabatch.allow_uneven``.
+        scheduled_batch: the global batch of step 0.
+        token_loader: with a token budget, the loader that lays out each step (None otherwise).
+        token_budget: whether steps are token-budget steps (``adabatch.micro_batch_tokens``).
+        resolve_losses: how the holder makes every pending step's loss known (the pipeline engine reads
+            DeepSpeed's aggregated loss as well); None: ``sync.reduce()``.
+    """
+
+    def __init__(
+        self,
+        controller: BatchSizeController,
+        *,
+        sync: StepSync,
+        attach: StepAttachments,
+        progress: Callable[[], Progress],
+        rank: int,
+        world_size: int,
+        allow_uneven: bool,
+        scheduled_batch: int,
+        token_loader: TokenStepLoader | None = None,
+        token_budget: bool = False,
+        resolve_losses: Callable[[], None] | None = None,
+    ) -> None:
+        self.controller = controller
+        self.sync = sync
+        self._resolve_losses = resolve_losses or sync.reduce
+        self.attach = attach
+        self._progress = progress
+        self.rank = rank
+        self.world_size = world_size
+        self.allow_uneven = allow_uneven
+        self.token_budget = token_budget
+        self.token_loader = token_loader
+        self.scheduled_batch = scheduled_batch
+        """The global batch the schedule chose for the latest decided step (before an epoch-tail or
+        out-of-memory re-plan): samples, or a token target."""
+        self.override: tuple[int, str] | None = None
+        """``set_global_batch_size``'s batch and reason (None: the schedule decides)."""
+        self.override_agreed = False
+        self.memory_reason: str | None = None
+        """Why the learned limit moved at the latest clean step (said with the plan change it causes)."""
+        # Signals the next decision reads, completed as each step's loss is resolved.
+        self.last_loss: float | None = None
+        self.last_grad_norm: float | None = None
+        self.loss_ema = EmaLoss(beta=0.9)
+        schedule = controller.schedule
+        self._reads_loss = bool(_LOSS_SIGNALS & schedule.requires)
+        self._reads_times = "step_time" in schedule.requires
+        self._agrees = bool(getattr(schedule, "needs_agreement", False))
+        self._planned: tuple[int, int, BatchPlan] | None = None  # (batch, limit, plan): the steady case
+
+    # -- decide --------------------------------------------------------------------------------------
+    def context(self, step: int) -> ScheduleContext:
+        """What the schedule sees for optimizer step ``step`` (completed steps before it)."""
+        progress = self._progress()
+        noise = self.attach.noise
+        return ScheduleContext(
+            step=step,
+            samples=progress.samples,
+            tokens=progress.tokens,
+            epoch=progress.epoch,
+            # The scheduled batch, not a one-off epoch-tail remainder, is what the schedule steers.
+            global_batch=self.scheduled_batch,
+            world_size=self.world_size,
+            loss=self.last_loss,
+            loss_ema=self.loss_ema.value,
+            grad_norm=self.last_grad_norm,
+            noise_scale=None if noise is None else noise.noise_scale,
+            noise_scale_error=None if noise is None else noise.relative_error,
+            lr=progress.lr,
+            micro_batch_limit=None if self.token_budget else self.attach.memory.limit,
+        )
+
+    def decide(self, step: int) -> Decision:
+        """Decide optimizer step ``step``: its global batch (agreed where it may differ by rank) and plan.
+
+        Call it on every rank at the same point: it may resolve pending losses and agree a value,
+        both collectives. ``scheduled_batch`` is the decided batch afterwards.
+        """
+        if self.override is not None:
+            batch, reason = self.override
+            if not self.override_agreed:
+                batch = self.agree([batch])[0]
+                self.override, self.override_agreed = (batch, reason), True
+        else:
+            controller = self.controller
+            evaluates = controller.evaluates_at(step)
+            if evaluates and (
+                self._reads_loss or (self._reads_times and controller.schedule.decides_at(step))
+            ):
+                # The rule reads the latest loss (or the step times of a goodput decision): every
+                # pending step's, summed over ranks. A goodput decision costs this every decide_every.
+                self._resolve_losses()
+            decision = controller.next_global_batch(self.context(step))
+            batch, reason = decision.global_batch, decision.reason
+            if evaluates and self._agrees:
+                batch = self.agree_schedule(batch)
+        previous, self.scheduled_batch = self.scheduled_batch, batch
+        return Decision(step=step, batch=batch, previous=previous, reason=reason, plan=self.plan_for(batch))
+
+    def set_override(self, batch: int | None, reason: str = "manual") -> None:
+        """From the next decision on the global batch is ``batch`` (agreed once); None: the schedule."""
+        self.override = None if batch is None else (int(batch), reason)
+        self.override_agreed = False
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank, in one collective (with whatever the sync has queued)."""
+        mine = [float(v) if self.rank == 0 else 0.0 for v in values]
+        return [int(round(float(v))) for v in self.sync.reduce(mine)]
+
+    def agree_schedule(self, batch: int) -> int:
+        """Rank 0's answer and remembered state of a schedule that may answer differently by rank."""
+        schedule = self.controller.schedule
+        agreed = self.agree([batch, *schedule.shared_state()])
+        schedule.load_shared_state(agreed[1:])
+        return agreed[0]
+
+    # -- plan ----------------------------------------------------------------------------------------
+    def plan_for(self, batch: int) -> BatchPlan:
+        """The plan of global batch ``batch`` under the learned limit (a token target: as laid out).
+
+        Raises:
+            ValueError: token-budget steps without a loader to form them.
+            PlanError: ``batch`` cannot be split over this world size.
+        """
+        limit = self.attach.memory.limit
+        if self.token_budget:
+            if self.token_loader is None:
+                raise ValueError(
+                    "token-budget steps need training_data and lengths in ds_adabatch.initialize"
+                )
+            # Cut with the learned token budget (micro_batch_tokens until an out-of-memory error lowers it).
+            self.token_loader.sampler.pass_budget = limit
+            return self.token_loader.plan_for_tokens(batch)
+        planned = self._planned
+        if planned is not None and planned[0] == batch and planned[1] == limit:
+            return planned[2]  # the steady case: nothing to solve
+        plan = plan_batch(batch, self.world_size, limit, allow_uneven=self.allow_uneven)
+        self._planned = (batch, limit, plan)
+        return plan
+
+    # -- account -------------------------------------------------------------------------------------
+    def clean_step(self, largest_pass: int) -> None:
+        """A step ran without an out-of-memory error at passes of at most ``largest_pass`` (samples, or
+        tokens with a token budget): the learned limit may grow back, said with the next plan change."""
+        moved = self.attach.memory.on_clean_step(largest_pass)
+        if moved is not None:
+            self.memory_reason = f"micro-batch limit {moved.old_limit} -> {moved.new_limit} ({moved.reason})"
+
+    def take_memory_reason(self) -> str | None:
+        """Why the limit moved since the last decision (once), or None."""
+        reason, self.memory_reason = self.memory_reason, None
+        return reason
+
+    def signals_resolved(self, mean_loss: float, grad_norm: float | None) -> None:
+        """A step's global mean loss (and gradient norm) was resolved: the next decision reads them."""
+        self.last_loss, self.last_grad_norm = mean_loss, grad_norm
+        self.loss_ema.update(mean_loss)
+
+
+def plan_change(
+    old: BatchPlan, new: BatchPlan, *, step: int, samples: int, lr_multiplier: float, reason: str
+) -> PlanChange:
+    """The ``engine.history`` event of a change from plan ``old`` to ``new`` before step ``step``."""
+    return PlanChange(
+        step=step,
+        samples=samples,
+        old_global_batch=old.global_batch_size,
+        new_global_batch=new.global_batch_size,
+        old_micro_batch_per_gpu=old.micro_batch_per_gpu,
+        new_micro_batch_per_gpu=new.micro_batch_per_gpu,
+        old_gradient_accumulation_steps=old.gradient_accumulation_steps,
+        new_gradient_accumulation_steps=new.gradient_accumulation_steps,
+        world_size=new.world_size,
+        lr_multiplier=lr_multiplier,
+        reason=reason,
+    )
+
+
+class in_core(Generic[T]):  # noqa: N801 - used like ``property``
+    """An attribute of a step core's holder that lives in its core (``holder.core.<same name>``):
+    ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, holder: Any, owner: type | None = None) -> T:
+        if holder is None:
+            return self  # type: ignore[return-value]  # the descriptor itself, on the class
+        return getattr(holder.core, self.name)
+
+    def __set__(self, holder: Any, value: T) -> None:
+        setattr(holder.core, self.name, value)

@@ -1,0 +1,135 @@
+"""Step times for the goodput schedule's throughput model, measured at two named points of a step.
+
+``step_started()`` where the step begins (``train_batch``, or the loop loader's first micro-batch of a
+step) and ``step_finished(plan, ...)`` after its optimizer step, from :meth:`_complete_step`. Between
+them the step's whole cost: the decision, the data, every pass, the optimizer step.
+
+* CPU (and any device without events): the host's ``perf_counter`` around the step, which is the step
+  there.
+* CUDA: an event recorded at each point; the step's device time is read one step later (the previous
+  step's events), when its work has long finished, so reading it adds no host synchronisation to a
+  steady step (``Event.synchronize()`` on a finished event returns at once).
+
+Every rank queues one value per step, its time (0 where the step was re-run after an out-of-memory
+error, or there is no time yet), in the step's :class:`~.step_sync.StepSync`: it rides the next
+collective the step issues anyway, and the sum over processes divided by their number (the ranks' mean,
+identical everywhere) is fed to :class:`~ds_adabatch.signals.ThroughputModel` with the step's shape.
+
+A simulated curve (``DS_ADABATCH_SIMULATED_STEP_TIME``, read when the engine is built, in
+:func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax) replaces the measured time by the curve's
+value for the step's shape: tests and demonstrations make the cost flat (host-bound) or growing
+(compute-bound) on any machine.
+
+When the schedule does not read step times the engine holds :class:`NoStepTimes`, which does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from ...signals import StepTimeFit, ThroughputModel, parse_step_time_curve
+from .sync import StepSync
+
+__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "step_times_for"]
+
+logger = logging.getLogger("ds_adabatch")
+
+SIMULATED_STEP_TIME_ENV = "DS_ADABATCH_SIMULATED_STEP_TIME"
+
+
+class NoStepTimes:
+    """The feature switched off: no measurement, nothing queued."""
+
+    model: ThroughputModel | None = None
+
+    def step_started(self) -> None:
+        pass
+
+    def step_finished(self, plan: Any, started: float, sync: StepSync, *, retried: bool) -> None:
+        pass
+
+
+class StepTimes(NoStepTimes):
+    """Measures every step and feeds the agreed times to ``model`` (module docstring).
+
+    Args:
+        model: the throughput model the schedule reads.
+        device: the engine's device (events on CUDA).
+        processes: processes in the step's all-reduce (the mean divides by it).
+        curve: a simulated step-time curve replacing the measurement; None: measure.
+    """
+
+    def __init__(
+        self, model: ThroughputModel, device: Any, processes: int, curve: StepTimeFit | None = None
+    ) -> None:
+        self.model = model
+        self.processes = max(1, int(processes))
+        self.curve = curve
+        self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._start: Any = None
+        self._previous: tuple[Any, Any, Any, bool] | None = None  # (start, end, plan, retried)
+
+    def step_started(self) -> None:
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def step_finished(self, plan: Any, started: float, sync: StepSync, *, retried: bool) -> None:
+        if self.curve is not None:
+            shape, seconds = (
+                plan,
+                0.0
+                if retried
+                else self.curve.predict(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps),
+            )
+        elif self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            previous, self._previous = self._previous, (self._start, end, plan, retried)
+            shape, seconds = (previous[2], _elapsed(previous)) if previous is not None else (plan, 0.0)
+        else:
+            shape, seconds = plan, 0.0 if retried else time.perf_counter() - started
+        model, processes = self.model, self.processes
+        micro, gas, world = shape.micro_batch_per_gpu, shape.gradient_accumulation_steps, shape.world_size
+
+        def observe(sums: list[torch.Tensor]) -> None:
+            model.observe(micro, gas, world, float(sums[0]) / processes)
+
+        sync.defer([float(seconds)], observe)
+
+
+def _elapsed(measured: tuple[Any, Any, Any, bool]) -> float:
+    """Seconds between a finished step's events (0 for a retried step or a missing start)."""
+    start, end, _, retried = measured
+    if retried or start is None:
+        return 0.0
+    end.synchronize()  # recorded a whole step ago: finished, so this does not wait
+    return start.elapsed_time(end) / 1e3
+
+
+def step_times_for(schedule: Any, model: ThroughputModel | None, device: Any) -> NoStepTimes:
+    """:class:`StepTimes` where ``schedule`` reads ``"step_time"`` (with the simulated curve of
+    ``DS_ADABATCH_SIMULATED_STEP_TIME`` if set), else :class:`NoStepTimes`.
+
+    Raises:
+        ValueError: the environment variable holds no valid curve.
+    """
+    if model is None or "step_time" not in getattr(schedule, "requires", ()):
+        return NoStepTimes()
+    text = os.environ.get(SIMULATED_STEP_TIME_ENV)
+    curve = None
+    if text:
+        try:
+            curve = parse_step_time_curve(text)
+        except ValueError as exc:
+            raise ValueError(f"{SIMULATED_STEP_TIME_ENV}: {exc}") from None
+        logger.warning(
+            "step times are simulated (%s=%s): %s", SIMULATED_STEP_TIME_ENV, text, curve.describe()
+        )
+    processes = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return StepTimes(model, device, processes, curve)

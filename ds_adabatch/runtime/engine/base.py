@@ -1,0 +1,523 @@
+"""The optimizer step both adaptive engines share: decide, apply, account, record, checkpoint state.
+
+:class:`AdaptiveBatchEngine` (data parallelism, ZeRO 0-3, optional tensor parallelism through an
+``mpu``) and :class:`AdaptivePipelineEngine` (DeepSpeed's ``PipelineEngine``) are small classes over
+:class:`AdaptiveEngineBase`. Each runs the passes of one step its own way; everything around them is
+here::
+
+    decide    next_plan(): schedule(context) -> desired batch -> bounds/granularity -> plan
+              (identical everywhere from global values; a user function's answer is agreed)
+    apply     new plan? -> DeepSpeed batch keys, ZeRO optimizer GAS, throughput timer, LR multiplier
+    run       the engine's own passes (train_batch of the subclass)
+    account   _finish_step(): exact samples / tokens, DeepSpeed's sample count, the learned
+              micro-batch limit, the step's record and its StepLoss
+
+Per-rank sums (a step's loss, token counts) are counted once per data-parallel replica: a rank whose
+values repeat another's (tensor ranks other than 0; pipeline stages other than the last) contributes
+zeros to the step's all-reduce (``counts_here``).
+
+Everything not defined here is delegated to the wrapped DeepSpeed engine (``engine.module``,
+``engine.eval()``, ``engine.global_rank``, ...), which is also ``engine.deepspeed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...config.schedules import measures_noise
+from ...plan import BatchPlan, plan_batch
+from ...schedules import BatchSizeController
+from ...signals import EmaLoss, GradientNoiseEstimator
+from ..checkpoint.save_load import CheckpointMixin
+from ..core.batch_shape import apply_plan_to_engine
+from ..core.loss import StepLoss
+from ..core.lr import BatchCoupledLR
+from ..core.metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
+from ..core.step_core import Progress, StepAttachments, StepCore, in_core, plan_change
+from ..core.step_times import step_times_for
+from ..core.sync import StepSync
+from ..memory.recovery import OomRecovery
+from ..noise.adam_geometry import measured_geometry
+
+__all__ = ["AdaptiveEngineBase"]
+
+logger = logging.getLogger("ds_adabatch")
+
+
+class AdaptiveEngineBase(CheckpointMixin):
+    """The state and step machinery of an adaptive-batch engine (see the module docstring).
+
+    Subclasses run the passes of a step (``train_batch``) and may override :meth:`_apply_shape`.
+
+    Args:
+        ds_engine: the DeepSpeed engine to drive.
+        loaded_config: the validated config, planned for ``world_size``.
+        controller, lr: the batch-size controller and the LR coupling installed on ``ds_engine``.
+        dataloader: the loader of this rank's data-parallel replica (None: no training data).
+        loss_fn, token_count_fn: as given to :func:`ds_adabatch.initialize`.
+        world_size: data-parallel ranks (replicas); plans are made for this many.
+        counts_here: whether this rank's per-rank sums count (one rank per replica).
+        agreement_world: processes joining the out-of-memory agreement (every process).
+        recovers_from_oom: False where the passes cannot be recovered (the pipeline's): no agreement
+            is installed, whatever ``memory.recover_from_oom`` says.
+    """
+
+    _plan_unit = "rank"  # what a plan's world size counts, in log lines
+    # Live elasticity (live_recovery.py): the recovery armed on this engine, or why it is off; the extra
+    # fields the first step after a recovery writes into its record.
+    _live_recovery: Any = None
+    _live_off: str = "off:config"
+    _record_extra: dict[str, float] | None = None
+
+    def __init__(
+        self,
+        ds_engine: Any,
+        *,
+        loaded_config: Any,
+        controller: BatchSizeController,
+        lr: BatchCoupledLR,
+        dataloader: Any = None,
+        loss_fn: Callable[..., Any] | None = None,
+        token_count_fn: Callable[[Any], int] | None = None,
+        world_size: int,
+        counts_here: bool = True,
+        agreement_world: int | None = None,
+        recovers_from_oom: bool = True,
+        model_communicates: bool = False,
+    ) -> None:
+        cfg = loaded_config.adabatch
+        self.deepspeed = ds_engine
+        self.config = cfg
+        self.loaded_config = loaded_config
+        self.controller = controller
+        self.lr_coupling = lr
+        self.dataloader = dataloader
+        self.loss_fn = loss_fn
+        self.token_count_fn = token_count_fn
+        # Tokens are counted when the loss is normalised by them or a schedule is keyed on them. With
+        # token-budget steps (micro_batch_tokens) every rank knows the step's tokens from the lengths.
+        self.token_budget = cfg.token_budget
+        keyed_on_tokens = "tokens" in controller.schedule.requires and not self.token_budget
+        self.counts_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
+        self.world_size = world_size
+        self.rank = ds_engine.global_rank
+        self.counts_here = counts_here
+        self.plan: BatchPlan = loaded_config.plan
+        self.global_steps = 0
+        self.global_samples = 0
+        self.global_tokens = 0
+        self.history: list[PlanChange] = []
+        self._decided_step: int | None = None  # the step whose plan next_plan() already applied
+        self.last_step_batch: Any = None
+        self.last_metrics: StepMetrics | None = None
+        self.noise = GradientNoiseEstimator(**self._noise_kwargs())
+        self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
+        self._every_steps = cfg.log.every_steps
+        self._sync = StepSync(ds_engine.device)
+        # The goodput schedule's step times (step_times.py); a no-op object for every other schedule.
+        self._step_times = step_times_for(
+            controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
+        )
+        # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
+        self.memory_recovery = self._oom_recovery(
+            ds_engine, recovers_from_oom, agreement_world or world_size, model_communicates
+        )
+        # The decision of every step (step_core.py), with the features that ride on it attached.
+        self.core = StepCore(
+            controller,
+            sync=self._sync,
+            attach=StepAttachments(
+                memory=self.memory_recovery.memory, noise=self.noise, step_times=self._step_times
+            ),
+            progress=self._progress,
+            rank=self.rank,
+            world_size=world_size,
+            allow_uneven=cfg.allow_uneven,
+            scheduled_batch=self.plan.global_batch_size,
+            token_loader=dataloader if self.token_budget else None,
+            token_budget=bool(self.token_budget),
+            resolve_losses=self.resolve_losses,  # overridden by the pipeline engine (its own losses)
+        )
+        self._step_ooms = 0
+        self._apply_plan(self.plan, reason="initial plan", record=False)
+
+    def _oom_recovery(
+        self, ds_engine: Any, recovers_from_oom: bool, agreement_world: int, model_communicates: bool
+    ) -> OomRecovery:
+        """The out-of-memory recovery of this engine (its reason to be off in ``_oom_off``). Every
+        process joins the agreement (a tensor rank that fails leaves its peers waiting too)."""
+        cfg = self.config
+        memory_cfg = cfg
+        self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
+        if not recovers_from_oom:
+            if self._oom_off is None and self.rank == 0:
+                # On by default everywhere else: say so once, loudly (the JSONL says it every step).
+                logger.warning(
+                    "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
+                    "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
+                    "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
+                    "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
+                )
+            self._oom_off = self._oom_off or "pipeline"
+            memory_cfg = cfg.model_copy(
+                update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
+            )
+        return OomRecovery(
+            ds_engine,
+            memory_cfg,
+            rank=self.rank,
+            world_size=agreement_world,
+            model_communicates=model_communicates,
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # Delegation
+    def __getattr__(self, name: str) -> Any:
+        # Only names this class does not define reach here; object.__getattribute__ does not fall back to
+        # __getattr__, so a missing ``deepspeed`` (before __init__ set it) raises instead of recursing.
+        return getattr(object.__getattribute__(self, "deepspeed"), name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.deepspeed(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.plan.describe()}, step {self.global_steps})"
+
+    # ---------------------------------------------------------------------------------------------
+    # The DeepSpeed engine this engine drives, and its replacement after a live recovery
+    def attach_live(self, recovery: Any, off: str | None) -> None:
+        """Arm live recovery (``recovery``), or record why it is off (``off``: ``"off:<why>"``)."""
+        self._live_recovery = recovery
+        self._live_off = "off:config" if off is None else off
+
+    def release_deepspeed(self) -> None:
+        """Let go of the DeepSpeed engine and of what is bound to its process groups (their world failed
+        and is torn down next): the metrics file, the memory hooks, the data workers, the LR wrapper's
+        optimizer. :meth:`rebind` gives this engine the rebuilt one."""
+        for close in (
+            self.metrics.close,
+            self.memory_recovery.close,
+            getattr(self.dataloader, "close", None),
+        ):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - an object of a broken world may fail to close
+                logger.debug("closing what the failed engine held: %s", err)
+        self.lr_coupling.release()
+        self.deepspeed = None
+        self.memory_recovery = None
+
+    def rebind(self, ds_engine: Any, **parts: Any) -> None:
+        """Drive ``ds_engine``, a DeepSpeed engine rebuilt on another world (a live recovery).
+
+        This object stays the one the script holds. Everything the constructor derives from the DeepSpeed
+        engine and the world (``parts``: the constructor's keywords for the new world) is derived again,
+        as in a new engine; the run's state — counts, schedule, sampler cursor, LR, signals — is then
+        loaded from the snapshot by the caller. Live recovery stays attached.
+        """
+        live, off = self._live_recovery, self._live_off
+        type(self).__init__(self, ds_engine, **parts)
+        self._live_recovery, self._live_off = live, off
+
+    # ---------------------------------------------------------------------------------------------
+    # Public state
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch: completed epochs plus the coverage of the current one.
+
+        With an ``IterableDataset`` (no known length) it counts completed passes over the iterator.
+        """
+        sampler = self._sampler()
+        if sampler is not None:
+            return sampler.fractional_epoch
+        return float(getattr(self.dataloader, "epoch", 0))
+
+    @property
+    def train_coverage(self) -> float:
+        """Fraction of the current epoch's samples consumed (1.0 right after an epoch's last batch).
+
+        0.0 with an ``IterableDataset`` or without training data (the epoch's size is unknown).
+        """
+        sampler = self._sampler()
+        return sampler.train_coverage if sampler is not None else 0.0
+
+    @property
+    def lr_multiplier(self) -> float:
+        return self.lr_coupling.multiplier
+
+    # The signals the schedule reads live in the step core; these names are the engine's public view.
+    last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")
+    last_grad_norm = in_core[float | None](
+        "The gradient norm of the latest resolved step (None where none was computed)."
+    )
+    loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
+
+    @property
+    def oom_recovery(self) -> str:
+        """What an out-of-memory error in a step leads to now (also in every JSONL step record):
+
+        ``"in_step"``: agreed by every rank, the step re-planned with smaller micro-batches and re-run
+        on the same samples; ``"restart"``: under tensor parallelism (or after a pass's agreement
+        point) recorded next to the checkpoints, the process exits 75 and the next start plans below
+        it; ``"off:pipeline"``: not recovered under pipeline parallelism (the error ends the job);
+        ``"off:config"``: ``memory.recover_from_oom`` is false; ``"off:no_accelerator"``: nothing can
+        raise one here (DeepSpeed's CPU accelerator allocates host memory, whose exhaustion ends the
+        process instead of raising).
+        """
+        if self._oom_off is not None:
+            return f"off:{self._oom_off}"
+        recovery = self.memory_recovery
+        if not recovery.armed:
+            return "off:no_accelerator"
+        return "restart" if recovery.agreement.agree_at_pass_start else "in_step"
+
+    @property
+    def live_elastic(self) -> str:
+        """What a lost peer leads to: ``"on"`` (the survivors recover in their processes,
+        ``adabatch.live_elastic``), or ``"off:<why>"`` (``off:config`` when not enabled; otherwise what
+        this job uses that it does not cover): the restart path."""
+        return "on" if self._live_recovery is not None else self._live_off
+
+    @property
+    def live_events(self) -> list[dict[str, Any]]:
+        """The live recoveries of this process so far: per shrink the failed step, the step rolled back
+        to, the steps trained again, the lost processes (ranks of the first world), the world sizes
+        and the phase times in seconds (teardown, reform, assemble, rebuild, restore, recovery,
+        first_step)."""
+        live = self._live_recovery
+        return list(live.events) if live is not None else []
+
+    def max_memory_allocated(self) -> int:
+        """This process's peak allocated accelerator memory since it started, in bytes.
+
+        Read it instead of ``torch.cuda.max_memory_allocated()`` while ``memory.predict_peak`` measures:
+        the predictor resets the allocator's peak counter before every pass (it reads each pass's own
+        peak) and folds every reading into this value; see :mod:`ds_adabatch.runtime.memory.predictor`.
+        Each step's own peak is ``peak_memory_bytes`` in its metrics record.
+        """
+        predictor = self.memory_recovery.predictor
+        measured = predictor.max_memory_allocated() if predictor is not None else None
+        if measured is not None:
+            return measured
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+
+    @property
+    def micro_batch_limit(self) -> int:
+        """The largest micro-batch per GPU the next step may plan (samples): the integer
+        ``max_micro_batch_per_gpu``, lowered by out-of-memory errors and grown back; with ``"auto"``
+        the learned limit. With ``micro_batch_tokens`` it counts tokens per pass instead (padding
+        included): the budget the next step is cut with, ``micro_batch_tokens`` or lower after an
+        out-of-memory error."""
+        return self.memory_recovery.memory.limit
+
+    def set_memory_key(self, key: int | str | None) -> None:
+        """Plan from the next step with the micro-batch limit learned for ``key`` (e.g. the sequence
+        length of a length curriculum); a new key starts at the initial limit. Limits of every key
+        are kept in checkpoints. Call it on every rank with the same value."""
+        self.memory_recovery.memory.set_key(key)
+        self._decided_step = None
+
+    def set_global_batch_size(self, n: int | None, reason: str = "manual") -> None:
+        """Override the schedule: from the next step on the global batch is ``n``.
+
+        ``None`` hands control back to the schedule. ``n`` must be plannable on this world size
+        (a multiple of it, unless ``allow_uneven``); it is not rounded or bounded. Call it on every
+        rank (the next step agrees on it in one small collective; rank 0's value is the one applied).
+
+        Raises:
+            PlanError: ``n`` cannot be split over this world size.
+        """
+        self._decided_step = None
+        if n is not None and not self.token_budget:  # a token target is formed into a step, not split
+            plan_batch(
+                n, self.world_size, self.config.micro_batch_limit, allow_uneven=self.config.allow_uneven
+            )
+        self.core.set_override(n, reason)
+
+    def resolve_losses(self) -> None:
+        """Sum every pending step's loss (and queued measurements) over ranks now; call on every rank.
+
+        Afterwards every :class:`StepLoss` returned so far reads without a collective, and the JSONL and
+        monitor records of those steps are written.
+        """
+        self._sync.reduce()
+
+    # ---------------------------------------------------------------------------------------------
+    # Batch-size decisions (step_core.py decides; the engine applies)
+    def _progress(self) -> Progress:
+        lrs = self.lr_coupling.get_lr()
+        return Progress(
+            samples=self.global_samples,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
+            epoch=self.epoch,
+            lr=lrs[0] if lrs else None,
+        )
+
+    def next_plan(self) -> BatchPlan:
+        """Decide (once) and apply the plan of the next optimizer step, and return it.
+
+        ``train_batch`` calls it itself. Call it first when you feed ``train_batch(data_iter)`` your
+        own micro-batches: the plan's ``gradient_accumulation_steps`` and ``micro_batch_sizes(rank)``
+        say how many micro-batches of which sizes this rank must supply. Call it on every rank.
+        """
+        if self._decided_step != self.global_steps:
+            self._decide_plan()
+            self._decided_step = self.global_steps
+        return self.plan
+
+    def _decide_plan(self) -> None:
+        decision = self.core.decide(self.global_steps)
+        # A token-budget step's shape changes with its samples: only a new target is a plan change.
+        record = not self.token_budget or decision.batch != decision.previous
+        memory_reason = self.core.take_memory_reason()
+        plan = decision.plan
+        if plan != self.plan:
+            reason = decision.reason
+            if memory_reason is not None and decision.batch == self.plan.global_batch_size:
+                reason = memory_reason
+            self._apply_plan(plan, reason=reason, record=record)
+
+    def _plan_for(self, batch: int) -> BatchPlan:
+        return self.core.plan_for(batch)
+
+    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
+        """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
+        old = self.plan
+        self._apply_shape(plan)
+        old_mult = self.lr_coupling.multiplier
+        # With token-budget steps the LR follows the token target, not the step's varying sample count.
+        lr_batch = self.core.scheduled_batch if self.token_budget else plan.global_batch_size
+        new_mult = self.lr_coupling.set_global_batch(lr_batch)
+        self.plan = plan
+        if not record:
+            return
+        self.history.append(
+            plan_change(
+                old,
+                plan,
+                step=self.global_steps,
+                samples=self.global_samples,
+                lr_multiplier=new_mult,
+                reason=reason,
+            )
+        )
+        if self.rank == 0:
+            logger.info(
+                line
+                or format_plan_change(
+                    old, plan, self.global_steps, new_mult / old_mult, reason, unit=self._plan_unit
+                )
+            )
+
+    def _apply_shape(self, plan: BatchPlan) -> None:
+        """DeepSpeed's batch keys and what caches them (the pipeline engine adds its activation shapes)."""
+        apply_plan_to_engine(self.deepspeed, plan)
+
+    def _noise_kwargs(self) -> dict[str, Any]:
+        schedule = self.config.schedule
+        if not measures_noise(schedule):  # gradient_noise and goodput read the noise scale
+            return {}
+        # The geometry is resolved against the optimizer now (a ConfigError for "adam" without a second
+        # moment), and an unset scale takes that geometry's default.
+        self._noise_geometry = measured_geometry(self.deepspeed, schedule.geometry)
+        use_geometry = getattr(self.controller.schedule, "use_geometry", None)
+        if use_geometry is not None:
+            use_geometry(self._noise_geometry)
+        return schedule.estimator_settings()
+
+    # ---------------------------------------------------------------------------------------------
+    # Bookkeeping
+    def _finish_step(self, total_samples: int, tokens: int, *, count_memory: bool = True) -> None:
+        """Count a completed step: exact samples and tokens, DeepSpeed's count, the learned limit
+        (not for a step run below its plan's micro-batch, ``count_memory`` False: a step split for a
+        noise measurement says nothing about the plan's micro-batch)."""
+        if self.token_budget:  # the step's tokens (lengths), known on every rank
+            tokens = self.last_step_batch.global_batch.tokens
+        self.global_steps += 1
+        self.global_samples += total_samples
+        self.global_tokens += tokens
+        # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
+        self.deepspeed.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+        # The learned limit counts samples per pass, or tokens per pass with a token budget.
+        largest = (
+            self.last_step_batch.global_batch.largest_pass
+            if self.token_budget
+            else self.plan.micro_batch_per_gpu
+        )
+        if count_memory:  # a limit that grows back is logged with the plan change it causes
+            self.core.clean_step(largest)
+
+    def _record_step(
+        self, step: int, started: float, lr_used: float
+    ) -> tuple[StepLoss, Callable[[float, float | None], None], Any]:
+        """The step's record and loss, and the norm DeepSpeed computed in it (a device tensor under ZeRO
+        1-3, None or a number otherwise): the returned function completes record and loss with the
+        global mean loss and that norm once both have been read."""
+        plan = self.plan
+        record = StepMetrics(
+            step=self.global_steps,
+            samples=self.global_samples,
+            tokens=self.global_tokens if self.counts_tokens or self.token_budget else None,
+            global_batch=plan.global_batch_size,
+            micro_batch_per_gpu=plan.micro_batch_per_gpu,
+            gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            lr=lr_used,
+            loss=float("nan"),
+            train_coverage=self.train_coverage,
+            epoch=self.epoch,
+            lr_multiplier=self.lr_coupling.multiplier,
+            step_time_s=time.perf_counter() - started,
+            extra={"micro_batch_limit": float(self.micro_batch_limit), "oom_retries": float(self._step_ooms)},
+            oom_recovery=self.oom_recovery,
+        )
+        predictor = self.memory_recovery.predictor
+        peak = predictor.take_step_peak() if predictor is not None else None
+        if peak is not None:
+            record.extra["peak_memory_bytes"] = float(peak)
+        # The first step after a live recovery carries its phase times (live_recovery.py).
+        if self._record_extra:
+            record.extra.update(self._record_extra)
+            self._record_extra = None
+        # The goodput schedule's latest rating of the batch it chose (docs/metrics.md).
+        record.extra.update(getattr(self.controller.schedule, "last_rating", None) or {})
+        loss = StepLoss(step, self.resolve_losses)
+        norm = self.deepspeed.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().clone()  # DeepSpeed reuses its buffer: keep this step's value
+
+        def resolved(mean: float, grad_norm: float | None) -> None:
+            loss.set_value(mean)
+            record.loss = mean
+            record.grad_norm = grad_norm if grad_norm is None or math.isfinite(grad_norm) else None
+            record.noise_scale = self.noise.noise_scale
+            self.core.signals_resolved(mean, record.grad_norm)
+            self.metrics.write(record)
+
+        # The step's record now; its loss and grad norm are filled in when resolved.
+        self.last_metrics = record
+        return loss, resolved, norm
+
+    def _sampler(self) -> Any:
+        return getattr(self.dataloader, "sampler", None)
+
+    def close(self) -> None:
+        """Resolve pending losses (a collective: call on every rank), stop data workers, close the metrics
+        file, remove the memory predictor's module hook."""
+        self.resolve_losses()
+        if self._live_recovery is not None:
+            self._live_recovery.close()
+        self.metrics.close()
+        self.memory_recovery.close()
+        if self.dataloader is not None and hasattr(self.dataloader, "close"):
+            self.dataloader.close()
