@@ -25,6 +25,12 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
 
+A move to a shape never measured is a trial (:data:`TRIAL_STEPS`): the schedule holds it until that
+many of its step times are kept, then (at once, not at the next ``decide_every`` step) judges it as the
+move it was, from the batch it left: where that move no longer pays across the interval, the decision
+is taken from the batch it left (usually a return to it), else from the trial's batch (on a flat cost,
+the next doubling at once).
+
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
 the step's collective), the limit is agreed; so every rank takes the same decision without a collective
 of its own. Between two decisions at least ``decide_every`` steps run, and a move needs a predicted gain
@@ -182,6 +188,10 @@ class GoodputSchedule:
         if ctx.step < self.warmup_steps:
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
         judged = self._trial_judged(ctx)
+        if self.trial is not None:  # still open: judged on its own step times, not before
+            return self._hold(
+                current, f"goodput trial of batch {current} (judged after {TRIAL_STEPS} step times)"
+            )
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
             return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
