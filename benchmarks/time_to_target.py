@@ -18,8 +18,9 @@ optimizer steps (DeepSpeed's ``WarmupLR``, ``--warmup-steps``), micro-batch = ba
 one device), bf16 and ZeRO 2 on a GPU, fp32 and ZeRO 0 on the CPU.
 
 Outputs in ``--out``: ``<policy>.json`` (the curve: training seconds, the process's CPU seconds in
-training, samples, steps, batch, validation loss), ``results.json`` (settings, each policy's time to every target of ``--targets``, the curves) and
-``time_to_target.png`` (validation loss against training seconds). Usage::
+training, samples, steps, batch, validation loss), ``results.json`` (settings, each policy's time to
+every target of ``--targets``, the curves) and ``time_to_target.png`` (validation loss against
+training seconds). Usage::
 
     python benchmarks/time_to_target.py --device cuda --seconds 35          # the GPU measurement
     python benchmarks/time_to_target.py                                     # the CPU one (smaller model)
