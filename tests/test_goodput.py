@@ -511,3 +511,16 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     again.load_state_dict(mid.state_dict())
     assert mid.schedule.trial == (10, 16, 1, 1, 8) == again.schedule.trial
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
+    # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
+    # it is judged decide_every steps after it could first have been.
+    ctx = dict(samples=0, global_batch=16, world_size=1, noise_scale=30.0, noise_scale_error=0.1)
+    stuck = BatchSizeController(_trial_section(), 1)
+    stuck.load_state_dict(mid.state_dict())
+    stuck.schedule.throughput = ThroughputModel()
+    stuck.schedule.throughput.observe(8, 1, 1, 0.05)
+    stuck.schedule.throughput.observe(8, 1, 1, 0.05)
+    for step in range(12, 24):
+        stuck.next_global_batch(ScheduleContext(step=step, micro_batch_limit=256, **ctx))
+        assert stuck.schedule.trial is not None, step
+    stuck.next_global_batch(ScheduleContext(step=24, micro_batch_limit=256, **ctx))
+    assert stuck.schedule.trial is None

@@ -120,7 +120,8 @@ class GoodputSchedule:
 
     def _trial_judged(self, ctx: ScheduleContext) -> int | None:
         """The batch an open trial left, where this step judges it (its shape has :data:`TRIAL_STEPS`
-        kept step times; the trial is then closed); None otherwise. A trial the batch no longer runs
+        kept step times, or ``decide_every`` steps more have passed; the trial is then closed); None
+        otherwise. A trial the batch no longer runs
         (after an override or a resume) is closed."""
         if self.trial is None:
             return None
@@ -134,7 +135,9 @@ class GoodputSchedule:
             self.trial = None
             return None
         kept = next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == (micro, gas)), 0)
-        if ctx.step <= step or kept < TRIAL_STEPS:
+        # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
+        overdue = ctx.step >= step + self.throughput.skip_first + TRIAL_STEPS + self.decide_every
+        if ctx.step <= step or (kept < TRIAL_STEPS and not overdue):
             return None
         self.trial = None
         return left
@@ -242,7 +245,7 @@ class GoodputSchedule:
         best, best_rating, best_gain = reference, now, 1.0
         for batch in self._candidates(ctx.world_size, reference):
             rating = self.rate(ctx, batch, noise)
-            if rating is None or batch == reference or batch == current and reference != current:
+            if rating is None or batch == reference or (batch == current and reference != current):
                 continue
             plan = rating[2]
             micro, per_rank = (
