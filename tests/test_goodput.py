@@ -449,13 +449,15 @@ def test_noise_measuring_steps_price_the_measurement_and_are_not_fitted():
     assert again.predict_measuring(4, 2, 1) == pytest.approx(again.predict(4, 2, 1))
 
 
-def _trial_section() -> AdaBatchConfig:
-    return _section(schedule={"decide_every": 10, "max_relative_error": 0.35}, max_micro_batch_per_gpu=256)
+def _trial_section(decide_every: int = 10) -> AdaBatchConfig:
+    return _section(
+        schedule={"decide_every": decide_every, "max_relative_error": 0.35}, max_micro_batch_per_gpu=256
+    )
 
 
-def _trial_loop(curve, *, error, steps, noise=10.0):
+def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
     """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step."""
-    controller = BatchSizeController(_trial_section(), 1)
+    controller = BatchSizeController(_trial_section(decide_every), 1)
     schedule = controller.schedule
     batch, batches, decided, reasons = controller.initial_global_batch(), [], [], []
     for step in range(steps):
@@ -495,6 +497,10 @@ def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_wh
     # and never tried again: measured, it loses wherever B_noise may be.
     assert batches[back:].count(16) == 0 and set(batches[back:]) == {8}, sorted(set(batches[back:]))
     assert controller.schedule.trial is None
+    # A shorter cadence judges its trials on fewer steps: decide_every 2, one kept step time.
+    quick, _, _, _ = _trial_loop(cpu, error=0.6, steps=30, decide_every=2)
+    moved = quick.index(16)
+    assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
 
 
 def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():

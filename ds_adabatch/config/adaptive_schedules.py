@@ -404,8 +404,8 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         default=10,
         ge=1,
         description="Optimizer steps between two goodput decisions. A move to a shape never run "
-        "before is a trial, judged again after 3 of its step times (its first step is not kept) "
-        "instead of at the next decision; shorter cadences judge the measured shapes on fewer steps "
+        "before is a trial, judged again after 3 of its step times (its first step is not kept; "
+        "decide_every - 1 where fewer) instead of at the next decision; shorter cadences judge the measured shapes on fewer steps "
         "and move more often.",
     )
     hysteresis: float = Field(

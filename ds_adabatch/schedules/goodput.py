@@ -25,8 +25,8 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
 
-A move to a shape never measured is a trial (:data:`TRIAL_STEPS`): the schedule holds it until that
-many of its step times are kept, then (at once, not at the next ``decide_every`` step) judges it as the
+A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
+shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the next ``decide_every`` step) judges it as the
 move it was, from the batch it left: where that move no longer pays across the interval, the decision
 is taken from the batch it left (usually a return to it), else from the trial's batch (on a flat cost,
 the next doubling at once).
@@ -114,9 +114,15 @@ class GoodputSchedule:
     def decides_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then):
         every ``decide_every`` steps, and every step from the earliest a trial can be judged."""
-        if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + TRIAL_STEPS:
+        if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + self._trial_steps:
             return True
         return step >= self.warmup_steps and step % self.decide_every == 0
+
+    @property
+    def _trial_steps(self) -> int:
+        """Kept step times that judge a trial: :data:`TRIAL_STEPS`, fewer where ``decide_every`` is
+        shorter (a cadence chosen to judge on fewer steps judges its trials so too)."""
+        return max(1, min(TRIAL_STEPS, self.decide_every - self.throughput.skip_first))
 
     def _trial_judged(self, ctx: ScheduleContext) -> int | None:
         """The batch an open trial left, where this step judges it (its shape has :data:`TRIAL_STEPS`
@@ -136,8 +142,8 @@ class GoodputSchedule:
             return None
         kept = next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == (micro, gas)), 0)
         # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
-        overdue = ctx.step >= step + self.throughput.skip_first + TRIAL_STEPS + self.decide_every
-        if ctx.step <= step or (kept < TRIAL_STEPS and not overdue):
+        overdue = ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
+        if ctx.step <= step or (kept < self._trial_steps and not overdue):
             return None
         self.trial = None
         return left
@@ -193,7 +199,7 @@ class GoodputSchedule:
         judged = self._trial_judged(ctx)
         if self.trial is not None:  # still open: judged on its own step times, not before
             return self._hold(
-                current, f"goodput trial of batch {current} (judged after {TRIAL_STEPS} step times)"
+                current, f"goodput trial of batch {current} (judged after {self._trial_steps} step times)"
             )
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
@@ -282,7 +288,7 @@ class GoodputSchedule:
         shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
         if shape not in {(m, g) for m, g, _, _ in model.measured(ctx.world_size)}:
             self.trial = (ctx.step, *shape, ctx.world_size, reference)
-            said += f" (a trial: judged again after {TRIAL_STEPS} step times of it)"
+            said += f" (a trial: judged again after {self._trial_steps} step times of it)"
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
         return float(best)
 
