@@ -17,9 +17,10 @@ Every policy: AdamW at ``--lr`` for batch ``--start`` with ``lr_scaling: sqrt``,
 optimizer steps (DeepSpeed's ``WarmupLR``, ``--warmup-steps``), micro-batch = batch (one pass per step,
 one device), bf16 and ZeRO 2 on a GPU, fp32 and ZeRO 0 on the CPU.
 
-Outputs in ``--out``: ``<policy>.json`` (the curve: training seconds, samples, steps, batch, validation
-loss), ``results.json`` (settings, each policy's time to every target of ``--targets``, the curves) and
-``time_to_target.png`` (validation loss against training seconds). Usage::
+Outputs in ``--out``: ``<policy>.json`` (the curve: training seconds, the process's CPU seconds in
+training, samples, steps, batch, validation loss), ``results.json`` (settings, each policy's time to
+every target of ``--targets``, the curves) and ``time_to_target.png`` (validation loss against
+training seconds). Usage::
 
     python benchmarks/time_to_target.py --device cuda --seconds 35          # the GPU measurement
     python benchmarks/time_to_target.py                                     # the CPU one (smaller model)
@@ -122,21 +123,32 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return total / count
 
     curve = [
-        {"train_s": 0.0, "samples": 0, "steps": 0, "batch": engine.plan.global_batch_size, "val": evaluate()}
+        {
+            "train_s": 0.0,
+            "cpu_s": 0.0,
+            "samples": 0,
+            "steps": 0,
+            "batch": engine.plan.global_batch_size,
+            "val": evaluate(),
+        }
     ]
-    trained = 0.0
+    trained = cpu = 0.0
     next_eval = args.eval_every
     while trained < args.seconds:
         sync()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
             engine.train_batch()
         sync()
         trained += time.perf_counter() - started
+        # The process's CPU time in training: on a loaded machine wall-clock figures mean little, CPU
+        # seconds per sample still compare the policies' own costs (the schedule's measurement included).
+        cpu += time.process_time() - cpu_started
         next_eval += args.eval_every
         curve.append(
             {
                 "train_s": trained,
+                "cpu_s": cpu,
                 "samples": engine.global_samples,
                 "steps": engine.global_steps,
                 "batch": engine.plan.global_batch_size,
@@ -269,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = json.load(f)
         last = results[name]["curve"][-1]
         print(
-            f"{name:>16}: val {last['val']:.3f} after {last['train_s']:.1f} s, {last['steps']} steps, batch {last['batch']}"
+            f"{name:>16}: val {last['val']:.3f} after {last['train_s']:.1f} s, {last['steps']} steps, batch "
+            f"{last['batch']}, {last['samples'] / max(last['cpu_s'], 1e-9):.1f} samples per CPU second"
         )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     summary = summarise(results, args.targets)

@@ -143,6 +143,9 @@ def run_case(
             "history": [e.to_dict() for e in engine.history],
             "world_size": engine.world_size,
             "moves": schedule.moves,
+            # The shapes fitted, and those of the noise-measuring split steps, kept apart from them.
+            "shapes": [[m, g] for m, g, _, _ in schedule.throughput.measured(engine.world_size)],
+            "measuring": [[m, g] for m, g, _, _ in schedule.throughput.state_dict()["measuring"]],
             "curve": curve,
             "resumed": resumed,
         }

@@ -371,15 +371,18 @@ def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch
     model = ThroughputModel(skip_first=0)
     sync = StepSync("cpu")
     timer = StepTimes(model, "cpu", processes=2)  # no process group: the "sum" is this process's value
-    for retried in (False, True):
+    for retried, measuring in ((False, False), (True, False), (False, True)):
         started = time.perf_counter() - 0.2
         timer.step_started()
-        timer.step_finished(plan, started, sync, retried=retried)
-    assert len(sync._queued) == 2, "one value per step, retried or not (every rank queues the same)"
+        timer.step_finished(plan, started, sync, retried=retried, measuring=measuring)
+    assert len(sync._queued) == 3, "one value per step, retried or not (every rank queues the same)"
     sync.reduce()
-    # The retried step teaches nothing; the other is the sum over "ranks" / 2.
+    # The retried step teaches nothing; the other is the sum over "ranks" / 2; the noise-measuring
+    # step prices the measurement only.
     ((micro, gas, seconds, n),) = model.measured(2)
     assert (micro, gas, n) == (4, 2, 1) and 0.1 <= seconds < 0.2
+    assert model.predict_measuring(4, 2, 2) != model.predict(4, 2, 2)
+    assert 0.1 <= model.predict_measuring(4, 2, 2) < 0.2
     # A simulated curve replaces the clock; schedules without step times get the no-op object.
     monkeypatch.setenv(SIMULATED_STEP_TIME_ENV, "fixed=0.01,per_pass=0.002")
     goodput = BatchSizeController(_section(), 2).schedule
@@ -417,3 +420,118 @@ def test_resume_on_another_world_size_keeps_the_measured_costs():
     )
     decision = resumed.next_global_batch(ctx)
     assert decision.global_batch % 4 == 0 and "samples/s x efficiency" in decision.reason, decision
+
+
+def test_noise_measuring_steps_price_the_measurement_and_are_not_fitted():
+    # The 2-core CPU benchmark's step times: batch 8 whole 27 ms, 16 whole 51 ms, and batch 8 split in
+    # two half passes with the probe's hooks working 36 ms.
+    def feed(measuring: bool) -> ThroughputModel:
+        model = ThroughputModel()
+        for _ in range(6):
+            model.observe(8, 1, 1, 0.027)
+            model.observe(16, 1, 1, 0.051)
+            model.observe(4, 2, 1, 0.036, measuring=measuring)
+        return model
+
+    kept_apart, mixed = feed(True), feed(False)
+    assert kept_apart.predict(8, 1, 1) == pytest.approx(0.027, rel=0.01), kept_apart.fit(1).describe()
+    assert kept_apart.predict(16, 1, 1) == pytest.approx(0.051, rel=0.01)
+    # Fitted as a shape, the measurement reads as a per-pass cost (7 ms) and batch 16 is rated 7% faster
+    # against 8 than it runs (51 / 27 = 1.89 as long).
+    assert kept_apart.predict(16, 1, 1) / kept_apart.predict(8, 1, 1) == pytest.approx(51 / 27, rel=0.01)
+    ratio = mixed.predict(16, 1, 1) / mixed.predict(8, 1, 1)
+    assert ratio < 0.95 * 51 / 27, mixed.fit(1).describe()
+    assert kept_apart.predict_measuring(4, 2, 1) == pytest.approx(0.036)
+    assert kept_apart.measured(1) == mixed.measured(1)[1:]
+    assert kept_apart.largest_tried(1) == (16, 16)
+    # Checkpointed with the rest; a state written before measuring steps were kept apart still loads.
+    again = ThroughputModel()
+    again.load_state_dict(kept_apart.state_dict())
+    assert again.predict_measuring(4, 2, 1) == pytest.approx(0.036)
+    old = kept_apart.state_dict()
+    del old["measuring"]
+    again.load_state_dict(old)
+    assert again.predict_measuring(4, 2, 1) == pytest.approx(again.predict(4, 2, 1))
+
+
+def _trial_section(decide_every: int = 10) -> AdaBatchConfig:
+    return _section(
+        schedule={"decide_every": decide_every, "max_relative_error": 0.35}, max_micro_batch_per_gpu=256
+    )
+
+
+def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
+    """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step."""
+    controller = BatchSizeController(_trial_section(decide_every), 1)
+    schedule = controller.schedule
+    batch, batches, decided, reasons = controller.initial_global_batch(), [], [], []
+    for step in range(steps):
+        decided.append(schedule.decides_at(step))
+        ctx = ScheduleContext(
+            step=step,
+            samples=0,
+            global_batch=batch,
+            world_size=1,
+            noise_scale=noise,
+            noise_scale_error=error,
+            micro_batch_limit=256,
+        )
+        decision = controller.next_global_batch(ctx)
+        batch = decision.global_batch
+        schedule.throughput.observe(batch, 1, 1, curve(batch, 1))
+        batches.append(batch)
+        reasons.append(decision.reason)
+    return batches, decided, reasons, controller
+
+
+def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_where_it_does_not_pay():
+    # The CPU: a step's time grows with the batch; B_noise 10, not yet confident (error 0.6: within 3-33).
+    def cpu(m, g):
+        return 0.0033 + g * 0.003 * m
+
+    batches, decided, reasons, controller = _trial_loop(cpu, error=0.6, steps=200)
+    # Batch 8 measured, batch 16 predicted flat: it pays across the interval, so it is tried at step 10,
+    moved = batches.index(16)
+    assert moved == 10, batches[:30]
+    # judged once 3 of its step times are kept (its first is not), not at the next decide_every step,
+    back = moved + 1 + 3
+    assert batches[moved:back] == [16] * (back - moved) and batches[back] == 8, batches[:30]
+    assert decided[back] and not decided[back - 1], "the runtime resolves step times at the judgement"
+    assert "(a trial: judged again after 3 step times of it)" in reasons[moved], reasons[moved]
+    assert "trial of batch 16 gains" in reasons[back] and "back" in reasons[back], reasons[back]
+    # and never tried again: measured, it loses wherever B_noise may be.
+    assert batches[back:].count(16) == 0 and set(batches[back:]) == {8}, sorted(set(batches[back:]))
+    assert controller.schedule.trial is None
+    # A shorter cadence judges its trials on fewer steps: decide_every 2, one kept step time.
+    quick, _, _, _ = _trial_loop(cpu, error=0.6, steps=30, decide_every=2)
+    moved = quick.index(16)
+    assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
+
+
+def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
+    # The GPU: a step costs the same at every batch; each trial stands and the next doubling follows
+    # at its judgement (4 steps) instead of the next decide_every (10).
+    batches, _, _, controller = _trial_loop(lambda m, g: 0.05, error=0.1, noise=30.0, steps=60)
+    assert batches[-1] == 256, batches
+    assert batches.index(256) == 10 + 4 * 4, batches
+    doublings = [b for a, b in zip(batches, batches[1:]) if a != b]
+    assert doublings == [16, 32, 64, 128, 256], doublings
+    # A checkpoint taken during a trial resumes it: the same trial, judged at the same step.
+    _, _, _, mid = _trial_loop(lambda m, g: 0.05, error=0.1, noise=30.0, steps=12)
+    again = BatchSizeController(_trial_section(), 1)
+    again.load_state_dict(mid.state_dict())
+    assert mid.schedule.trial == (10, 16, 1, 1, 8) == again.schedule.trial
+    assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
+    # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
+    # it is judged decide_every steps after it could first have been.
+    ctx = dict(samples=0, global_batch=16, world_size=1, noise_scale=30.0, noise_scale_error=0.1)
+    stuck = BatchSizeController(_trial_section(), 1)
+    stuck.load_state_dict(mid.state_dict())
+    stuck.schedule.throughput = ThroughputModel()
+    stuck.schedule.throughput.observe(8, 1, 1, 0.05)
+    stuck.schedule.throughput.observe(8, 1, 1, 0.05)
+    for step in range(12, 24):
+        stuck.next_global_batch(ScheduleContext(step=step, micro_batch_limit=256, **ctx))
+        assert stuck.schedule.trial is not None, step
+    stuck.next_global_batch(ScheduleContext(step=24, micro_batch_limit=256, **ctx))
+    assert stuck.schedule.trial is None

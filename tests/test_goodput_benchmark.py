@@ -41,6 +41,8 @@ def test_time_to_target_smoke(tmp_path):
         assert len(curve) >= 2, f"{name}: no validation after training"
         assert curve[0]["train_s"] == 0.0 and curve[-1]["train_s"] >= 2.0, f"{name}: {curve}"
         assert all(p["val"] > 0 for p in curve) and curve[-1]["steps"] > 0, f"{name}: {curve}"
+        # CPU seconds in training: the process ran while it trained, and not more than two cores' worth.
+        assert 0 < curve[-1]["cpu_s"] <= 2 * curve[-1]["train_s"] + 1, f"{name}: {curve[-1]}"
         assert run["config"]["adabatch"]["max_global_batch"] == 16
     for target, row in results["summary"].items():
         assert set(row["times"]) == set(POLICIES), target

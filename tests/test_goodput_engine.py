@@ -97,6 +97,9 @@ def test_one_rank_micro_equals_batch_measures_the_noise_and_moves(launches):
     assert r["noise"][-1] is not None and r["noise"][-1] > 0, "the noise scale was never measured"
     batches = [p[0] for p in r["plans"]]
     assert batches[-1] > 8, f"the batch never moved: {batches}"
+    # The split steps (micro/2 x 2 passes) price the measurement and are not fitted as a shape.
+    assert r["measuring"] and all(g == 2 for _, g in r["measuring"]), r["measuring"]
+    assert all(g == 1 for _, g in r["shapes"]), f"a split step was fitted as a shape: {r['shapes']}"
 
 
 def test_resume_on_another_world_size_continues_the_schedule_exactly(launches):

@@ -388,8 +388,8 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     ``max_global_batch`` (required) with the split the planner gives it under the micro-batch limit,
     and moves to the best one when its predicted goodput beats the current batch's by more than
     ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one
-    did (the model is flat until it knows better) and are tried at most ``explore_factor`` beyond the
-    largest measured. Where a larger batch is nearly free (a host-bound step) it grows to the large end;
+    did (the model is flat until it knows better), are tried at most ``explore_factor`` beyond the
+    largest measured, and a move to one is a trial, judged again after 3 of its step times. Where a larger batch is nearly free (a host-bound step) it grows to the large end;
     where the step time grows with the batch it settles near the noise scale. The LR follows
     ``lr_scaling`` as for every schedule. See docs/schedules.md.
     """
@@ -403,9 +403,10 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     decide_every: int = Field(
         default=10,
         ge=1,
-        description="Optimizer steps between two goodput decisions. A shape's first step is not "
-        "measured and its time is the median of the steps since, so 10 gives a new shape about 9 "
-        "measured steps before it is judged; shorter cadences judge on fewer steps and move more often.",
+        description="Optimizer steps between two goodput decisions. A move to a shape never run "
+        "before is a trial, judged again after 3 of its step times (its first step is not kept; "
+        "decide_every - 1 where fewer) instead of at the next decision; shorter cadences judge the measured shapes on fewer steps "
+        "and move more often.",
     )
     hysteresis: float = Field(
         default=0.05,

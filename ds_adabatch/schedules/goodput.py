@@ -25,6 +25,12 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
 
+A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
+shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the next ``decide_every`` step) judges it as the
+move it was, from the batch it left: where that move no longer pays across the interval, the decision
+is taken from the batch it left (usually a return to it), else from the trial's batch (on a flat cost,
+the next doubling at once).
+
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
 the step's collective), the limit is agreed; so every rank takes the same decision without a collective
 of its own. Between two decisions at least ``decide_every`` steps run, and a move needs a predicted gain
@@ -49,6 +55,12 @@ _STATE_VERSION = 1
 _MAX_CANDIDATES = 512
 _WIDEST_ERROR = 5.0
 """Relative errors above this bound nothing (a factor exp(10) either way): the schedule holds."""
+TRIAL_STEPS = 3
+"""Kept step times of a shape never run before after which a move to it is judged again (a trial),
+without waiting for the next ``decide_every`` step: a larger batch predicted from a flat fit costs, where
+it is not free, every step it is kept (10 steps of 16 at the 2-core CPU benchmark's step 20 put the
+validation loss about 100 samples behind batch 8's for the next thousands). Three, so that the median is
+not one slow step's."""
 
 
 class GoodputSchedule:
@@ -93,12 +105,54 @@ class GoodputSchedule:
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
         ``goodput`` of the batch it chose (held or moved to), for the step records."""
         self.moves = 0
+        self.trial: tuple[int, int, int, int, int] | None = None
+        """``(step, micro, gas, world, batch it left)`` of a move to a shape not measured before,
+        judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no trial open."""
         self.throughput = ThroughputModel()
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
 
     def decides_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then)."""
+        """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then):
+        every ``decide_every`` steps, and every step from the earliest a trial can be judged."""
+        if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + self._trial_steps:
+            return True
         return step >= self.warmup_steps and step % self.decide_every == 0
+
+    @property
+    def _trial_steps(self) -> int:
+        """Kept step times that judge a trial: :data:`TRIAL_STEPS`, fewer where ``decide_every`` is
+        shorter (a cadence chosen to judge on fewer steps judges its trials so too)."""
+        return max(1, min(TRIAL_STEPS, self.decide_every - self.throughput.skip_first))
+
+    def _trial_judged(self, ctx: ScheduleContext) -> int | None:
+        """The batch an open trial left, where this step judges it (its shape has :data:`TRIAL_STEPS`
+        kept step times, or ``decide_every`` steps more have passed; the trial is then closed); None
+        otherwise. A trial the batch no longer runs
+        (after an override or a resume) is closed."""
+        if self.trial is None:
+            return None
+        step, micro, gas, world, left = self.trial
+        plan = self._plan(ctx, int(ctx.global_batch))
+        if plan is None or (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, ctx.world_size) != (
+            micro,
+            gas,
+            world,
+        ):
+            self.trial = None
+            return None
+        kept = next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == (micro, gas)), 0)
+        # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
+        overdue = ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
+        if ctx.step <= step or (kept < self._trial_steps and not overdue):
+            return None
+        self.trial = None
+        return left
+
+    def _plan(self, ctx: ScheduleContext, batch: int) -> Any:
+        try:
+            return plan_batch(batch, ctx.world_size, ctx.micro_batch_limit, allow_uneven=self.allow_uneven)
+        except PlanError:
+            return None
 
     def _candidates(self, world: int, current: int) -> list[int]:
         multiple = batch_multiple(world, self.granularity, self.allow_uneven)
@@ -124,10 +178,8 @@ class GoodputSchedule:
     def rate(self, ctx: ScheduleContext, batch: int, noise: float) -> tuple[float, float, Any] | None:
         """``(predicted samples/s, efficiency, plan)`` of ``batch``; None if it cannot be planned or
         predicted."""
-        limit = ctx.micro_batch_limit
-        try:
-            plan = plan_batch(batch, ctx.world_size, limit, allow_uneven=self.allow_uneven)
-        except PlanError:
+        plan = self._plan(ctx, batch)
+        if plan is None:
             return None
         seconds = self.throughput.predict(
             plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, ctx.world_size
@@ -144,6 +196,11 @@ class GoodputSchedule:
         current = int(ctx.global_batch)
         if ctx.step < self.warmup_steps:
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
+        judged = self._trial_judged(ctx)
+        if self.trial is not None:  # still open: judged on its own step times, not before
+            return self._hold(
+                current, f"goodput trial of batch {current} (judged after {self._trial_steps} step times)"
+            )
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
             return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
@@ -159,7 +216,7 @@ class GoodputSchedule:
         )
         if band == ():
             return self._hold(current, unsure)
-        if ctx.step % self.decide_every:
+        if ctx.step % self.decide_every and judged is None:
             nxt = (ctx.step // self.decide_every + 1) * self.decide_every
             return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
         model = self.throughput
@@ -171,21 +228,30 @@ class GoodputSchedule:
             return self._hold(current, f"the current batch {current} cannot be rated")
         start = self.reference_batch
 
-        def gain(batch: int, rating: tuple[float, float, Any]) -> float:
-            """The goodput of ``batch`` over the current batch's: at the estimate, or, while it is not
-            yet confident and ``batch`` lies farther from ``start`` than the current batch, the least
-            across the estimate's interval (leaving the configured start needs a move that pays
-            wherever B_noise may be; coming back toward it, after an exploration measured worse than
-            predicted, needs only the estimate)."""
-            away = abs(math.log(batch / start)) > abs(math.log(current / start))
+        def gain(batch: int, rating: tuple[float, float, Any], ref: int, ref_rating: tuple) -> float:
+            """The goodput of ``batch`` over ``ref``'s: at the estimate, or, while it is not yet
+            confident and ``batch`` lies farther from ``start`` than ``ref``, the least across the
+            estimate's interval (leaving the configured start needs a move that pays wherever B_noise
+            may be; coming back toward it, after an exploration measured worse than predicted, needs
+            only the estimate)."""
+            away = abs(math.log(batch / start)) > abs(math.log(ref / start))
             edges = band if band and away else (noise,)
-            speedup = rating[0] / now[0]
-            return min(speedup * _efficiency_gain(batch, current, e, start) for e in edges)
+            speedup = rating[0] / ref_rating[0]
+            return min(speedup * _efficiency_gain(batch, ref, e, start) for e in edges)
 
-        best, best_rating, best_gain = current, now, 1.0
-        for batch in self._candidates(ctx.world_size, current):
+        reference, said = current, ""
+        if judged is not None and judged != current:
+            # A trial is judged as the move it was, now that its shape's cost is measured: it stays
+            # only where that move still pays; else the decision is taken from the batch it left.
+            before = self.rate(ctx, judged, noise)
+            kept = None if before is None else gain(current, now, judged, before)
+            if kept is not None and kept <= 1.0 + self.hysteresis:
+                reference, now = judged, before
+                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, back; "
+        best, best_rating, best_gain = reference, now, 1.0
+        for batch in self._candidates(ctx.world_size, reference):
             rating = self.rate(ctx, batch, noise)
-            if rating is None or batch == current:
+            if rating is None or batch == reference or (batch == current and reference != current):
                 continue
             plan = rating[2]
             micro, per_rank = (
@@ -194,25 +260,35 @@ class GoodputSchedule:
             )
             if micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank:
                 continue  # beyond what the measured shapes can predict: explored in bounded steps
-            g = gain(batch, rating)
+            g = gain(batch, rating, reference, now)
             if g > best_gain * (1 + 1e-12):
                 best, best_rating, best_gain = batch, rating, g
-        said = f"B_noise {noise:.4g}; batch {current}: {_rated(now)}"
         if band:
-            said = f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {current}: {_rated(now)}"
-        if best == current or best_gain <= 1.0 + self.hysteresis:
+            said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
+        else:
+            said += f"B_noise {noise:.4g}; batch {reference}: {_rated(now)}"
+        if best == reference or best_gain <= 1.0 + self.hysteresis:
             self._keep_rating(now)
-            if best != current:
+            if best != reference:
                 said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
                 said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
-            return self._hold(current, f"goodput {said}")
+            if reference == current:
+                return self._hold(current, f"goodput {said}")
+            self.moves += 1
+            self.last_reason = f"goodput {said} -> batch {reference}"
+            return float(reference)
         if band:
-            back = abs(math.log(best / start)) <= abs(math.log(current / start))
+            back = abs(math.log(best / start)) <= abs(math.log(reference / start))
             said += f"; batch {best} gains {best_gain - 1:+.1%} " + (
                 "at the estimate (back toward start)" if back else "across that interval"
             )
         self._keep_rating(best_rating)
         self.moves += 1
+        plan = best_rating[2]
+        shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
+        if shape not in {(m, g) for m, g, _, _ in model.measured(ctx.world_size)}:
+            self.trial = (ctx.step, *shape, ctx.world_size, reference)
+            said += f" (a trial: judged again after {self._trial_steps} step times of it)"
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
         return float(best)
 
@@ -239,12 +315,15 @@ class GoodputSchedule:
             "kind": "GoodputSchedule",
             "version": _STATE_VERSION,
             "moves": self.moves,
+            "trial": None if self.trial is None else list(self.trial),
             "throughput": self.throughput.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
         self.moves = int(state["moves"])
+        trial = state.get("trial")  # absent from states written before trials were judged early
+        self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.throughput.load_state_dict(state["throughput"])
 
 

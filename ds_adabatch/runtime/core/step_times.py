@@ -50,7 +50,9 @@ class NoStepTimes:
     def step_started(self) -> None:
         pass
 
-    def step_finished(self, plan: Any, started: float, sync: StepSync, *, retried: bool) -> None:
+    def step_finished(
+        self, plan: Any, started: float, sync: StepSync, *, retried: bool, measuring: bool = False
+    ) -> None:
         pass
 
 
@@ -72,14 +74,19 @@ class StepTimes(NoStepTimes):
         self.curve = curve
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
-        self._previous: tuple[Any, Any, Any, bool] | None = None  # (start, end, plan, retried)
+        # (start, end, plan, retried, measuring)
+        self._previous: tuple[Any, Any, Any, bool, bool] | None = None
 
     def step_started(self) -> None:
         if self._cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
 
-    def step_finished(self, plan: Any, started: float, sync: StepSync, *, retried: bool) -> None:
+    def step_finished(
+        self, plan: Any, started: float, sync: StepSync, *, retried: bool, measuring: bool = False
+    ) -> None:
+        """Queue the step's time; ``measuring``: the step was split to measure the noise scale (its
+        time prices that measurement and is not fitted as its shape's, ThroughputModel)."""
         if self.curve is not None:
             shape, seconds = (
                 plan,
@@ -90,22 +97,23 @@ class StepTimes(NoStepTimes):
         elif self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            previous, self._previous = self._previous, (self._start, end, plan, retried)
+            previous, self._previous = self._previous, (self._start, end, plan, retried, measuring)
             shape, seconds = (previous[2], _elapsed(previous)) if previous is not None else (plan, 0.0)
+            measuring = previous is not None and previous[4]
         else:
             shape, seconds = plan, 0.0 if retried else time.perf_counter() - started
         model, processes = self.model, self.processes
         micro, gas, world = shape.micro_batch_per_gpu, shape.gradient_accumulation_steps, shape.world_size
 
         def observe(sums: list[torch.Tensor]) -> None:
-            model.observe(micro, gas, world, float(sums[0]) / processes)
+            model.observe(micro, gas, world, float(sums[0]) / processes, measuring=measuring)
 
         sync.defer([float(seconds)], observe)
 
 
-def _elapsed(measured: tuple[Any, Any, Any, bool]) -> float:
+def _elapsed(measured: tuple[Any, Any, Any, bool, bool]) -> float:
     """Seconds between a finished step's events (0 for a retried step or a missing start)."""
-    start, end, _, retried = measured
+    start, end, _, retried, _ = measured
     if retried or start is None:
         return 0.0
     end.synchronize()  # recorded a whole step ago: finished, so this does not wait

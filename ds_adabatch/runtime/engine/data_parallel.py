@@ -148,8 +148,10 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         sync = self._sync
         # Throughput point: the step's time, with the shape it ran (before the next plan), is queued
         # for the step's collective and reaches the goodput schedule's model (step_times.py).
-        self._step_times.step_finished(self.plan, started, sync, retried=self._step_ooms > 0)
         split, self._unsplit_plan = self._unsplit_plan, None
+        self._step_times.step_finished(
+            self.plan, started, sync, retried=self._step_ooms > 0, measuring=split is not None
+        )
         if split is not None and not self._step_ooms:  # back to the plan the step was split from
             self._apply_plan(split, reason="noise measurement", record=False)
         self._finish_step(total_samples, tokens, count_memory=split is None)
@@ -288,7 +290,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             return None
         size = self.plan.global_batch_size
         whole = model.predict(size, 1, 1)
-        split = model.predict(-(-size // 2), 2, 1)
+        split = model.predict_measuring(-(-size // 2), 2, 1)
         if whole is None or split is None or not whole > 0:
             return None
         return max(0.0, split / whole - 1.0)

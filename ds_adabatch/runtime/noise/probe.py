@@ -276,8 +276,8 @@ SPLIT_EVERY = 4
 passes); fewer where a split step costs more (:data:`SPLIT_BUDGET`)."""
 
 SPLIT_BUDGET = 0.02
-"""The share of training time the split steps may cost: where the throughput model predicts a split
-step to cost ``extra`` more than the whole step (0.25: a quarter more), one due step in
+"""The share of training time the split steps may cost: where the split steps measured so far cost
+``extra`` more than the whole step the throughput model predicts (0.25: a quarter more), one due step in
 ``max(SPLIT_EVERY, ceil(extra / SPLIT_BUDGET))`` is split."""
 
 
@@ -290,10 +290,11 @@ class NoiseCadence:
     can cut that step's samples into two half passes (``can_split``: the training data is its own, and
     the batch holds two samples or more), one due step in :data:`SPLIT_EVERY` is measured that way: the
     same samples and the same exact update, for the price of one more pass in that step (its per-pass
-    overhead; the per-sample work is the same). Where the runtime knows that price (``split_cost``: the
-    goodput schedule's throughput model predicts both shapes), fewer steps are split, so that they cost
-    about :data:`SPLIT_BUDGET` of the training time: one in 13 where a split step costs a quarter more
-    (the 2-core CPU benchmark's), one in 50 where it costs twice the whole step. Otherwise the
+    overhead and the probe's work; the per-sample work is the same). Where the runtime knows that price
+    (``split_cost``: the goodput schedule's throughput model times its split steps apart from the whole
+    ones), fewer steps are split, so that they cost about :data:`SPLIT_BUDGET` of the training time: one
+    in 13 where a split step costs a quarter more, one in 19 where it costs a third more (the 2-core CPU
+    benchmark's), one in 50 where it costs twice the whole step. Otherwise the
     step is skipped with a warning, once per run: the schedule then holds its batch until a step can be
     measured.
     """
