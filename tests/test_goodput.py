@@ -190,6 +190,21 @@ def test_affine_cost_picks_the_goodput_maximum(noise):
     assert (batches[-1] > 32) == (noise > 100), batches[-1]
 
 
+def test_start_is_the_smallest_batch_unless_min_global_batch_asks_for_less():
+    # A step whose time grows with the batch and a small noise scale: the goodput maximum lies below start.
+    def curve(m, g):
+        return 0.0033 + g * 0.003 * m
+
+    noise = 4.0
+    best, goodput = best_batch(curve, noise, 2, 16, 2, 256)
+    assert best < 8, best
+    held, _ = run_loop(_section(), curve, lambda s, r: noise, steps=120)
+    assert min(held) == 8 and held[-1] == 8, held
+    lower, _ = run_loop(_section(min_global_batch=2), curve, lambda s, r: noise, steps=120)
+    assert lower[-1] < 8, lower
+    assert goodput(lower[-1]) >= goodput(best) / (1 + 0.05), (lower[-1], best)
+
+
 def test_never_a_micro_batch_the_limit_rejects_and_exploration_is_bounded():
     # A flat cost would take any micro-batch; the (learned) limit of 6 bounds every plan (run_loop asserts).
     batches, controller = run_loop(_section(), lambda m, g: 0.05, lambda s, r: 50.0, steps=100, limit=6)

@@ -384,7 +384,8 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     times the fraction of them that count, ``(B_noise + start) / (B_noise + batch)`` with ``B_noise`` the
     gradient-noise scale the runtime measures as for ``gradient_noise``. Throughput comes from a model of
     the step time, ``fixed + GAS x (per_pass + per_sample x micro)``, fitted from the steps the job runs.
-    Every ``decide_every`` optimizer steps the schedule evaluates every plannable batch up to
+    Every ``decide_every`` optimizer steps the schedule evaluates every plannable batch from ``start``
+    (or the section's ``min_global_batch`` where it is set: below ``start`` only when asked) up to
     ``max_global_batch`` (required) with the split the planner gives it under the micro-batch limit,
     and moves to the best one when its predicted goodput beats the current batch's by more than
     ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one

@@ -85,6 +85,7 @@ class BatchSizeController:
             max_global_batch=self.highest,
             granularity=self.granularity,
             allow_uneven=self.allow_uneven,
+            min_from_config=self.min_global_batch is not None,
         )
         self._last_step: int | None = None
         self._last_decision: Decision | None = None

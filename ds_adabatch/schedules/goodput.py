@@ -69,7 +69,8 @@ class GoodputSchedule:
     Args:
         config: the schedule's config.
         granularity, min_global_batch, max_global_batch, allow_uneven: the section's bounds; the
-            candidates are the plannable batches within them at the context's world size.
+            candidates are the plannable batches within them at the context's world size; without a
+            ``min_global_batch`` the smallest is ``start``.
     """
 
     name = "goodput"
@@ -97,7 +98,10 @@ class GoodputSchedule:
             else auto_warmup_steps(int(config.measure_every), float(config.ema_beta))
         )
         self.granularity = int(granularity)
-        self.min_global_batch = min_global_batch
+        self.min_global_batch = self.reference_batch if min_global_batch is None else min_global_batch
+        """The smallest batch considered: the section's ``min_global_batch`` where it is set, else
+        ``start``. The LR was tuned at ``start`` and the efficiency is measured against it; as in Pollux,
+        a batch below it is considered only where the user asks for one."""
         self.max_global_batch = max_global_batch
         self.allow_uneven = bool(allow_uneven)
         self.last_reason = ""

@@ -43,12 +43,14 @@ def build_schedule(
     max_global_batch: int | None = None,
     granularity: int = 1,
     allow_uneven: bool = False,
+    min_from_config: bool = True,
 ) -> Schedule:
     """The rule for a schedule config model (one member of ``ScheduleConfig``).
 
     ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
     batch (``loss_plateau``) stay inside them, as the controller's output does. ``goodput`` rates the
-    plannable batches within them (``granularity``, ``allow_uneven``) at the context's world size.
+    plannable batches within them (``granularity``, ``allow_uneven``) at the context's world size,
+    from its ``start`` where ``min_from_config`` is False (the section set no ``min_global_batch``).
 
     Raises:
         ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
@@ -63,7 +65,7 @@ def build_schedule(
         return GoodputSchedule(
             config,
             granularity=granularity,
-            min_global_batch=min_global_batch,
+            min_global_batch=min_global_batch if min_from_config else None,
             max_global_batch=max_global_batch,
             allow_uneven=allow_uneven,
         )
