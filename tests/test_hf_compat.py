@@ -59,13 +59,14 @@ def test_the_token_count_sees_the_real_micro_batches_flat():
     assert int(inputs["attention_mask"].sum()) == 7 + 6
 
 
-def test_the_loop_mixin_is_used_exactly_where_the_loop_is_one_function():
+def test_the_loop_adapter_is_used_exactly_where_the_loop_is_one_function():
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
 
     # 5.3 split the loop into _init_training_state / _prepare_for_training / _run_epoch.
     one_function = not hasattr(transformers.Trainer, "_prepare_for_training")
-    assert (compat.OneFunctionLoop in AdaptiveBatchSizeTrainer.__mro__) == one_function
+    assert (compat.loop_for() is compat.OneFunctionLoop) == one_function
     assert AdaptiveBatchSizeTrainer.__name__ == "AdaptiveBatchSizeTrainer"
+    assert AdaptiveBatchSizeTrainer.__mro__[1] is transformers.Trainer, "no class between it and the Trainer"
 
 
 def _filled_warmup(tmp_path) -> object:
@@ -85,13 +86,11 @@ def _filled_warmup(tmp_path) -> object:
     return config.get_value("scheduler.params.warmup_num_steps")
 
 
-def test_the_fixes_are_mixed_in_exactly_where_the_release_fills_a_zero_warmup(tmp_path, monkeypatch):
-    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
-
+def test_the_fixes_are_held_exactly_where_the_release_fills_a_zero_warmup(tmp_path, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     filled = _filled_warmup(tmp_path)
     assert filled in (0, 1), filled
-    assert (compat.PlainTrainerFixes in AdaptiveBatchSizeTrainer.__mro__) == (filled == 0)
+    assert (compat.fixes_for() is compat.PlainTrainerFixes) == (filled == 0)
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith("4."), reason="a transformers 4.57 argument")
