@@ -2,10 +2,14 @@
 
 :class:`TrainerStep` is held by the Trainer subclass (``trainer.adaptive_step``), whose
 ``training_step`` hands it each step; it replaces what transformers 5.23 does inside
-``Trainer._run_epoch`` for one update step. The step's decision (schedule, plan, the learned
-micro-batch limit) was taken by the run's step core (``ds_adabatch.runtime.step_core.StepCore``,
-held by :class:`~ds_adabatch.integrations.hf.state.AdaptiveBatchState`) when the step was started;
-this module runs its passes. The micro-batches run with the accumulation boundary (DeepSpeed) or
+``Trainer._run_epoch`` for one update step. The step was decided when the Trainer's loop drew it
+from the step loader: ``hf.data.StepLoader`` asks ``AdaptiveBatchState.plan_for_step``, which asks
+the run's step core (``StepCore.decide``, ``ds_adabatch.runtime.step_core``, the same core the
+DeepSpeed entry points hold). :meth:`TrainerStep.run` logs what that decision said, runs the passes
+(retried with smaller ones after an out-of-memory error) and accounts a clean step to the core
+(``StepCore.clean_step``, through ``AdaptiveBatchState.after_clean_step``); the step's loss reaches
+the core's signals when the step sync resolves it (``hf.metrics``). The micro-batches run with the
+accumulation boundary (DeepSpeed) or
 gradient sync (DDP) on the last one only, each loss scaled so the update is the exact mean over the
 global batch: ``loss x count x world / total``, with ``count`` and ``total`` the micro-batch's and the
 global batch's samples, or target tokens (``labels != -100``) where the Trainer would normalise by
