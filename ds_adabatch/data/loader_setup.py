@@ -81,5 +81,7 @@ def build_rank_loader(
         return None
     sampler = None
     if not isinstance(dataset, IterableDataset):
-        sampler = ElasticSampler(len(dataset), shuffle=order.shuffle, seed=order.seed, drop_last=order.drop_last)
+        sampler = ElasticSampler(
+            len(dataset), shuffle=order.shuffle, seed=order.seed, drop_last=order.drop_last
+        )
     return ElasticDataLoader(dataset, sampler, **common)
