@@ -441,6 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of unexpected errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_validate(sub)
+    _add_plan(sub)
+    _add_schema(sub)
+    _add_config_docs(sub)
+    _add_elastic(sub)
+    _add_simulate(sub)
+    _add_verify(sub)
+    return parser
+
+
+def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("validate", help="check ds_config files and print the resolved plan")
     p.add_argument(
         "configs", nargs="+", metavar="CONFIG", help="ds_config JSON file(s) with an adabatch section"
@@ -455,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_arguments(p, "default: the config's pipeline.stages / tensor_parallel.autotp_size, else 1")
     p.set_defaults(func=_cmd_validate)
 
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="split a global batch into micro-batches per rank and step")
     p.add_argument(
         "--global-batch", type=_positive_int, required=True, metavar="B", help="samples per optimizer step"
@@ -473,9 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_arguments(p, "default 1")
     p.set_defaults(func=_cmd_plan)
 
+
+def _add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("schema", help="print the JSON Schema of the adabatch section (for editors)")
     p.set_defaults(func=_cmd_schema)
 
+
+def _add_config_docs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "config-docs", help="print, write (--output) or check (--check) the adabatch reference page"
     )
@@ -488,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_config_docs)
 
+
+def _add_elastic(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("elastic", help="global batch sizes that split evenly on many GPU counts")
     p.add_argument("--max-batch", type=_positive_int, required=True, metavar="B", help="largest global batch")
     p.add_argument(
@@ -509,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=_non_negative_int, default=10, metavar="K", help="rows to show (10; 0: all)")
     p.set_defaults(func=_cmd_elastic)
 
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("simulate", help="plot the planned batch, micro, GAS and LR against samples")
     p.add_argument("config", metavar="CONFIG", help="ds_config JSON file with an adabatch section")
     p.add_argument("--world-size", type=_positive_int, required=True, metavar="W", help="data-parallel ranks")
@@ -543,12 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_simulate)
 
+
+def _add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "verify", help="check every checkpoint in a folder against its manifest (exit 1: damaged)"
     )
     p.add_argument("folder", metavar="CKPT_DIR", help="the folder given to save_checkpoint / --save-dir")
     p.set_defaults(func=_cmd_verify)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -352,3 +352,54 @@ def test_lazy_exports() -> None:
     assert all(getattr(data, name) is not None for name in data.__all__)
     with pytest.raises(AttributeError):
         _ = data.NoSuchThing
+
+
+# -- one rank's loader from a sample order (data.loader_setup) ------------------------------------------
+
+
+def test_build_rank_loader_follows_the_order_and_the_token_sampler():
+    from ds_adabatch.config import AdaBatchConfig
+    from ds_adabatch.data.loader_setup import DataOrder, build_rank_loader
+    from ds_adabatch.data.rank_loader import RankLoader
+    from ds_adabatch.data.token_loader import TokenBudgetLoader
+    from ds_adabatch.data.tokens import SampleLengths, TokenBudgetSampler
+
+    section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
+    data = AdaBatchConfig.model_validate({**section, "data": {"seed": 7, "drop_last": True}}).data
+    plan = plan_batch(8, 2, 4)
+    for order in (data, DataOrder(shuffle=True, seed=7, drop_last=True, num_workers=0)):
+        built = [
+            build_rank_loader(IndexDataset(20), order, rank=r, world_size=2, collate_fn=list) for r in (0, 1)
+        ]
+        direct = [
+            ElasticDataLoader(
+                IndexDataset(20),
+                ElasticSampler(20, seed=7, drop_last=True),
+                rank=r,
+                world_size=2,
+                collate_fn=list,
+            )
+            for r in (0, 1)
+        ]
+        for loader in built:
+            assert isinstance(loader, ElasticDataLoader) and isinstance(loader, RankLoader)
+            assert loader.sampler.seed == 7 and loader.sampler.drop_last
+        for _ in range(3):  # the same samples, rank by rank, as the loader built by hand
+            got = [[m.batch for m in loader.next_step(plan)] for loader in built]
+            want = [[m.batch for m in loader.next_step(plan)] for loader in direct]
+            assert got == want
+    stream = build_rank_loader(Stream(6), data, rank=0, world_size=1, collate_fn=list)
+    assert isinstance(stream, ElasticDataLoader) and stream.sampler is None, (
+        "an IterableDataset has no sampler"
+    )
+    assert build_rank_loader(None, data, rank=0, world_size=1, collate_fn=list) is None
+    sampler = TokenBudgetSampler(SampleLengths(6, lengths=[3] * 6), micro_batch_tokens=6, shuffle=False)
+    tokens = build_rank_loader(
+        list(range(6)), data, token_sampler=sampler, rank=1, world_size=2, collate_fn=list
+    )
+    assert isinstance(tokens, TokenBudgetLoader) and isinstance(tokens, RankLoader)
+    assert tokens.sampler is sampler and (tokens.rank, tokens.world_size, tokens.num_workers) == (1, 2, 0)
+    with tokens:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        tokens.next_step(tokens.plan_for_tokens(6))

@@ -3,7 +3,7 @@
 
 The Trainer's focused suite runs on 4.57.6, 5.0.0, 5.2.0, 5.3.0 and 5.17.0 in
 ``scripts/test_hf_floor.sh``; here, the pieces that answer the one-function loop's arithmetic and token
-count, and that each mixin is used exactly on the releases that behave as it assumes.
+count, and that each release adapter is held exactly on the releases that behave as it assumes.
 """
 
 from __future__ import annotations
@@ -59,13 +59,45 @@ def test_the_token_count_sees_the_real_micro_batches_flat():
     assert int(inputs["attention_mask"].sum()) == 7 + 6
 
 
-def test_the_loop_mixin_is_used_exactly_where_the_loop_is_one_function():
+def test_the_loop_adapter_is_used_exactly_where_the_loop_is_one_function():
     from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
 
     # 5.3 split the loop into _init_training_state / _prepare_for_training / _run_epoch.
     one_function = not hasattr(transformers.Trainer, "_prepare_for_training")
-    assert (compat.OneFunctionLoop in AdaptiveBatchSizeTrainer.__mro__) == one_function
+    assert (compat.loop_for() is compat.OneFunctionLoop) == one_function
     assert AdaptiveBatchSizeTrainer.__name__ == "AdaptiveBatchSizeTrainer"
+    assert AdaptiveBatchSizeTrainer.__mro__[1] is transformers.Trainer, "no class between it and the Trainer"
+
+
+def test_the_split_loop_adds_nothing_and_the_one_function_loop_answers_for_the_stream():
+    from types import SimpleNamespace
+
+    from ds_adabatch.integrations.hf.data import StepInputs
+
+    # The Trainer's own methods, as the trainer's super() offers them on 5.x.
+    parent = SimpleNamespace(
+        get_cp_size=lambda: 3, get_sp_size=lambda: 2, get_total_train_batch_size=lambda args: 64
+    )
+    state = SimpleNamespace(initial_plan=plan_batch(24, 1, 8))
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(parallelism_config=None), _require_state=lambda: state
+    )
+    split, one = compat.SplitLoop(trainer), compat.OneFunctionLoop(trainer)
+
+    def sizes(adapter):
+        return adapter.cp_size(parent), adapter.sp_size(parent), adapter.total_train_batch_size(parent, None)
+
+    assert sizes(split) == (3, 2, 64), "5.3+: the Trainer's own answers"
+    # 4.57 has no parallelism config and prints the first step's global batch as the total batch.
+    assert sizes(one) == (1, 1, 24)
+    items = [StepInputs(_step({"input_ids": torch.ones(2, 3, dtype=torch.long)}))]
+    assert split.step_items(items) is items
+    counted = one.step_items(items)
+    assert [type(i) for i in counted] == [compat.CountedStepInputs] and counted[0].step is items[0].step
+    for adapter, bound in ((split, False), (one, True)):
+        loader = SimpleNamespace(len_is_bound=False)
+        adapter.loader_made(loader)
+        assert loader.len_is_bound is bound, "4.57 reads len(loader) once per epoch: a bound"
 
 
 def _filled_warmup(tmp_path) -> object:
@@ -85,13 +117,11 @@ def _filled_warmup(tmp_path) -> object:
     return config.get_value("scheduler.params.warmup_num_steps")
 
 
-def test_the_fixes_are_mixed_in_exactly_where_the_release_fills_a_zero_warmup(tmp_path, monkeypatch):
-    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
-
+def test_the_fixes_are_held_exactly_where_the_release_fills_a_zero_warmup(tmp_path, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     filled = _filled_warmup(tmp_path)
     assert filled in (0, 1), filled
-    assert (compat.PlainTrainerFixes in AdaptiveBatchSizeTrainer.__mro__) == (filled == 0)
+    assert (compat.fixes_for() is compat.PlainTrainerFixes) == (filled == 0)
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith("4."), reason="a transformers 4.57 argument")

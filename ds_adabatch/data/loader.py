@@ -32,83 +32,21 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset
 
 from ds_adabatch.plan import BatchPlan
 
-from ._workers import StepLoader, WorkerOptions
+from ._workers import WorkerOptions
+from .rank_loader import RankLoader, check_collate_fn
 from .sampler import ElasticSampler, GlobalBatch
+from .step_batch import MicroBatch, StepBatch
 
 __all__ = ["LOADER_STATE_VERSION", "ElasticDataLoader", "MicroBatch", "StepBatch"]
 
 LOADER_STATE_VERSION = 1
 """Version of :meth:`ElasticDataLoader.state_dict`."""
-
-
-# Identity equality: batches hold tensors, whose == is elementwise.
-@dataclass(frozen=True, eq=False)
-class MicroBatch:
-    """One forward/backward pass of one rank.
-
-    Attributes:
-        batch: The collated samples. For a pad: one real sample, to be weighted 0 (several pad slots of
-            one step share this object; treat it as read-only).
-        indices: Dataset indices of the real samples (empty for a pad). For an ``IterableDataset``: the
-            ordinals of the samples in this rank's stream.
-        num_samples: Real samples in the pass (0 for a pad); the loss weight is proportional to it.
-    """
-
-    batch: Any
-    indices: tuple[int, ...]
-    num_samples: int
-
-    @property
-    def is_pad(self) -> bool:
-        """True for a zero-weight pad."""
-        return self.num_samples == 0
-
-
-# Identity equality: batches hold tensors, whose == is elementwise.
-@dataclass(frozen=True, eq=False)
-class StepBatch:
-    """This rank's micro-batches for one optimizer step.
-
-    Attributes:
-        micro_batches: One per accumulation step, in order (pads included).
-        plan: The plan actually used (the epoch tail's replan where it differs from the requested one);
-            the runtime configures the engine with it.
-        rank: The rank these micro-batches belong to.
-        epoch: Epoch of the samples (for an ``IterableDataset``: passes completed when the step was drawn).
-        global_batch: The whole global batch over all ranks (``None`` for an ``IterableDataset``).
-    """
-
-    micro_batches: tuple[MicroBatch, ...]
-    plan: BatchPlan
-    rank: int
-    epoch: int
-    global_batch: GlobalBatch | None
-
-    @property
-    def num_samples(self) -> int:
-        """Real samples of this rank in the step."""
-        return sum(m.num_samples for m in self.micro_batches)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Real samples of the step over all ranks."""
-        return self.plan.global_batch_size
-
-    def __len__(self) -> int:
-        return len(self.micro_batches)
-
-    def __iter__(self) -> Iterator[MicroBatch]:
-        return iter(self.micro_batches)
-
-    def __getitem__(self, step: int) -> MicroBatch:
-        return self.micro_batches[step]
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -117,7 +55,7 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
-class ElasticDataLoader:
+class ElasticDataLoader(RankLoader):
     """Collated micro-batches of one rank, for whatever plan each optimizer step brings.
 
     Args:
@@ -162,9 +100,7 @@ class ElasticDataLoader:
         options = WorkerOptions.checked(
             num_workers, multiprocessing_context, worker_init_fn, timeout, prefetch
         )
-        self._num_workers = options.num_workers
-        if collate_fn is not None and not callable(collate_fn):
-            raise ValueError(f"collate_fn must be callable, got {collate_fn!r}")
+        check_collate_fn(collate_fn)
         self._iterable = isinstance(dataset, IterableDataset)
         if self._iterable:
             if sampler is not None:
@@ -187,10 +123,7 @@ class ElasticDataLoader:
                 )
         self._dataset = dataset
         self._sampler = sampler
-        self._collate = collate_fn if collate_fn is not None else default_collate
-        seed = 0 if sampler is None else sampler.seed
-        self._steps = StepLoader(dataset, self._collate, options, seed=seed, rank=self._rank)
-        self._closed = False
+        self._start_loading(dataset, collate_fn, options, seed=0 if sampler is None else sampler.seed)
         # IterableDataset stream state.
         self._iterator: Iterator[Any] | None = None
         self._pushback: deque[Any] = deque()
@@ -207,18 +140,6 @@ class ElasticDataLoader:
         return self._sampler
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def num_workers(self) -> int:
-        return self._num_workers
-
-    @property
     def epoch(self) -> int:
         """The sampler's epoch, or the passes completed over an ``IterableDataset``."""
         return self._stream_epoch if self._sampler is None else self._sampler.epoch
@@ -227,10 +148,6 @@ class ElasticDataLoader:
     def samples_drawn(self) -> int:
         """Samples this rank drew from an ``IterableDataset`` (0 for a map-style dataset)."""
         return self._drawn
-
-    def worker_processes(self) -> list[Any]:
-        """The live worker processes (empty before the first step and after :meth:`close`)."""
-        return self._steps.processes()
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -431,22 +348,9 @@ class ElasticDataLoader:
             "engine.train_batch()"
         )
 
-    # -- lifetime ------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop the worker processes (idempotent). The loader cannot load afterwards."""
-        self._closed = True
-        self._steps.close()
-
-    def __enter__(self) -> ElasticDataLoader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         source = "IterableDataset" if self._sampler is None else repr(self._sampler)
         return (
-            f"ElasticDataLoader(rank {self._rank} of {self._world_size}, num_workers={self._num_workers}, "
+            f"ElasticDataLoader(rank {self._rank} of {self._world_size}, num_workers={self.num_workers}, "
             f"{source})"
         )

@@ -22,12 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torch.utils.data import default_collate
-
 from ds_adabatch.plan import BatchPlan
 
-from ._workers import StepLoader, WorkerOptions
+from ._workers import WorkerOptions
 from .loader import MicroBatch, StepBatch
+from .rank_loader import RankLoader, check_collate_fn
 from .tokens import TokenBudgetSampler, TokenStep
 
 __all__ = ["TOKEN_LOADER_STATE_VERSION", "TokenBudgetLoader"]
@@ -36,7 +35,7 @@ TOKEN_LOADER_STATE_VERSION = 1
 """Version of :meth:`TokenBudgetLoader.state_dict`."""
 
 
-class TokenBudgetLoader:
+class TokenBudgetLoader(RankLoader):
     """Collated token-budget micro-batches of one rank.
 
     Args:
@@ -79,43 +78,24 @@ class TokenBudgetLoader:
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
-        if collate_fn is not None and not callable(collate_fn):
-            raise ValueError(f"collate_fn must be callable, got {collate_fn!r}")
+        check_collate_fn(collate_fn)
         options = WorkerOptions.checked(
             num_workers, multiprocessing_context, worker_init_fn, timeout, prefetch
         )
         self._dataset = dataset
         self._sampler = sampler
         self._rank, self._world_size = rank, world_size
-        self._collate = collate_fn if collate_fn is not None else default_collate
         self._peeked: TokenStep | None = None
-        self._steps = StepLoader(dataset, self._collate, options, seed=sampler.seed, rank=rank)
         self._ahead: TokenStep | None = None  # the step whose micro-batches the workers load ahead
-        self._closed = False
+        self._start_loading(dataset, collate_fn, options, seed=sampler.seed)
 
     @property
     def sampler(self) -> TokenBudgetSampler:
         return self._sampler
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
     def epoch(self) -> int:
         return self._sampler.epoch
-
-    @property
-    def num_workers(self) -> int:
-        return self._steps.num_workers
-
-    def worker_processes(self) -> list[Any]:
-        """The live worker processes (empty before the first step and after :meth:`close`)."""
-        return self._steps.processes()
 
     def peek_step(self, target_tokens: int) -> TokenStep:
         """The step of ``target_tokens`` at the current position (formed once, then reused)."""
@@ -251,15 +231,8 @@ class TokenBudgetLoader:
 
     def close(self) -> None:
         """Stop the worker processes (idempotent). The loader cannot load afterwards."""
-        self._closed = True
         self._ahead = None
-        self._steps.close()
-
-    def __enter__(self) -> TokenBudgetLoader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         return (

@@ -32,13 +32,16 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..plan import plan_batch
-from .base import ScheduleContext
+from .base import Schedule, ScheduleContext
 from .base_lr import DeepSpeedSchedulerCurve, base_lr_from_ds_config
 from .controller import BatchSizeController
 from .lr import lr_multiplier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..signals.throughput import StepTimeFit
 
 __all__ = ["CSV_COLUMNS", "simulate"]
 
@@ -153,11 +156,7 @@ def simulate(
         ValueError: a measurement-driven schedule without ``replay``, a token-keyed schedule without a
             token count, bad arguments, or a run longer than ``max_steps``.
     """
-    for name, value, low in (("world_size", world_size, 1), ("samples", samples, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if isinstance(tokens_per_sample, bool) or not isinstance(tokens_per_sample, int) or tokens_per_sample < 0:
-        raise ValueError(f"tokens_per_sample must be an integer >= 0, got {tokens_per_sample!r}")
+    _check_sizes(world_size=world_size, samples=samples, tokens_per_sample=tokens_per_sample)
     cfg = loaded_config.adabatch
     if cfg.token_budget:
         raise ValueError(
@@ -167,20 +166,63 @@ def simulate(
     controller = BatchSizeController(cfg, world_size)
     schedule = controller.schedule
     data = _Replay(replay) if replay is not None else None
+    curve_of_steps = _step_time_curve(schedule, step_time, noise_scale)
+    count_tokens = _check_measurements(
+        schedule, data, noise_scale=noise_scale, tokens_per_sample=tokens_per_sample
+    )
+    run = _Simulation(
+        loaded_config,
+        controller,
+        world_size=world_size,
+        data=data,
+        tokens_per_sample=tokens_per_sample,
+        count_tokens=count_tokens,
+        noise_scale=noise_scale,
+        step_times=curve_of_steps,
+    )
+    rows = run.rows(samples, max_steps)
+    if out_csv is None and out_png is not None:
+        out_csv = Path(out_png).with_suffix(".csv")
+    if out_csv is not None:
+        _write_csv(rows, Path(out_csv))
+    if out_png is not None:
+        title = f"{schedule.name} schedule on {world_size} rank{'s' if world_size != 1 else ''}"
+        _plot(rows, Path(out_png), title)
+    return rows
 
+
+def _check_sizes(*, world_size: int, samples: int, tokens_per_sample: int) -> None:
+    for name, value, low in (("world_size", world_size, 1), ("samples", samples, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if isinstance(tokens_per_sample, bool) or not isinstance(tokens_per_sample, int) or tokens_per_sample < 0:
+        raise ValueError(f"tokens_per_sample must be an integer >= 0, got {tokens_per_sample!r}")
+
+
+def _step_time_curve(
+    schedule: Schedule, step_time: str | None, noise_scale: float | None
+) -> StepTimeFit | None:
+    """The step-time curve a schedule reading step times learns from (None for the others); checks
+    ``noise_scale`` first."""
     if noise_scale is not None and not (math.isfinite(noise_scale) and noise_scale > 0):
         raise ValueError(f"noise_scale must be a number > 0 samples, got {noise_scale!r}")
-    curve_of_steps = None
-    if "step_time" in schedule.requires:
-        if step_time is None:
-            raise ValueError(
-                f"the {schedule.name} schedule learns what a step costs from the steps it runs; simulating it "
-                "needs a step-time curve: --step-time fixed=0.03,per_pass=0.002,per_sample=0.0004 (seconds) "
-                "or a table of one-pass step times by micro-batch, e.g. --step-time 8:0.031,32:0.034,128:0.052"
-            )
-        from ..signals.throughput import parse_step_time_curve
+    if "step_time" not in schedule.requires:
+        return None
+    if step_time is None:
+        raise ValueError(
+            f"the {schedule.name} schedule learns what a step costs from the steps it runs; simulating it "
+            "needs a step-time curve: --step-time fixed=0.03,per_pass=0.002,per_sample=0.0004 (seconds) "
+            "or a table of one-pass step times by micro-batch, e.g. --step-time 8:0.031,32:0.034,128:0.052"
+        )
+    from ..signals.throughput import parse_step_time_curve
 
-        curve_of_steps = parse_step_time_curve(step_time)
+    return parse_step_time_curve(step_time)
+
+
+def _check_measurements(
+    schedule: Schedule, data: _Replay | None, *, noise_scale: float | None, tokens_per_sample: int
+) -> bool:
+    """Refuse a schedule whose measurements nothing gives; whether the run counts tokens."""
     measured = sorted(schedule.requires & _MEASURED - ({"noise_scale"} if noise_scale is not None else set()))
     if measured and data is None:
         raise ValueError(
@@ -197,84 +239,110 @@ def simulate(
             f"the {schedule.name} schedule is keyed on tokens; give tokens_per_sample (e.g. the sequence "
             f"length) or a replay that records 'tokens'"
         )
+    return count_tokens
 
-    scaling = getattr(cfg, "lr_scaling", None)
-    rule = getattr(scaling, "rule", "none")
-    batch = controller.initial_global_batch()
-    reference = getattr(scaling, "reference_batch", None) or batch
-    allow_uneven = bool(getattr(cfg, "allow_uneven", False))
-    curve = _base_lr_curve(loaded_config, reference, needed=hasattr(schedule, "bind_base_lr"))
-    if curve is not None and hasattr(schedule, "bind_base_lr"):
-        schedule.bind_base_lr(curve)
-    by_samples = getattr(cfg, "lr_schedule_unit", "steps") == "samples"
 
-    rows: list[dict[str, Any]] = []
-    step = consumed = 0
-    while consumed < samples:
-        if step >= max_steps:
-            raise ValueError(
-                f"simulating {samples} samples takes more than {max_steps} optimizer steps; simulate "
-                f"fewer samples"
-            )
-        if tokens_per_sample:
-            tokens: int | None = consumed * tokens_per_sample
-        elif data is not None and count_tokens:
-            tokens = round(data.tokens(consumed) or 0)
-        else:
-            tokens = None
+class _Simulation:
+    """The controller stepped through a run: one row per optimizer step (see :func:`simulate`)."""
+
+    def __init__(
+        self,
+        loaded_config: Any,
+        controller: BatchSizeController,
+        *,
+        world_size: int,
+        data: _Replay | None,
+        tokens_per_sample: int,
+        count_tokens: bool,
+        noise_scale: float | None,
+        step_times: StepTimeFit | None,
+    ) -> None:
+        cfg = loaded_config.adabatch
+        self.cfg, self.controller, self.schedule = cfg, controller, controller.schedule
+        self.world_size, self.data, self.step_times = world_size, data, step_times
+        self.tokens_per_sample, self.count_tokens, self.noise_scale = (
+            tokens_per_sample,
+            count_tokens,
+            noise_scale,
+        )
+        scaling = getattr(cfg, "lr_scaling", None)
+        self.rule = getattr(scaling, "rule", "none")
+        self.batch = controller.initial_global_batch()
+        self.reference = getattr(scaling, "reference_batch", None) or self.batch
+        self.allow_uneven = bool(getattr(cfg, "allow_uneven", False))
+        needs_lr = hasattr(self.schedule, "bind_base_lr")
+        self.curve = _base_lr_curve(loaded_config, self.reference, needed=needs_lr)
+        if self.curve is not None and needs_lr:
+            self.schedule.bind_base_lr(self.curve)
+        self.by_samples = getattr(cfg, "lr_schedule_unit", "steps") == "samples"
+
+    def rows(self, samples: int, max_steps: int) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        step = consumed = 0
+        while consumed < samples:
+            if step >= max_steps:
+                raise ValueError(
+                    f"simulating {samples} samples takes more than {max_steps} optimizer steps; simulate "
+                    f"fewer samples"
+                )
+            rows.append(self._step(step, consumed))
+            consumed += self.batch
+            step += 1
+        return rows
+
+    def _tokens(self, consumed: int) -> int | None:
+        if self.tokens_per_sample:
+            return consumed * self.tokens_per_sample
+        if self.data is not None and self.count_tokens:
+            return round(self.data.tokens(consumed) or 0)
+        return None
+
+    def _context(self, step: int, consumed: int, tokens: int | None) -> ScheduleContext:
+        data = self.data
         signals = {key: data.held(key, consumed) for key in _SIGNALS} if data is not None else {}
-        if noise_scale is not None:
-            signals["noise_scale"] = noise_scale
+        if self.noise_scale is not None:
+            signals["noise_scale"] = self.noise_scale
         epoch = signals.pop("epoch", None)
-        ctx = ScheduleContext(
+        return ScheduleContext(
             step=step,
             samples=consumed,
             tokens=tokens,
             epoch=epoch or 0.0,
-            global_batch=batch,
-            world_size=world_size,
-            micro_batch_limit=cfg.initial_micro_batch_limit,
+            global_batch=self.batch,
+            world_size=self.world_size,
+            micro_batch_limit=self.cfg.initial_micro_batch_limit,
             **signals,
         )
-        decision = controller.next_global_batch(ctx)
-        batch = decision.global_batch
-        plan = plan_batch(batch, world_size, cfg.initial_micro_batch_limit, allow_uneven=allow_uneven)
-        if curve_of_steps is not None:  # the step "runs" and its time is measured on the curve
-            micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
-            schedule.throughput.observe(micro, gas, world_size, curve_of_steps.predict(micro, gas))
-        multiplier = lr_multiplier(rule, batch, reference)
-        if curve is not None:
-            # In "steps" mode the scheduler steps once per optimizer step: its clock is step x reference.
-            clock = consumed if by_samples else step * reference
-            lr: float | None = curve.base_lr(clock) * multiplier
-        else:
-            lr = None
-        rows.append(
-            {
-                "step": step,
-                "samples": consumed,
-                "tokens": tokens,
-                "global_batch": batch,
-                "micro_batch_per_gpu": plan.micro_batch_per_gpu,
-                "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-                "even": plan.is_even,
-                "lr_multiplier": multiplier,
-                "lr": lr,
-                "desired": decision.desired,
-                "reason": decision.reason,
-            }
-        )
-        consumed += batch
-        step += 1
 
-    if out_csv is None and out_png is not None:
-        out_csv = Path(out_png).with_suffix(".csv")
-    if out_csv is not None:
-        _write_csv(rows, Path(out_csv))
-    if out_png is not None:
-        title = f"{schedule.name} schedule on {world_size} rank{'s' if world_size != 1 else ''}"
-        _plot(rows, Path(out_png), title)
-    return rows
+    def _step(self, step: int, consumed: int) -> dict[str, Any]:
+        """Decide and plan one step; its row."""
+        tokens = self._tokens(consumed)
+        decision = self.controller.next_global_batch(self._context(step, consumed, tokens))
+        batch = self.batch = decision.global_batch
+        world = self.world_size
+        plan = plan_batch(batch, world, self.cfg.initial_micro_batch_limit, allow_uneven=self.allow_uneven)
+        if self.step_times is not None:  # the step "runs" and its time is measured on the curve
+            micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
+            self.schedule.throughput.observe(micro, gas, world, self.step_times.predict(micro, gas))
+        multiplier = lr_multiplier(self.rule, batch, self.reference)
+        lr: float | None = None
+        if self.curve is not None:
+            # In "steps" mode the scheduler steps once per optimizer step: its clock is step x reference.
+            clock = consumed if self.by_samples else step * self.reference
+            lr = self.curve.base_lr(clock) * multiplier
+        return {
+            "step": step,
+            "samples": consumed,
+            "tokens": tokens,
+            "global_batch": batch,
+            "micro_batch_per_gpu": plan.micro_batch_per_gpu,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "even": plan.is_even,
+            "lr_multiplier": multiplier,
+            "lr": lr,
+            "desired": decision.desired,
+            "reason": decision.reason,
+        }
 
 
 def _base_lr_curve(loaded_config: Any, reference: int, *, needed: bool) -> DeepSpeedSchedulerCurve | None:

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from accelerate import Accelerator
+
+    from ds_adabatch import AdaptiveBatchEngine
 
 __all__ = ["AdaptiveTrainDataLoader", "PlanBackward", "StepsAsAccelerate", "skip_nothing", "unwrap_through"]
 
@@ -33,13 +39,15 @@ class AdaptiveTrainDataLoader:
     """
 
     # Class defaults: __getattr__ (the engine's loader) never runs for these names.
-    accelerator: Any = None
-    engine: Any = None
+    accelerator: Accelerator | None = None
+    engine: AdaptiveBatchEngine | None = None
     loop_loader: Any = None
     dataset: Any = None
     end_of_dataloader = False
 
-    def __init__(self, accelerator: Any, engine: Any, loop_loader: Any, dataset: Any) -> None:
+    def __init__(
+        self, accelerator: Accelerator, engine: AdaptiveBatchEngine, loop_loader: Any, dataset: Any
+    ) -> None:
         self.accelerator, self.engine, self.loop_loader, self.dataset = (
             accelerator,
             engine,
@@ -99,11 +107,11 @@ class PlanBackward:
     """``accelerator.backward(loss)`` on the plan (accelerate 1.15 calls ``backward(loss, sync_gradients,
     **kwargs)`` and ``get_global_grad_norm()`` of ``accelerator.deepspeed_engine_wrapped``)."""
 
-    def __init__(self, engine: Any, accelerator: Any) -> None:
+    def __init__(self, engine: AdaptiveBatchEngine, accelerator: Accelerator) -> None:
         self.engine = engine
         self.accelerator = accelerator
 
-    def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
         engine = self.engine
         loop = engine._loop
         if loop is None or loop.current is None:
@@ -135,9 +143,11 @@ class StepsAsAccelerate:
     steps one it wraps (``num_processes`` times per optimizer step unless ``split_batches``; a scheduler
     with ``total_steps`` is not stepped past them)."""
 
-    scheduler: Any = None  # a class default: __getattr__ never runs for it
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = (
+        None  # a class default: __getattr__ never runs for it
+    )
 
-    def __init__(self, scheduler: Any, times: int) -> None:
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, times: int) -> None:
         self.scheduler = scheduler
         self.times = times
 
@@ -181,17 +191,17 @@ def skip_nothing(loader: AdaptiveTrainDataLoader, original: Callable[..., Any]) 
     return skip_first_batches
 
 
-def unwrap_through(engine: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+def unwrap_through(engine: AdaptiveBatchEngine, original: Callable[..., Any]) -> Callable[..., Any]:
     """``accelerator.unwrap_model`` that unwraps ds_adabatch's engine as accelerate unwraps DeepSpeed's."""
 
     @functools.wraps(original)
-    def unwrap_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+    def unwrap_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(engine.deepspeed if model is engine else model, *args, **kwargs)
 
     return unwrap_model
 
 
-def _to_device(batch: Any, device: Any) -> Any:
+def _to_device(batch: Any, device: torch.device) -> Any:
     from accelerate.utils import send_to_device
 
     return send_to_device(batch, device)

@@ -19,7 +19,7 @@ loader included, is accelerate's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,11 @@ from ...config import ConfigError, load_ds_config
 from ...config.loader import BATCH_KEYS, SECTION
 from ...runtime.initialize.build import initialize, refuse_replaced_deepspeed_initialize
 from .loop import AdaptiveTrainDataLoader, PlanBackward, StepsAsAccelerate, skip_nothing, unwrap_through
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accelerate import Accelerator
+
+    from ds_adabatch import AdaptiveBatchEngine
 
 __all__ = ["prepare"]
 
@@ -42,7 +47,7 @@ class _TrainLoaderSlot:
     """Stands where the training loader was while accelerate prepares the rest (it returns it as is)."""
 
 
-def prepare(accelerator: Any, *objects: Any) -> Any:
+def prepare(accelerator: Accelerator, *objects: Any) -> Any:
     """``accelerator.prepare(*objects)`` with the engine built by :func:`ds_adabatch.initialize`.
 
     The same call and the same return as ``accelerator.prepare``: the objects in the caller's order —
@@ -130,7 +135,7 @@ def _world_size() -> int:
 
 
 def _builder(
-    accelerator: Any,
+    accelerator: Accelerator,
     objects: tuple[Any, ...],
     train_loader: torch.utils.data.DataLoader,
     section: Any,
@@ -166,7 +171,9 @@ def _builder(
     return build
 
 
-def _client_scheduler(accelerator: Any, objects: tuple[Any, ...], section: Any) -> Any:
+def _client_scheduler(
+    accelerator: Accelerator, objects: tuple[Any, ...], section: object
+) -> torch.optim.lr_scheduler.LRScheduler | StepsAsAccelerate | None:
     """The user's torch LR scheduler, handed to DeepSpeed so the batch coupling wraps it.
 
     accelerate keeps a torch scheduler outside DeepSpeed (``AcceleratedScheduler``), stepping it
@@ -185,7 +192,7 @@ def _client_scheduler(accelerator: Any, objects: tuple[Any, ...], section: Any) 
     return scheduler
 
 
-def _attach(accelerator: Any, engine: Any, loader: AdaptiveTrainDataLoader) -> None:
+def _attach(accelerator: Accelerator, engine: AdaptiveBatchEngine, loader: AdaptiveTrainDataLoader) -> None:
     """Point accelerate's backward at the plan and make its ``no_sync`` / ``skip_first_batches`` fit."""
     # accelerate 1.15 Accelerator.backward calls self.deepspeed_engine_wrapped.backward(loss,
     # sync_gradients=...); its DeepSpeedEngineWrapper sets the boundary from sync_gradients and steps

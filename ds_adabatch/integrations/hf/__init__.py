@@ -13,7 +13,8 @@ Which module does what:
 * ``state``: ``AdaptiveBatchState``, the batch side of a run (schedule, plan, sample stream, checkpoint).
 * ``progress``: how long a run is (epochs, optimizer steps, LR schedule length) and the run summary.
 * ``data``: the loader the Trainer's loop iterates, one item per optimizer step.
-* ``step``: one optimizer step, every micro-batch of this rank weighted exactly (a Trainer mixin).
+* ``step``: ``TrainerStep``, one optimizer step, every micro-batch of this rank weighted exactly (held by
+  the trainer; its ``training_step`` hands each step to it).
 * ``engine``: what a step does to DeepSpeed, the LR scheduler and the loss function.
 * ``callback``: the Trainer callback that keeps epoch, step budget and progress bar true to the stream.
 * ``metrics``: the per-step ``adabatch.log`` records.
@@ -21,7 +22,9 @@ Which module does what:
 * ``lengths``: each training sample's length in tokens, for token-budget steps.
 * ``dist``: makes the launched ranks one data-parallel group and checks the process layout.
 * ``versions``: the transformers and accelerate releases supported, checked at construction.
-* ``compat``: where the trainer reaches transformers 4.57's one-function training loop (mixed in on 4.x).
+* ``compat``: the release adapters the trainer holds: how it reaches the one-function training loop of
+  4.57.6 and 5.0-5.2, and the plain Trainer's fixes before 5.18.
+* ``host``: what the held parts read from the trainer (a ``Protocol``, for type checkers).
 
 ``trainer`` imports the other modules and none of them imports ``trainer`` back: there is no import
 cycle among them (``tests/test_import_graph.py`` checks it).

@@ -22,6 +22,9 @@ from transformers.trainer_callback import ProgressCallback
 from .progress import describe_run
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
+
     from .state import AdaptiveBatchState
 
 __all__ = ["AdaptiveBatchCallback"]
@@ -37,8 +40,8 @@ class DrivenTrainer(Protocol):
     """
 
     batch_state: AdaptiveBatchState | None
-    args: Any
-    callback_handler: Any
+    args: TrainingArguments
+    callback_handler: CallbackHandler
 
     def _finish_run(self) -> None: ...
 
@@ -51,7 +54,9 @@ class AdaptiveBatchCallback(TrainerCallback):
     def __init__(self, trainer: DrivenTrainer) -> None:
         self.trainer = trainer
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         batch_state = self.trainer.batch_state
         if batch_state is None:
             return
@@ -63,7 +68,9 @@ class AdaptiveBatchCallback(TrainerCallback):
             state.max_steps = batch_state.step_budget(step)
             self._set_bar_total(state.max_steps)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.trainer._train_begins()
         # The banner has printed the first step's accumulation steps; the loop runs with 1 (one loader
         # item is one optimizer step), and callbacks after this one (trackers saving the arguments) see 1.
@@ -76,7 +83,9 @@ class AdaptiveBatchCallback(TrainerCallback):
             for line in describe_run(batch_state, state.global_step, plan):
                 logger.info("%s", line)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         bar = self._bar()
         if bar is not None:
             self._set_bar_total(bar.n)

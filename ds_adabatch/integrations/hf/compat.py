@@ -3,9 +3,11 @@
 From 5.3 the Trainer's loop calls the methods the integration overrides (``hf.versions`` lists them):
 ``_init_training_state`` and ``_prepare_for_training`` exist, ``set_initial_training_values`` takes
 ``(args, dataloader)``, ``_track_num_input_tokens`` counts the tokens. transformers 4.57.6 (the last
-4.x) and 5.0-5.2 run the same steps inline in ``Trainer._inner_training_loop``; :class:`OneFunctionLoop`
-is mixed into the trainer there (``LOOP_MIXINS``) and reaches each step where that loop offers a way in
-(the rows say 4.57; 5.0-5.2 are the same but where a row names 5.1):
+4.x) and 5.0-5.2 run the same steps inline in ``Trainer._inner_training_loop``. The trainer holds a
+loop adapter chosen for the installed release (:func:`loop_for`): :class:`SplitLoop` (5.3+) adds
+nothing, :class:`OneFunctionLoop` reaches each step where the one-function loop offers a way in; the
+trainer's overrides of those ways in are one-line calls to it (the rows say 4.57; 5.0-5.2 are the same
+but where a row names 5.1):
 
 =====================================  ===============================================================
 5.3+ (``hf.trainer``)                  4.57.6, 5.0-5.2 (this module)
@@ -44,17 +46,17 @@ DeepSpeed's input dtype (4.57 only)    :func:`adapt_arguments`: fp32 unless the 
 
 The loop iterates ``len(train_dataloader)`` updates per epoch, read once at the epoch's start: the
 step loader reports an upper bound there (the dataset's samples), and ends the epoch itself where the
-stream does, as on 5.3+. :class:`PlainTrainerFixes` is mixed in on every release before 5.18 (both
-loops): the ``"auto"`` warmup DeepSpeed refuses and the CPU optimizer resume torch refuses, each fixed
-as 5.18 fixes it. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
+stream does, as on 5.3+. :class:`PlainTrainerFixes` is held in place of :class:`TrainerFixes` on every
+release before 5.18 (both loops, :func:`fixes_for`): the ``"auto"`` warmup DeepSpeed refuses and the
+CPU optimizer resume torch refuses, each fixed as 5.18 fixes it. ``include_tokens_per_second`` (4.x only; 5.x removed it) iterates the
 training dataloader once before training, which would draw from the sample stream: it is refused.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,17 +64,25 @@ from .data import StepInputs, StepLoader
 from .progress import ShownInt
 from .versions import legacy_loop, plain_trainer_faults, transformers_4
 
+if TYPE_CHECKING:  # pragma: no cover
+    from deepspeed import DeepSpeedEngine
+
+    from .host import TrainerHost
+
 _OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers 4.57 OPTIMIZER_NAME, SCHEDULER_NAME
 
 __all__ = [
-    "LOOP_MIXINS",
     "CountedStepInputs",
-    "StepsPerEpoch",
     "OneFunctionLoop",
     "PlainTrainerFixes",
+    "SplitLoop",
+    "StepsPerEpoch",
+    "TrainerFixes",
     "adapt_arguments",
     "auto_warmup",
     "check_arguments",
+    "fixes_for",
+    "loop_for",
 ]
 
 
@@ -126,149 +136,194 @@ class CountedStepInputs(StepInputs):
         return torch.cat(parts)
 
 
-class PlainTrainerFixes:
+class TrainerFixes:
+    """Where the plain ``Trainer`` needs no fix (5.18+): each hook leaves the Trainer's behaviour as it is.
+
+    ``AdaptiveBatchSizeTrainer`` holds one (``trainer.release_fixes``, chosen by :func:`fixes_for`) and
+    calls it from its ``create_optimizer`` and ``_load_optimizer_and_scheduler``.
+    """
+
+    def __init__(self, trainer: TrainerHost) -> None:
+        self.trainer = trainer
+
+    def optimizer_created(self) -> None:
+        """Called right after the Trainer's ``create_optimizer``."""
+
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> bool:
+        """Load the optimizer and scheduler of ``checkpoint`` if the Trainer's own load would fail;
+        False: the Trainer's own load runs."""
+        return False
+
+
+class PlainTrainerFixes(TrainerFixes):
     """Two faults of the plain ``Trainer`` before 5.18 (4.57.6 and 5.0-5.17), each stopping a run on
-    these machines, fixed as 5.18 fixes them; mixed into the trainer on those releases (``LOOP_MIXINS``).
+    these machines, fixed as 5.18 fixes them; held by the trainer on those releases (:func:`fixes_for`).
 
     * ``deepspeed_init`` (``HfTrainerDeepSpeedConfig.trainer_config_finalize``) fills an ``"auto"``
       ``scheduler.params.warmup_num_steps`` with ``args.get_warmup_steps()``, 0 without a warmup, and
       deepspeed 0.19.8's ``WarmupLR`` refuses 0 when ``accelerator.prepare`` builds the engine. 5.18 fills
-      ``max(1, steps)``; so does :meth:`create_optimizer`, which every release calls right after
-      ``deepspeed_init`` and before ``prepare`` (4.57-5.1 through ``create_optimizer_and_scheduler``).
+      ``max(1, steps)``; so does :meth:`optimizer_created`, after ``create_optimizer``, which every
+      release calls right after ``deepspeed_init`` and before ``prepare`` (4.57-5.1 through
+      ``create_optimizer_and_scheduler``).
     * A multi-process run's ``optimizer.pt`` is loaded with ``map_location=args.device``, which is
       ``cpu:0`` on CPU ranks under accelerate 1.15, and torch cannot restore storages tagged ``cpu:0``.
-      5.18 loads it on ``"cpu"``; so does :meth:`_load_optimizer_and_scheduler`, for that case only.
+      5.18 loads it on ``"cpu"``; so does :meth:`load_optimizer_and_scheduler`, for that case only.
     """
 
-    args: Any
-    is_deepspeed_enabled: bool
-    _auto_warmup: bool
-
-    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
-        config = getattr(self.args, "hf_deepspeed_config", None)
-        if self.is_deepspeed_enabled and config is not None and self._auto_warmup:
+    def optimizer_created(self) -> None:
+        trainer = self.trainer
+        config = getattr(trainer.args, "hf_deepspeed_config", None)
+        if trainer.is_deepspeed_enabled and config is not None and trainer._auto_warmup:
             node, key = config.find_config_node("scheduler.params.warmup_num_steps")
             if node is not None and node.get(key) == 0:
                 node[key] = 1
-        return optimizer
 
-    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> bool:
         # Trainer._load_optimizer_and_scheduler before 5.18 loads a multi-process run's optimizer.pt with
         # map_location=args.device, torch.device("cpu:0") on CPU ranks under accelerate 1.15, and torch
         # cannot restore storages tagged "cpu:0". 5.18 loads it on "cpu"; so does this, for that case
         # only (no DeepSpeed or FSDP, which load their own state).
+        trainer = self.trainer
         if (
             checkpoint is None
-            or self.is_deepspeed_enabled
-            or getattr(self, "is_fsdp_enabled", False)
-            or self.args.world_size <= 1
-            or self.args.device.type != "cpu"
+            or trainer.is_deepspeed_enabled
+            or getattr(trainer, "is_fsdp_enabled", False)
+            or trainer.args.world_size <= 1
+            or trainer.args.device.type != "cpu"
             or not os.path.isfile(os.path.join(checkpoint, _OPTIMIZER))
             or not os.path.isfile(os.path.join(checkpoint, _SCHEDULER))
         ):
-            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return False
         optimizer = torch.load(os.path.join(checkpoint, _OPTIMIZER), map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(optimizer)  # type: ignore[attr-defined]
+        trainer.optimizer.load_state_dict(optimizer)
         scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
-        self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[attr-defined]
-        return None
+        trainer.lr_scheduler.load_state_dict(scheduler)
+        return True
 
 
-class OneFunctionLoop:
-    """The overrides :class:`~ds_adabatch.integrations.hf.trainer.AdaptiveBatchSizeTrainer` adds on
-    transformers 4.57.6 and 5.0-5.2 (see the module docstring for where each reaches the loop)."""
+class SplitLoop:
+    """transformers 5.3+: the loop calls ``hf.trainer``'s overrides itself, so each hook here leaves the
+    Trainer as it is. ``AdaptiveBatchSizeTrainer`` holds one (``trainer.release_loop``, chosen by
+    :func:`loop_for`) and calls it from the overrides that :class:`OneFunctionLoop` needs."""
 
-    # Provided by AdaptiveBatchSizeTrainer / transformers.Trainer.
-    args: Any
-    state: Any
-    batch_state: Any
-    is_in_train: bool
-    is_deepspeed_enabled: bool
-    _lr_coupling: Any
-    _resume_path: Any
-    lr_scheduler: Any
+    def __init__(self, trainer: TrainerHost) -> None:
+        self.trainer = trainer
 
-    def _inner_training_loop(self, *args: Any, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
-        # 4.57 Trainer.train passes the resolved checkpoint folder by keyword.
-        self._resume_path = resume_from_checkpoint
-        return super()._inner_training_loop(  # type: ignore[misc]
-            *args, resume_from_checkpoint=resume_from_checkpoint, **kwargs
-        )
+    def loader_made(self, loader: StepLoader) -> None:
+        """Called with the step loader ``get_train_dataloader`` returns."""
 
-    def get_train_dataloader(self) -> StepLoader:
-        loader = super().get_train_dataloader()  # type: ignore[misc]
+    def cp_size(self, parent: Any) -> int:
+        """``get_cp_size``; ``parent`` is the Trainer's ``super()``."""
+        return int(parent.get_cp_size())
+
+    def sp_size(self, parent: Any) -> int:
+        """``get_sp_size``; ``parent`` is the Trainer's ``super()``."""
+        return int(parent.get_sp_size())
+
+    def total_train_batch_size(self, parent: Any, args: Any) -> int:
+        """``get_total_train_batch_size``; ``parent`` is the Trainer's ``super()``."""
+        return int(parent.get_total_train_batch_size(args))
+
+    def training_values(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What ``set_initial_training_values`` returns, from the trainer's 5.3+ tuple."""
+        return values
+
+    def callback_state_loaded(self) -> None:
+        """Called after the Trainer's ``_load_callback_state``."""
+
+    def train_begins(self) -> None:
+        """Called by the callback at ``on_train_begin``."""
+
+    def engine_assigned(self, engine: DeepSpeedEngine) -> None:
+        """Called when the Trainer assigns its ``deepspeed`` attribute a DeepSpeed engine."""
+
+    def optimizer_created(self) -> None:
+        """Called right after the Trainer's ``create_optimizer`` (and the release fixes')."""
+
+    def step_items(self, items: list[StepInputs]) -> list[StepInputs]:
+        """The loop items ``get_batch_samples`` returns."""
+        return items
+
+
+class OneFunctionLoop(SplitLoop):
+    """The ways :class:`~ds_adabatch.integrations.hf.trainer.AdaptiveBatchSizeTrainer` reaches the
+    one-function loop of transformers 4.57.6 and 5.0-5.2 (see the module docstring for where each
+    reaches it); held by the trainer on those releases (:func:`loop_for`)."""
+
+    def loader_made(self, loader: StepLoader) -> None:
         loader.len_is_bound = True  # 4.57 runs len(loader) updates per epoch, read at its start
-        return loader
 
-    def get_cp_size(self) -> int:
-        """Context-parallel degree (5.x Trainer method; 4.57 keeps it in accelerate's config only)."""
-        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+    def cp_size(self, parent: Any) -> int:
+        # Context-parallel degree (5.x Trainer method; 4.57 keeps it in accelerate's config only).
+        config = getattr(self.trainer.accelerator, "parallelism_config", None)
         return 1 if config is None else int(config.cp_size)
 
-    def get_sp_size(self) -> int:
-        """Sequence-parallel degree (as :meth:`get_cp_size`)."""
-        config = getattr(self.accelerator, "parallelism_config", None)  # type: ignore[attr-defined]
+    def sp_size(self, parent: Any) -> int:
+        # Sequence-parallel degree (as cp_size).
+        config = getattr(self.trainer.accelerator, "parallelism_config", None)
         return 1 if config is None else int(getattr(config, "sp_size", 1))
 
-    def get_total_train_batch_size(self, args: Any) -> int:
-        """The first step's global batch (4.57 prints it in the banner as the total train batch)."""
-        return self._require_state().initial_plan.global_batch_size  # type: ignore[attr-defined]
+    def total_train_batch_size(self, parent: Any, args: Any) -> int:
+        # The first step's global batch (4.57 prints it in the banner as the total train batch).
+        return self.trainer._require_state().initial_plan.global_batch_size
 
-    def set_initial_training_values(
-        self, args: Any, dataloader: Any, total_train_batch_size: int | None = None
-    ) -> tuple[int, ...]:
-        epochs, per_epoch, n, samples, _first, batches, lr_length = self._training_values(args)  # type: ignore[attr-defined]
-        state = self._require_state()  # type: ignore[attr-defined]
+    def training_values(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        epochs, per_epoch, n, samples, _first, batches, lr_length = values
+        state = self.trainer._require_state()
         per_epoch = StepsPerEpoch(int(per_epoch), per_epoch.text, state.next_batch_epoch)
         return epochs, per_epoch, n, samples, state.epoch_based, batches, lr_length
 
-    def _load_callback_state(self) -> None:
-        # 4.57 calls this only when resuming, right after loading trainer_state.json (global_step).
-        super()._load_callback_state()  # type: ignore[misc]
-        self._resume_batch_state(self._resume_path)  # type: ignore[attr-defined]
+    def callback_state_loaded(self) -> None:
+        # 4.57 calls _load_callback_state only when resuming, right after loading trainer_state.json
+        # (global_step).
+        self.trainer._resume_batch_state(self.trainer._resume_path)
 
-    def _train_begins(self) -> None:
+    def train_begins(self) -> None:
         # 4.57 has set state.max_steps / num_train_epochs to the loop's bounds just before.
-        self._align_trainer_state(int(self.state.max_steps))  # type: ignore[attr-defined]
-        self._start_step_log()  # type: ignore[attr-defined]
+        self.trainer._align_trainer_state(int(self.trainer.state.max_steps))
+        self.trainer._start_step_log()
 
-    @property
-    def deepspeed(self) -> Any:
-        return self.__dict__.get("_deepspeed_wrapped")
-
-    @deepspeed.setter
-    def deepspeed(self, engine: Any) -> None:
+    def engine_assigned(self, engine: DeepSpeedEngine) -> None:
         # 4.57 Trainer._inner_training_loop assigns the engine accelerate built, before a resumed run
         # loads its DeepSpeed checkpoint: the LR scheduler is coupled to the engine now, so the
         # checkpoint's scheduler state loads into the coupled scheduler (5.3+ does this in
         # create_scheduler, which its loop calls after accelerator.prepare).
-        self.__dict__["_deepspeed_wrapped"] = engine
-        if engine is None or not self.is_in_train or self.batch_state is None:
+        trainer = self.trainer
+        if not trainer.is_in_train or trainer.batch_state is None:
             return
-        wrapped = type(self.lr_scheduler).__name__ == "DeepSpeedSchedulerWrapper"
-        if self._lr_coupling is not None and not wrapped:
+        wrapped = type(trainer.lr_scheduler).__name__ == "DeepSpeedSchedulerWrapper"
+        if trainer._lr_coupling is not None and not wrapped:
             # The Trainer's own scheduler, made by 4.57 deepspeed_init on the optimizer DeepSpeed was
             # about to take (DeepSpeed 0.19.8 may drop its empty parameter groups): made again on the
             # prepared optimizer, as 5.18 makes it after accelerator.prepare.
-            self.lr_scheduler = None
-            self._lr_coupling = None
-        if self._lr_coupling is None:
-            self.create_scheduler(self.batch_state.scheduler_steps())  # type: ignore[attr-defined]
+            trainer.lr_scheduler = None
+            trainer._lr_coupling = None
+        if trainer._lr_coupling is None:
+            trainer.create_scheduler(trainer.batch_state.scheduler_steps())
 
-    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        # 4.57-5.1 call this (inside create_optimizer_and_scheduler) and 5.2 directly, right after
-        # deepspeed_init, which checked the DeepSpeed config's accumulation steps against the arguments':
-        # the banner's GAS and the loop's 1 (as 5.3+ sets them after it, in _prepare_for_training).
-        # deepspeed_init may itself call it (a config without an optimizer), after that check too.
-        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
-        if self.is_in_train and self.batch_state is not None:
-            self._show_first_gas()  # type: ignore[attr-defined]
-        return optimizer
+    def optimizer_created(self) -> None:
+        # 4.57-5.1 call create_optimizer (inside create_optimizer_and_scheduler) and 5.2 directly, right
+        # after deepspeed_init, which checked the DeepSpeed config's accumulation steps against the
+        # arguments': the banner's GAS and the loop's 1 (as 5.3+ sets them after it, in
+        # _prepare_for_training). deepspeed_init may itself call it (a config without an optimizer),
+        # after that check too.
+        if self.trainer.is_in_train and self.trainer.batch_state is not None:
+            self.trainer._show_first_gas()
 
-    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any) -> tuple[list, None]:
-        items, count = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
-        return [CountedStepInputs(item.step) for item in items], count
+    def step_items(self, items: list[StepInputs]) -> list[StepInputs]:
+        return [CountedStepInputs(item.step) for item in items]
+
+
+def loop_for(transformers_version: str | None = None) -> type[SplitLoop]:
+    """The loop adapter for transformers (the installed release unless given): :class:`OneFunctionLoop`
+    on 4.57.6 and 5.0-5.2, else :class:`SplitLoop`."""
+    return OneFunctionLoop if legacy_loop(transformers_version) else SplitLoop
+
+
+def fixes_for(transformers_version: str | None = None) -> type[TrainerFixes]:
+    """The plain Trainer's fixes for transformers (the installed release unless given):
+    :class:`PlainTrainerFixes` before 5.18, else :class:`TrainerFixes` (none)."""
+    return PlainTrainerFixes if plain_trainer_faults(transformers_version) else TrainerFixes
 
 
 def check_arguments(args: Any) -> None:
@@ -307,11 +362,3 @@ def auto_warmup(args: Any) -> bool:
     (``"auto"``), read before ``deepspeed_init`` fills it."""
     config = getattr(args, "hf_deepspeed_config", None)
     return config is not None and config.get_value("scheduler.params.warmup_num_steps") == "auto"
-
-
-LOOP_MIXINS: tuple[type, ...] = (
-    *((OneFunctionLoop,) if legacy_loop() else ()),
-    *((PlainTrainerFixes,) if plain_trainer_faults() else ()),
-)
-"""Mixed into the trainer before ``transformers.Trainer``: the ways into the one-function loop (4.57.6,
-5.0-5.2) and the plain Trainer's two fixes (before 5.18); nothing on 5.18+."""

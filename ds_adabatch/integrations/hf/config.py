@@ -84,7 +84,7 @@ class TrainerSection:
         return self.loaded.with_world_size(world_size).adabatch
 
 
-def _has_section(deepspeed: Any) -> bool:
+def _has_section(deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None) -> bool:
     if deepspeed is None or deepspeed is False:
         return False
     if isinstance(deepspeed, Mapping):
@@ -98,7 +98,7 @@ def _has_section(deepspeed: Any) -> bool:
 
 def read_trainer_section(
     adabatch_config: str | os.PathLike[str] | Mapping[str, Any] | None,
-    deepspeed: Any,
+    deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None,
     *,
     has_scheduler: bool,
 ) -> TrainerSection | None:

@@ -7,7 +7,7 @@ internals it relies on, so the Trainer subclass stays a thin list of overrides.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,13 +19,27 @@ from ds_adabatch.runtime.initialize.weights import IGNORE_INDEX
 
 from .state import LrSettings
 
+if TYPE_CHECKING:  # pragma: no cover
+    from accelerate import Accelerator
+    from deepspeed import DeepSpeedEngine
+
 __all__ = [
     "apply_plan_to_engine",
     "count_target_tokens",
     "couple_scheduler",
+    "deepspeed_engine",
     "loss_shifts_labels",
     "seed_deepspeed_batch_keys",
 ]
+
+
+def deepspeed_engine(accelerator: Accelerator) -> DeepSpeedEngine | None:
+    """The DeepSpeed engine ``accelerator`` built (None before it exists, or without DeepSpeed).
+
+    accelerate 1.15 keeps it in ``Accelerator.deepspeed_engine_wrapped.engine`` once ``prepare`` ran.
+    """
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
 
 
 def seed_deepspeed_batch_keys(config: dict[str, Any], plan: BatchPlan) -> None:
@@ -42,7 +56,7 @@ def seed_deepspeed_batch_keys(config: dict[str, Any], plan: BatchPlan) -> None:
 
 
 def couple_scheduler(
-    scheduler: Any, *, optimizer: Any, engine: Any, lr: LrSettings
+    scheduler: Any, *, optimizer: torch.optim.Optimizer | None, engine: DeepSpeedEngine | None, lr: LrSettings
 ) -> tuple[Any, BatchCoupledLR | None]:
     """Put a ``BatchCoupledLR`` where the scheduler is stepped; returns (the Trainer's scheduler, coupling).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.core.metrics import MetricsWriter, StepMetrics
 
 from .state import AdaptiveBatchState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deepspeed.monitor.monitor import MonitorMaster
 
 __all__ = ["TrainerStepLog"]
 
@@ -37,7 +40,9 @@ class TrainerStepLog:
         monitor: DeepSpeed's ``engine.monitor`` under DeepSpeed, else None.
     """
 
-    def __init__(self, state: AdaptiveBatchState, log: LogConfig, monitor: Any = None) -> None:
+    def __init__(
+        self, state: AdaptiveBatchState, log: LogConfig, monitor: MonitorMaster | None = None
+    ) -> None:
         self.state = state
         self.every_steps = log.every_steps
         self.writer = MetricsWriter(log.jsonl, monitor, is_rank0=state.rank == 0)

@@ -29,13 +29,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_adabatch.config import AdaBatchConfig
-from ds_adabatch.data import ElasticDataLoader, ElasticSampler
+from ds_adabatch.data import ElasticDataLoader
 from ds_adabatch.data.lengths import SampleLengths
+from ds_adabatch.data.loader_setup import DataOrder, build_rank_loader
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler
 from ds_adabatch.runtime.distributed.comm import broadcast_int
@@ -46,6 +47,9 @@ from ds_adabatch.schedules.user import CallableSchedule
 from .config import FUNCTION_PLACEHOLDER, TrainerSection, read_trainer_section
 from .lengths import check_length_arguments, sample_lengths
 from .state import AdaptiveBatchState, LrSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import TrainingArguments
 
 __all__ = ["build_batch_state", "function_name", "keep_batch_size", "token_lengths"]
 
@@ -133,7 +137,7 @@ def _token_sampler(
     return sampler_for_config(config, lengths, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
-def _sample_order(args: Any, section: TrainerSection | None, rank: int) -> dict[str, Any]:
+def _sample_order(args: TrainingArguments, section: TrainerSection | None, rank: int) -> DataOrder:
     """Shuffle, seed, drop_last and workers: ``TrainingArguments``', or the section's ``data`` keys."""
     order = {
         "shuffle": True,  # the Trainer's own sampler always shuffles the training set
@@ -147,7 +151,7 @@ def _sample_order(args: Any, section: TrainerSection | None, rank: int) -> dict[
         "num_workers": "dataloader_num_workers",
     }
     if section is None:
-        return order
+        return DataOrder(**order)
     for key in order:
         if not section.data_given(key):
             continue
@@ -161,11 +165,11 @@ def _sample_order(args: Any, section: TrainerSection | None, rank: int) -> dict[
                 order[key],
             )
         order[key] = value
-    return order
+    return DataOrder(**order)
 
 
 def _callable_schedule(
-    fn: Callable[..., Any], start: int, *, world: int, device: Any, ask_step_zero: bool
+    fn: Callable[..., Any], start: int, *, world: int, device: torch.device, ask_step_zero: bool
 ) -> CallableSchedule:
     """The user's function as a per-device ``callable`` schedule that has answered for step 0.
 
@@ -223,16 +227,74 @@ def build_batch_state(
         ValueError: the dataset is not map-style, or a size is not a positive integer.
     """
     _require_map_style(train_dataset)
+    _check_max_micro(max_micro_batch_per_gpu)
+    world, rank = args.world_size, args.process_index
+    per_device = args.per_device_train_batch_size * gradient_accumulation_steps
+    section = _section_for(args, section)
+    checked = None if section is None else section.with_world_size(world)
+    fields = _config_fields(args, section, checked, max_micro_batch_per_gpu)
+    user_schedule = None
+    if batch_size_scheduler is not None:
+        user_schedule = _callable_schedule(
+            batch_size_scheduler, per_device, world=world, device=args.device, ask_step_zero=not resuming
+        )
+    schedule = _schedule_section(user_schedule, checked, per_device * world)
+    config = AdaBatchConfig.model_validate({**fields, "schedule": schedule})
+    _warn_if_grouped_by_length(args, config, rank)
+    controller = BatchSizeController(config, world)
+    if user_schedule is not None:
+        # BatchSizeController builds the callable schedule from an import path (the stand-in above);
+        # the user's function object replaces it, with the same validation and checkpointed state.
+        controller.schedule = user_schedule
+    order = _sample_order(args, section, rank)
+    loader = _rank_loader(args, train_dataset, collate_fn, config, order, lengths=lengths, section=section)
+    explicit = section.given if section is not None else (lambda key: False)
+    return AdaptiveBatchState(
+        config,
+        controller,
+        loader,
+        dataset=train_dataset,
+        device=args.device,
+        num_train_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+        lr=_lr_settings(args, config, controller, loader, explicit),
+        loss_normalization=config.loss_normalization if explicit("loss_normalization") else None,
+    )
+
+
+def _schedule_section(
+    user_schedule: CallableSchedule | None, checked: AdaBatchConfig | None, constant: int
+) -> dict[str, Any]:
+    """The run's ``schedule`` key: the user's function (a stand-in, replaced once the controller is
+    built), the section's, else a constant global batch."""
+    if user_schedule is not None:
+        return {
+            "type": "callable",
+            "function": FUNCTION_PLACEHOLDER,
+            "start": user_schedule.current,
+            "per": "device",
+        }
+    if checked is not None:
+        return checked.schedule.model_dump()
+    return {"type": "constant", "value": constant}
+
+
+def _check_max_micro(max_micro_batch_per_gpu: object) -> None:
     if max_micro_batch_per_gpu is not None and (
         isinstance(max_micro_batch_per_gpu, bool)
         or not isinstance(max_micro_batch_per_gpu, int)
         or max_micro_batch_per_gpu < 1
     ):
         raise ValueError(f"max_micro_batch_per_gpu must be an integer >= 1, got {max_micro_batch_per_gpu!r}")
-    world, rank = args.world_size, args.process_index
-    per_device = args.per_device_train_batch_size * gradient_accumulation_steps
-    section = _section_for(args, section)
-    checked = None if section is None else section.with_world_size(world)
+
+
+def _config_fields(
+    args: TrainingArguments,
+    section: TrainerSection | None,
+    checked: AdaBatchConfig | None,
+    max_micro_batch_per_gpu: int | None,
+) -> dict[str, Any]:
+    """The run's config keys but the schedule: the section's, with the Trainer's defaults."""
     fields: dict[str, Any] = {} if checked is None else checked.model_dump(exclude={"schedule"})
     if max_micro_batch_per_gpu is not None:
         fields["max_micro_batch_per_gpu"] = max_micro_batch_per_gpu
@@ -243,22 +305,10 @@ def build_batch_state(
     if section is None:
         # The trainer weights uneven micro-batches exactly: 5 samples at most 4 per pass run as 3 + 2.
         fields["allow_uneven"] = True
-    user_schedule = None
-    if batch_size_scheduler is not None:
-        user_schedule = _callable_schedule(
-            batch_size_scheduler, per_device, world=world, device=args.device, ask_step_zero=not resuming
-        )
-        schedule = {
-            "type": "callable",
-            "function": FUNCTION_PLACEHOLDER,
-            "start": user_schedule.current,
-            "per": "device",
-        }
-    elif checked is not None:
-        schedule = checked.schedule.model_dump()
-    else:
-        schedule = {"type": "constant", "value": per_device * world}
-    config = AdaBatchConfig.model_validate({**fields, "schedule": schedule})
+    return fields
+
+
+def _warn_if_grouped_by_length(args: TrainingArguments, config: AdaBatchConfig, rank: int) -> None:
     # transformers 5.23 reads train_sampling_strategy in Trainer._get_train_sampler, which the step
     # loader replaces; bucket_window (token budgets) is this trainer's grouping by length.
     grouped = getattr(args, "train_sampling_strategy", None) == "group_by_length"
@@ -268,22 +318,20 @@ def build_batch_state(
             "steps by length set adabatch.micro_batch_tokens and adabatch.bucket_window (samples per "
             "length-sorted block of the order)"
         )
-    controller = BatchSizeController(config, world)
-    if user_schedule is not None:
-        # BatchSizeController builds the callable schedule from an import path (the stand-in above);
-        # the user's function object replaces it, with the same validation and checkpointed state.
-        controller.schedule = user_schedule
 
-    order = _sample_order(args, section, rank)
-    loader: ElasticDataLoader | TokenBudgetLoader
-    common = {
-        "rank": rank,
-        "world_size": world,
-        "collate_fn": collate_fn,
-        "num_workers": order["num_workers"],
-        # TrainingArguments.dataloader_multiprocessing_context: transformers >= 5.x (absent in 5.0)
-        "multiprocessing_context": getattr(args, "dataloader_multiprocessing_context", None),
-    }
+
+def _rank_loader(
+    args: TrainingArguments,
+    train_dataset: Any,
+    collate_fn: Callable[[list[Any]], Any],
+    config: AdaBatchConfig,
+    order: DataOrder,
+    *,
+    lengths: SampleLengths | None,
+    section: TrainerSection | None,
+) -> ElasticDataLoader | TokenBudgetLoader:
+    """This rank's loader: samples cut by the plan, or token-budget steps over the samples' lengths."""
+    token_sampler = None
     if config.token_budget:
         if lengths is None:  # a caller other than the trainer: the lengths as the trainer finds them
             lengths = token_lengths(args, train_dataset, section=section)
@@ -293,22 +341,36 @@ def build_batch_state(
                 f"the lengths cover {lengths.num_samples} samples but the train_dataset has "
                 f"{len(train_dataset)}; give one length per sample"
             )
-        sampler = _token_sampler(
-            config, lengths, seed=order["seed"], drop_last=order["drop_last"], shuffle=order["shuffle"]
+        token_sampler = _token_sampler(
+            config, lengths, seed=order.seed, drop_last=order.drop_last, shuffle=order.shuffle
         )
-        loader = TokenBudgetLoader(train_dataset, sampler, **common)
-    else:
-        sampler = ElasticSampler(
-            len(train_dataset), shuffle=order["shuffle"], seed=order["seed"], drop_last=order["drop_last"]
-        )
-        loader = ElasticDataLoader(train_dataset, sampler, **common)
-    explicit = section.given if section is not None else (lambda key: False)
+    loader = build_rank_loader(
+        train_dataset,
+        order,
+        token_sampler=token_sampler,
+        rank=args.process_index,
+        world_size=args.world_size,
+        collate_fn=collate_fn,
+        # TrainingArguments.dataloader_multiprocessing_context: transformers >= 5.x (absent in 5.0)
+        multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
+    )
+    assert loader is not None  # a map-style dataset
+    return loader
+
+
+def _lr_settings(
+    args: TrainingArguments,
+    config: AdaBatchConfig,
+    controller: BatchSizeController,
+    loader: ElasticDataLoader | TokenBudgetLoader,
+    explicit: Callable[[str], bool],
+) -> LrSettings:
+    """How the LR schedule is clocked and scaled: the section's keys where given, else the Trainer's."""
     unit = (
         config.lr_schedule_unit
         if explicit("lr_schedule_unit")
         else ("steps" if args.max_steps > 0 else "samples")
     )
-    normalization = config.loss_normalization if explicit("loss_normalization") else None
     reference = config.lr_scaling.reference_batch or controller.initial_global_batch()
     target_reference = None
     if config.schedule.batch_unit == "tokens":
@@ -318,19 +380,9 @@ def build_batch_state(
         target_reference = reference
         assert isinstance(loader, TokenBudgetLoader)  # a tokens unit needs micro_batch_tokens
         reference = loader.plan_for_tokens(controller.initial_global_batch()).global_batch_size
-    return AdaptiveBatchState(
-        config,
-        controller,
-        loader,
-        dataset=train_dataset,
-        device=args.device,
-        num_train_epochs=args.num_train_epochs,
-        max_steps=args.max_steps,
-        lr=LrSettings(
-            unit=unit,
-            reference_batch=reference,
-            rule=config.lr_scaling.rule,
-            target_reference=target_reference,
-        ),
-        loss_normalization=normalization,
+    return LrSettings(
+        unit=unit,
+        reference_batch=reference,
+        rule=config.lr_scaling.rule,
+        target_reference=target_reference,
     )

@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ds_adabatch.plan import BatchPlan
 
 __all__ = ["RunEstimate", "ShownInt", "StreamProgress", "describe_run"]
 
@@ -274,7 +277,7 @@ class StreamProgress:
         )
 
 
-def describe_run(state: Any, step: int, plan: Any) -> list[str]:
+def describe_run(state: StreamProgress, step: int, plan: BatchPlan) -> list[str]:
     """Lines (rank 0, INFO) that say what the run will do from step ``step``, whose plan is ``plan``."""
     schedule = state.controller.schedule
     if getattr(schedule, "needs_agreement", False) and hasattr(schedule, "path"):

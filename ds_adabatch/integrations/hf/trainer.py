@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,24 +62,22 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_datasets_available
 
 from ds_adabatch.data.lengths import SampleLengths
-from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.core.lr import BatchCoupledLR, CurrentBaseLR
 from ds_adabatch.runtime.distributed.op_builds import guard_jit_builds
 from ds_adabatch.runtime.memory.recovery import OomRecovery
-from ds_adabatch.runtime.memory.restart_record import RestartRecords
 
 from .callback import AdaptiveBatchCallback
-from .compat import LOOP_MIXINS, adapt_arguments, auto_warmup, check_arguments
+from .compat import adapt_arguments, auto_warmup, check_arguments, fixes_for, loop_for
 from .config import TrainerSection, read_trainer_section
 from .data import StepInputs, StepLoader
 from .dist import trainer_arguments
-from .engine import apply_plan_to_engine, couple_scheduler, seed_deepspeed_batch_keys
+from .engine import couple_scheduler, deepspeed_engine, seed_deepspeed_batch_keys
 from .logs import follow_transformers_logging
 from .metrics import TrainerStepLog
 from .prepare import build_batch_state, token_lengths
 from .progress import ShownInt
 from .state import STATE_FILE, AdaptiveBatchState
-from .step import StepMixin
+from .step import TrainerStep
 from .versions import check_versions
 
 __all__ = ["STATE_FILE", "AdaptiveBatchSizeTrainer", "AdaptiveBatchState", "BatchSizeScheduler"]
@@ -97,7 +95,7 @@ is the next step's per-device batch, and the global batch is it x the number of 
 _TRAINER_STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 
 
-class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
+class AdaptiveBatchSizeTrainer(Trainer):
     """A ``transformers.Trainer`` whose global batch follows a schedule, exactly and sample by sample.
 
     Args:
@@ -161,6 +159,8 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             without ``micro_batch_tokens``.
     """
 
+    _deepspeed: Any = None  # the ``deepspeed`` property's value, until the Trainer assigns one
+
     def __init__(
         self,
         batch_size_scheduler: BatchSizeScheduler | None = None,
@@ -205,22 +205,22 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         check_arguments(args)
         args = trainer_arguments(args)
         adapt_arguments(args)
+        # What the overrides below hand the work to (Trainer.__init__ already assigns self.deepspeed):
+        # the adaptive step (hf.step), and what this transformers release needs (hf.compat).
+        self._trainer_step = TrainerStep(self)
+        self._release_loop = loop_for()(self)
+        self._release_fixes = fixes_for()(self)
         super().__init__(args=args, **trainer_kwargs)
         self.batch_size_scheduler = batch_size_scheduler
         self.max_micro_batch_per_gpu = max_micro_batch_per_gpu
         self.batch_state: AdaptiveBatchState | None = None
         """The run's schedule, plan and sample cursor; built when training starts."""
-        self._applied_plan: BatchPlan | None = None
         self._lr_coupling: BatchCoupledLR | None = None
         self._samples_at_start = 0
         self._tokens_at_start = 0
-        self._shifts_labels: bool | None = None
-        self._recovery: OomRecovery | None = None
-        self._restart_records: RestartRecords | None = None
-        self._recovery_closed = False
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
-        self._resume_path: Any = None
+        self._resume_path: str | None = None
         # Read before deepspeed_init fills it (transformers before 5.18 fills 0: hf.compat).
         self._auto_warmup = auto_warmup(self.args)
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
@@ -234,13 +234,18 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             with follow_transformers_logging():
                 return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self._close_recovery()  # its memory predictor's hook on the model goes with the run
+            self._trainer_step.close_recovery()  # its memory predictor's hook on the model goes with the run
 
-    def _close_recovery(self) -> None:
-        # Kept for inspection (its counts); the next train() builds a new one.
-        if self._recovery is not None and not self._recovery_closed:
-            self._recovery.close()
-        self._recovery_closed = True
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # transformers Trainer.train passes the resolved checkpoint folder by keyword (4.57 reads it
+        # back in _load_callback_state: hf.compat).
+        self._resume_path = kwargs.get("resume_from_checkpoint")
+        return super()._inner_training_loop(*args, **kwargs)
+
+    @property
+    def _recovery(self) -> OomRecovery | None:
+        """The step's out-of-memory recovery (None before the first step under DeepSpeed)."""
+        return self._trainer_step.recovery
 
     # -- data ----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> StepLoader:
@@ -273,23 +278,17 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             section=self.adabatch_section,
             resuming=self._resuming,
         )
-        self._applied_plan = None
-        self._restart_records = None
-        if self.is_deepspeed_enabled and self.batch_state.config.memory.recover_from_oom:
-            # Records an exited process left in output_dir bound the first step's plan already (the
-            # recovery itself needs the engine, built later); runtime/memory/restart_record.py.
-            state = self.batch_state
-            records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)
-            unit = "tokens" if state.token_budget else "samples"
-            if records.record_dir is not None:
-                records.start(state.memory, unit)
-            records.impose(self.args.output_dir, state.memory, unit)
+        self._trainer_step.new_run(
+            self.batch_state, deepspeed=self.is_deepspeed_enabled, output_dir=self.args.output_dir
+        )
         if self.is_deepspeed_enabled:
             seed_deepspeed_batch_keys(
                 self.accelerator.state.deepspeed_plugin.deepspeed_config,
                 self.batch_state.initial_plan,
             )
-        return StepLoader(self.batch_state, lambda: self.state.global_step)
+        loader = StepLoader(self.batch_state, lambda: self.state.global_step)
+        self._release_loop.loader_made(loader)
+        return loader
 
     def _sample_lengths(self) -> SampleLengths | None:
         """The train dataset's lengths (token budgets only), measured again if the dataset was replaced."""
@@ -308,16 +307,31 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         return found
 
     # -- the run's length, for the Trainer's loop and its banner --------------------------------------
-    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple[int, ...]:
+    def set_initial_training_values(
+        self, args: TrainingArguments, dataloader: Any, total_train_batch_size: int | None = None
+    ) -> tuple[int, ...]:
         """Epoch count, steps per epoch and schedule length in samples, not in dataloader batches.
 
         Returns the tuple transformers 5.23 ``Trainer._inner_training_loop`` unpacks: ``(epochs, update
         steps per epoch, examples, train samples, initial global batch, batches per epoch, LR schedule
         length)``. The loop uses the epochs and steps per epoch as bounds (the stream says where an
         epoch ends), so they are upper bounds that its banner prints as the estimate
-        (:class:`~ds_adabatch.integrations.hf.progress.ShownInt`).
+        (:class:`~ds_adabatch.integrations.hf.progress.ShownInt`). transformers 4.57.6 and 5.0-5.2 pass
+        ``total_train_batch_size`` and read another tuple (``hf.compat``).
         """
-        return self._training_values(args)
+        return self._release_loop.training_values(self._training_values(args))
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The Trainer's total batch (4.57.6-5.2: the first step's global batch, ``hf.compat``)."""
+        return self._release_loop.total_train_batch_size(super(), args)
+
+    def get_cp_size(self) -> int:
+        """Context-parallel degree (the Trainer's; 4.57 has none: ``hf.compat``)."""
+        return self._release_loop.cp_size(super())
+
+    def get_sp_size(self) -> int:
+        """Sequence-parallel degree (as :meth:`get_cp_size`)."""
+        return self._release_loop.sp_size(super())
 
     def _training_values(self, args: TrainingArguments) -> tuple[Any, ...]:
         state = self._require_state()
@@ -365,6 +379,10 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         self._align_trainer_state(int(max_steps))
         return epoch, 0
 
+    def _load_callback_state(self) -> None:
+        super()._load_callback_state()
+        self._release_loop.callback_state_loaded()  # 4.57.6-5.2 resume the batch state here (hf.compat)
+
     def _resume_batch_state(self, resume_from_checkpoint: Any) -> int:
         """Load a resumed run's batch state at the Trainer's ``global_step``; the stream's epoch."""
         state = self._require_state()
@@ -401,7 +419,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         # Once the DeepSpeed engine exists (its monitor).
         state = self._require_state()
         self._step_log = TrainerStepLog(
-            state, state.config.log, getattr(self._deepspeed_engine(), "monitor", None)
+            state, state.config.log, getattr(deepspeed_engine(self.accelerator), "monitor", None)
         )
 
     def _show_first_gas(self) -> None:
@@ -417,8 +435,11 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
 
     def _train_begins(self) -> None:
         """Called by the callback at ``on_train_begin`` (transformers 4.57 does more here: ``hf.compat``)."""
+        self._release_loop.train_begins()
 
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[StepInputs], num_batches: int, device: torch.device
+    ) -> tuple[list[StepInputs], None]:
         """The next optimizer step's :class:`StepInputs` (token counts are taken in ``training_step``)."""
         try:
             item = next(epoch_iterator)
@@ -427,7 +448,30 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
             # says where the epoch ends.
             self.control.should_epoch_stop = True
             return [], None
-        return [item], None
+        return self._release_loop.step_items([item]), None
+
+    # -- where transformers' releases differ (hf.compat) ---------------------------------------------
+    @property
+    def deepspeed(self) -> Any:
+        """The DeepSpeed engine the Trainer assigned (the attribute ``transformers.Trainer`` keeps)."""
+        return self._deepspeed
+
+    @deepspeed.setter
+    def deepspeed(self, engine: Any) -> None:
+        self._deepspeed = engine
+        if engine is not None:  # 4.57.6-5.2 couple the LR scheduler here (hf.compat)
+            self._release_loop.engine_assigned(engine)
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        self._release_fixes.optimizer_created()  # before 5.18: the "auto" warmup DeepSpeed refuses
+        self._release_loop.optimizer_created()  # 4.57.6-5.2: the banner's GAS
+        return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Before 5.18: a multi-process CPU run's optimizer, which the Trainer cannot load (hf.compat).
+        if not self._release_fixes.load_optimizer_and_scheduler(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- one optimizer step --------------------------------------------------------------------------
     def training_step(
@@ -442,58 +486,26 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         """
         if not isinstance(inputs, StepInputs):
             return super().training_step(model, inputs, num_items_in_batch)
-        state = self._require_state()
-        state.step_started(self.state.global_step)  # its plan change and warnings, now that it runs
-        recovery = self._oom_recovery()
-        if recovery is None:
-            return self._adaptive_step(model, inputs)
+        return self._trainer_step.run(model, inputs)
 
-        def replan(ranks: list[int]) -> None:
-            number = self.state.global_step
-            if state.token_budget:  # the same samples, cut with a lower token budget
-                plan = state.recut_after_oom(inputs.step, recovery.failed_passes(ranks), number)
-            else:
-                plan = state.replan_after_oom(inputs.step.plan, ranks, number)
-            inputs.step = state.loader.reload(inputs.step, plan)
-            state.last_step = inputs.step
+    def floating_point_ops(self, inputs: Any) -> int:
+        """FLOPs of the step's real micro-batches (pads excluded)."""
+        if not isinstance(inputs, StepInputs):
+            return super().floating_point_ops(inputs)
+        count = super().floating_point_ops  # (a bare super() fails in a generator)
+        return sum(count(m.batch) for m in inputs.micro_batches if not m.is_pad)
 
-        logged = recovery.run(lambda: self._adaptive_step(model, inputs), replan)
-        state.after_clean_step(inputs.step)
-        return logged
-
-    def _oom_recovery(self) -> OomRecovery | None:
-        """Out-of-memory recovery on the DeepSpeed engine (built once it exists), or None."""
-        state = self._require_state()
-        engine = self._deepspeed_engine()
-        if engine is None or not state.config.memory.recover_from_oom:
-            return None
-        if self._recovery is None or self._recovery_closed or self._recovery.deepspeed is not engine:
-            self._close_recovery()
-            self._recovery_closed = False
-            # An unrecoverable error of this run is recorded in output_dir; the records imposed when the
-            # batch state was built are deleted once a checkpoint holds them (runtime/memory/restart_record.py).
-            records = self._restart_records
-            if records is None:
-                records = self._restart_records = RestartRecords(state.rank, state.config.memory.record_dir)
-            self._recovery = OomRecovery(
-                engine, state.config, rank=state.rank, world_size=state.world_size, memory=state.memory,
-                records=records,
-            )  # fmt: skip
-            records.folder = self.args.output_dir
-        return self._recovery
-
-    def _apply_plan(self, plan: BatchPlan) -> None:
-        """Make DeepSpeed's view of the batch and the LR multiplier match ``plan`` (between steps only)."""
-        state = self._require_state()
-        state.plan = plan
-        if plan != self._applied_plan:
-            engine = self._deepspeed_engine()
-            if engine is not None:
-                apply_plan_to_engine(engine, plan)
-            self._applied_plan = plan
-        if self._lr_coupling is not None:
-            # Every step: a token step's multiplier follows its target, which a plan does not show.
-            self._lr_coupling.set_global_batch(state.lr_batch(plan))
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if not isinstance(inputs, StepInputs):
+            return super()._track_num_input_tokens(inputs)
+        # transformers 5.23 gathers the count once per call: every rank calls once per micro-batch
+        # (the same number everywhere), a pad with its tensors emptied so it counts 0.
+        for m in inputs.micro_batches:
+            batch = m.batch
+            if m.is_pad and isinstance(batch, Mapping):
+                batch = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            super()._track_num_input_tokens(batch)
+        return None
 
     # -- learning rate -------------------------------------------------------------------------------
     def create_scheduler(
@@ -506,7 +518,7 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         kept, coupling = couple_scheduler(
             scheduler,
             optimizer=optimizer if optimizer is not None else self.optimizer,
-            engine=self._deepspeed_engine(),
+            engine=deepspeed_engine(self.accelerator),
             lr=self.batch_state.lr,
         )
         self.lr_scheduler = kept
@@ -571,16 +583,6 @@ class AdaptiveBatchSizeTrainer(StepMixin, Trainer):
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
-
-
-if LOOP_MIXINS:
-    # transformers 4.57: the ways into its one-function loop (hf.compat) come first in the MRO, and
-    # reach the methods above through super(). The class keeps its name, module and docstring.
-    AdaptiveBatchSizeTrainer = type(  # type: ignore[misc]
-        "AdaptiveBatchSizeTrainer",
-        (*LOOP_MIXINS, AdaptiveBatchSizeTrainer),
-        {"__doc__": AdaptiveBatchSizeTrainer.__doc__, "__module__": __name__},
-    )
 
 
 def _main_input_name(processing_class: Any) -> str:
