@@ -15,7 +15,7 @@ import torch
 from ds_adabatch.plan import BatchPlan
 from ds_adabatch.runtime.core.batch_shape import apply_plan_to_engine
 from ds_adabatch.runtime.core.lr import BatchCoupledLR
-from ds_adabatch.runtime.initialize.weights import IGNORE_INDEX
+from ds_adabatch.runtime.core.weights import IGNORE_INDEX
 
 from .state import LrSettings
 

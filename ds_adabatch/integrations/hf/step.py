@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_adabatch.runtime.initialize.weights import loss_weight
+from ds_adabatch.runtime.core.weights import loss_weight
 from ds_adabatch.runtime.memory.recovery import OomRecovery
 from ds_adabatch.runtime.memory.restart_record import RestartRecords
 from ds_adabatch.runtime.noise.adam_geometry import configured_geometry, measured_geometry

@@ -15,6 +15,7 @@ from ...config import ConfigError, ConfigProblem, load_ds_config
 from ...data.token_loader import TokenBudgetLoader
 from ...schedules import BatchSizeController
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
+from ..core.weights import make_token_counter, pipeline_token_count
 from ..distributed.op_builds import guard_jit_builds
 from ..distributed.process_group import init_distributed
 from ..engine.data_parallel import AdaptiveBatchEngine
@@ -24,7 +25,6 @@ from ..pipeline.engine import AdaptivePipelineEngine
 from .arguments import resolve_call
 from .layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
 from .tokens import token_budget_sampler
-from .weights import make_token_counter, pipeline_token_count
 
 __all__ = ["initialize", "refuse_replaced_deepspeed_initialize"]
 
