@@ -141,10 +141,17 @@ def write(out_dir: str, name: str, payload: dict) -> None:
         json.dump(payload, f)
 
 
+CALLER_OWNED = {"managed_gradient_accumulation": False}
+
+
 def phase_exact(out_dir: str) -> None:
     for stage in (0, 1, 2, 3):
         for bf16 in (False, True):
             run_sequence(stage, bf16, out_dir, f"exact_z{stage}_{'bf16' if bf16 else 'fp32'}")
+    # DeepSpeed's caller-owned accumulation: no boundary set, one step() per optimizer step. ZeRO 3
+    # keeps its default overlap_comm (true), which DeepSpeed 0.19.8 accepts from stage 2 on.
+    for stage in (0, 1, 2, 3):
+        run_sequence(stage, False, out_dir, f"caller_z{stage}", CALLER_OWNED)
     # The CPU-offload path of ZeRO 2 reads the optimizer's stored GAS.
     run_offload(out_dir)
     run_workers(out_dir)
