@@ -387,22 +387,20 @@ def half_mse(model, batch):
 
 def phase_noise(out_dir: str, stages=(0, 2, 3)) -> None:
     truth = NOISE_TRUTH
-    for stage in stages:
+    # The last case: ZeRO 2 under caller-owned accumulation measures what the hand-set boundary does.
+    for stage, caller in [(stage, False) for stage in stages] + [(2, True)]:
         torch.manual_seed(0)
         model = torch.nn.Linear(NOISE_DIM, 1, bias=False)
         torch.nn.init.zeros_(model.weight)
-        cfg = ds_config(
-            stage,
-            lr=0.0,
-            extra={"adabatch": {**NOISE_ESTIMATE, "allow_uneven": False}},
-        )
+        extra = {"adabatch": {**NOISE_ESTIMATE, "allow_uneven": False}, **(CALLER_OWNED if caller else {})}
+        cfg = ds_config(stage, lr=0.0, extra=extra)
         engine, *_ = ds_adabatch.initialize(model, cfg, GaussianRegression(), loss_fn=half_mse)
         for _ in range(60):
             engine.train_batch()
         if engine.global_rank == 0:
             write(
                 out_dir,
-                f"noise_z{stage}",
+                f"noise_z{stage}{'_caller' if caller else ''}",
                 {
                     "estimate": engine.noise.noise_scale,
                     "truth": truth,

@@ -135,6 +135,13 @@ def test_noise_scale_estimate_near_closed_form(results, stage):
     assert rel <= 0.2, f"ZeRO-{stage}: B_noise estimate {r['estimate']:.2f}, truth {r['truth']:.2f}"
 
 
+def test_noise_scale_under_caller_owned_accumulation(results):
+    # ZeRO 2: the same measurement as the hand-set boundary (ZeRO 0 refuses it: test_caller_accumulation).
+    caller, managed = read_result(results, "noise_z2_caller"), read_result(results, "noise_z2")
+    assert caller["estimate"] is not None and managed["estimate"] is not None
+    assert math.isclose(caller["estimate"], managed["estimate"], rel_tol=1e-6), (caller, managed)
+
+
 CKPT = [
     "linear_z0",
     "linear_z1",

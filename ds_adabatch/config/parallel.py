@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .adaptive_schedules import measures_noise
 from .errors import ConfigProblem
 from .memory import AUTO
 
@@ -141,11 +142,15 @@ def pipeline_config_problems(
     return problems
 
 
-def caller_accumulation_problems(ds: dict[str, Any], *, pipelined: bool = False) -> list[ConfigProblem]:
+def caller_accumulation_problems(
+    ds: dict[str, Any], *, pipelined: bool = False, schedule: Any = None
+) -> list[ConfigProblem]:
     """What ``"managed_gradient_accumulation": false`` in ``ds`` (the DeepSpeed part of the config) is
     combined with that DeepSpeed 0.19.8 refuses (``DeepSpeedEngine._do_sanity_check`` asserts it inside
     ``deepspeed.initialize``, after the process group exists): pipeline parallelism, DeepCompile, and
-    ``zero_optimization.overlap_comm`` below ZeRO stage 2. Empty without the key (managed accumulation)."""
+    ``zero_optimization.overlap_comm`` below ZeRO stage 2; and what ds_adabatch cannot measure with it: the
+    gradient-noise scale at ZeRO stage 0 (``schedule``: the ``"adabatch"`` schedule's config). Empty
+    without the key (managed accumulation)."""
     value = ds.get(_MANAGED, True)
     if not isinstance(value, bool):
         return [ConfigProblem(_MANAGED, "must be true or false", value)]
@@ -170,6 +175,16 @@ def caller_accumulation_problems(ds: dict[str, Any], *, pipelined: bool = False)
                 f"from ZeRO stage 2, and this config has stage {stage}: set overlap_comm to false, raise "
                 f"the stage, or remove {_MANAGED}",
                 True,
+            )
+        )
+    if stage == 0 and measures_noise(schedule):
+        problems.append(
+            ConfigProblem(
+                _MANAGED,
+                f"the {schedule.type} schedule reads the global batch's gradient norm after the step's last "
+                "backward, and with caller-owned accumulation ZeRO stage 0 reduces the gradients only "
+                f"inside DeepSpeed's step(): remove {_MANAGED}, or use ZeRO stage 1 or more",
+                False,
             )
         )
     compile_section = ds.get("compile") or {}

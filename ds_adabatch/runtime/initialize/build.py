@@ -143,7 +143,8 @@ def initialize(
     loaded = load_ds_config(config)
     _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
     pipelined = is_pipeline_module(model)
-    if problems := caller_accumulation_problems(loaded.deepspeed, pipelined=pipelined):
+    schedule = loaded.adabatch.schedule
+    if problems := caller_accumulation_problems(loaded.deepspeed, pipelined=pipelined, schedule=schedule):
         raise ConfigError(problems, loaded.source)
     # Lengths are validated (and an over-long sample named) before any process group starts.
     token_sampler = token_budget_sampler(loaded.adabatch, training_data, lengths, length_fn)
