@@ -14,9 +14,9 @@ same model seed and data, differing only in how a step's accumulation ends:
 
 Their ``train_batch`` steps are interleaved in rounds (the order alternated every round, so drift in
 load hits both alike). It prints each engine's median step, the ratio caller / hand (of the medians and
-of the fastest rounds), the load average before and after, and the largest difference between the two
-engines' parameters after the run (both are exact, so it should be at rounding level: the two did the
-same work).
+of the fastest rounds) and the load average before and after. Exactness is not measured here
+(tests/test_engine.py does): two engines stepped in blocks in one process drift apart at rounding level
+whichever modes they use (two hand-driven engines drift alike), so their parameters are not compared.
 """
 
 from __future__ import annotations
@@ -45,16 +45,6 @@ def build(stage: int, data, spec, *, caller: bool):
     return engine
 
 
-def params(engine) -> torch.Tensor:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    out = []
-    for p in engine.module.parameters():
-        full = safe_get_full_fp32_param(p) if engine.zero_optimization_stage() > 0 else None
-        out.append((full if full is not None else p.detach()).float().flatten())
-    return torch.cat(out)
-
-
 def run_stage(stage: int, data, spec, rounds: int, steps: int) -> tuple[float, float]:
     engines = {
         "hand": build(stage, data, spec, caller=False),
@@ -72,13 +62,9 @@ def run_stage(stage: int, data, spec, rounds: int, steps: int) -> tuple[float, f
             times[name] += got
             per_round[name].append(statistics.median(got))
     hand, caller = h.median(times["hand"]), h.median(times["caller"])
-    diff = params(engines["caller"]) - params(engines["hand"])
-    scale = params(engines["hand"]).abs().max()
     print(
         f"ZeRO-{stage}: hand {hand * 1e3:.2f} ms, caller {caller * 1e3:.2f} ms, ratio caller/hand "
-        f"{caller / hand:.4f} (fastest rounds {min(per_round['caller']) / min(per_round['hand']):.4f}); "
-        f"parameters after {engines['hand'].global_steps} steps differ by "
-        f"{float(diff.abs().max() / scale):.2e} (relative)",
+        f"{caller / hand:.4f} (fastest rounds {min(per_round['caller']) / min(per_round['hand']):.4f})",
         flush=True,
     )
     for engine in engines.values():
