@@ -141,10 +141,17 @@ def write(out_dir: str, name: str, payload: dict) -> None:
         json.dump(payload, f)
 
 
+CALLER_OWNED = {"managed_gradient_accumulation": False}
+
+
 def phase_exact(out_dir: str) -> None:
     for stage in (0, 1, 2, 3):
         for bf16 in (False, True):
             run_sequence(stage, bf16, out_dir, f"exact_z{stage}_{'bf16' if bf16 else 'fp32'}")
+    # DeepSpeed's caller-owned accumulation: no boundary set, one step() per optimizer step. ZeRO 3
+    # keeps its default overlap_comm (true), which DeepSpeed 0.19.8 accepts from stage 2 on.
+    for stage in (0, 1, 2, 3):
+        run_sequence(stage, False, out_dir, f"caller_z{stage}", CALLER_OWNED)
     # The CPU-offload path of ZeRO 2 reads the optimizer's stored GAS.
     run_offload(out_dir)
     run_workers(out_dir)
@@ -380,22 +387,20 @@ def half_mse(model, batch):
 
 def phase_noise(out_dir: str, stages=(0, 2, 3)) -> None:
     truth = NOISE_TRUTH
-    for stage in stages:
+    # The last case: ZeRO 2 under caller-owned accumulation measures what the hand-set boundary does.
+    for stage, caller in [(stage, False) for stage in stages] + [(2, True)]:
         torch.manual_seed(0)
         model = torch.nn.Linear(NOISE_DIM, 1, bias=False)
         torch.nn.init.zeros_(model.weight)
-        cfg = ds_config(
-            stage,
-            lr=0.0,
-            extra={"adabatch": {**NOISE_ESTIMATE, "allow_uneven": False}},
-        )
+        extra = {"adabatch": {**NOISE_ESTIMATE, "allow_uneven": False}, **(CALLER_OWNED if caller else {})}
+        cfg = ds_config(stage, lr=0.0, extra=extra)
         engine, *_ = ds_adabatch.initialize(model, cfg, GaussianRegression(), loss_fn=half_mse)
         for _ in range(60):
             engine.train_batch()
         if engine.global_rank == 0:
             write(
                 out_dir,
-                f"noise_z{stage}",
+                f"noise_z{stage}{'_caller' if caller else ''}",
                 {
                     "estimate": engine.noise.noise_scale,
                     "truth": truth,

@@ -12,6 +12,7 @@ Phase ``exact``:
   step, a checkpoint is saved (``ckpt``): a resume starts that step again.
 Phase ``resume``: the checkpoint on 1 rank, the loop to the end of the epoch; every sample of the epoch
 exactly once over both runs, and the parameters against the reference of the combined samples.
+Then that loop again with ``"managed_gradient_accumulation": false`` (``caller_owned``).
 Rank 0 writes OUT/<case>.json.
 """
 
@@ -177,6 +178,24 @@ def phase_exact(args) -> None:
             "plans": [e.to_dict() for e in engine.history],
             "global_samples": engine.global_samples,
             "len_after_epoch": len(loader),
+        },
+    )
+    engine.close()
+
+    # The same loop under DeepSpeed's caller-owned accumulation (one DeepSpeed step() per optimizer
+    # step, no boundary set): the same samples and the same update.
+    torch.manual_seed(0)
+    config = {**ref_config(2), "managed_gradient_accumulation": False}
+    engine, _, loader, _ = ds_adabatch.initialize(Net(), config, data)
+    caller_ledger = tutorial_loop(engine, loader)
+    write(
+        args.out,
+        "caller_owned",
+        {
+            "rel_err": rel(params(engine, 2), got),
+            "same_ledger": caller_ledger == ledger,
+            "ds_global_steps": engine.deepspeed.global_steps,
+            "global_steps": engine.global_steps,
         },
     )
     engine.close()

@@ -37,6 +37,11 @@ STAGES = {
     "z2_bf16": (2, {"bf16": {"enabled": True}}),
     # bf16 with fp32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, reducing like ZeRO-0.
     "z1_bf16": (1, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
+    # DeepSpeed's caller-owned accumulation: ZeRO 0/1 reduce only inside step(), where the last pass
+    # agrees first; ZeRO 3 reduces every pass as under the managed boundary.
+    "z0_caller": (0, {"managed_gradient_accumulation": False}),
+    "z1_caller": (1, {"managed_gradient_accumulation": False}),
+    "z3_caller": (3, {"managed_gradient_accumulation": False}),
 }
 """Case name -> (ZeRO stage, extra ds_config); None means ZeRO-2 with the optimizer offloaded to CPU."""
 

@@ -65,6 +65,22 @@ def test_plan_changes_match_big_batch_reference(results, stage, dtype):
     assert reasons == ["manual"] * 7 + ["last batch of the epoch"], reasons
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_caller_owned_accumulation_is_exact(results, stage):
+    # "managed_gradient_accumulation": false: no boundary is set, step() once per optimizer step.
+    r = read_result(results, f"caller_z{stage}")
+    assert r["max_rel_err"] <= 1e-5, (
+        f"ZeRO-{stage} with caller-owned accumulation: off the big-batch reference by {r['max_rel_err']:.2e}"
+    )
+    assert r["plans"] == EXPECTED_PLANS_2, f"plans actually used: {r['plans']}"
+    assert r["global_samples"] == 96 and r["ds_global_samples"] == 96, "sample counts must be exact"
+    # The same update as the boundary set by hand, to rounding.
+    caller = torch.load(results / f"caller_z{stage}_params.pt")
+    managed = torch.load(results / f"exact_z{stage}_fp32_params.pt")
+    err = float((caller - managed).abs().max() / managed.abs().max())
+    assert err <= 1e-6, f"ZeRO-{stage}: caller-owned and hand-set boundary differ by {err:.2e}"
+
+
 def test_loader_workers_inside_the_engine(results):
     r = read_result(results, "exact_z1_workers")
     assert r["max_rel_err"] <= 1e-5, f"with 2 loader workers per rank: off by {r['max_rel_err']:.2e}"
@@ -117,6 +133,13 @@ def test_noise_scale_estimate_near_closed_form(results, stage):
     assert r["estimate"] is not None, "no noise-scale estimate was produced"
     rel = abs(r["estimate"] - r["truth"]) / r["truth"]
     assert rel <= 0.2, f"ZeRO-{stage}: B_noise estimate {r['estimate']:.2f}, truth {r['truth']:.2f}"
+
+
+def test_noise_scale_under_caller_owned_accumulation(results):
+    # ZeRO 2: the same measurement as the hand-set boundary (ZeRO 0 refuses it: test_caller_accumulation).
+    caller, managed = read_result(results, "noise_z2_caller"), read_result(results, "noise_z2")
+    assert caller["estimate"] is not None and managed["estimate"] is not None
+    assert math.isclose(caller["estimate"], managed["estimate"], rel_tol=1e-6), (caller, managed)
 
 
 CKPT = [

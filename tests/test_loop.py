@@ -163,6 +163,14 @@ def test_the_loop_equals_the_big_batch_reference(loop_runs):
 
 
 @pytest.mark.matrix
+def test_the_loop_under_caller_owned_accumulation_equals_the_hand_set_boundary(loop_runs):
+    r = _read(loop_runs, "caller_owned")
+    assert r["same_ledger"], "caller-owned accumulation trained other samples per step"
+    assert r["global_steps"] == r["ds_global_steps"], "one DeepSpeed optimizer step per loop step"
+    assert r["rel_err"] <= 1e-6, f"caller-owned vs the hand-set boundary: {r['rel_err']:.2e}"
+
+
+@pytest.mark.matrix
 def test_a_checkpoint_inside_a_step_resumes_that_step_on_another_world_size(loop_runs):
     import torch
 

@@ -18,7 +18,21 @@ pytestmark = pytest.mark.multirank
 
 HERE = Path(__file__).parent
 WORKER = HERE / "oom_worker.py"
-RECOVER = ("z0", "z1", "z2", "z3", "z2_offload", "z2_buckets", "z1_workers", "z0_bf16", "z2_bf16", "z1_bf16")
+RECOVER = (
+    "z0",
+    "z1",
+    "z2",
+    "z3",
+    "z2_offload",
+    "z2_buckets",
+    "z1_workers",
+    "z0_bf16",
+    "z2_bf16",
+    "z1_bf16",
+    "z0_caller",
+    "z1_caller",
+    "z3_caller",
+)
 ONE_RANK = "recover_z0,recover_z2,recover_z3,recover_z2_offload,auto_z2,tokens_z2"
 
 
@@ -93,9 +107,10 @@ def test_oom_mid_accumulation_first_step_and_repeated_is_exact(results, world, s
 def test_agreement_runs_once_per_step_at_zero_0_and_1_and_per_micro_batch_at_2_and_3(results):
     # 3 completed steps and 4 failed attempts: ZeRO-0/1 agree once per attempt (at the boundary);
     # ZeRO-2/3 agree in every pass that reduces (all micro-batches of the attempts that got there).
-    for stage in ("z0", "z1", "z1_bf16"):
+    # Under caller-owned accumulation ZeRO-0/1 agree once per attempt too, before DeepSpeed's step().
+    for stage in ("z0", "z1", "z1_bf16", "z0_caller", "z1_caller"):
         assert _read(results, 2, f"recover_{stage}")["agreements"] == 7, stage
-    for stage in ("z2", "z3", "z2_offload"):
+    for stage in ("z2", "z3", "z2_offload", "z3_caller"):
         assert _read(results, 2, f"recover_{stage}")["agreements"] > 7, stage
 
 

@@ -5,6 +5,9 @@ one replica (:class:`ParallelLayout`). :func:`model_parallel_problems` and
 :func:`pipeline_config_problems` list what the config asks that such a layout cannot do; ``initialize``
 raises them before DeepSpeed builds anything, and ``ds-adabatch validate --pipeline-stages S
 --tensor-parallel-size T`` prints the same (this module imports neither torch nor DeepSpeed).
+:func:`caller_accumulation_problems` lists what DeepSpeed's caller-owned accumulation
+(``"managed_gradient_accumulation": false``) cannot be combined with; ``initialize`` raises them before
+any process group starts (DeepSpeed itself would assert inside its engine, after it).
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .adaptive_schedules import measures_noise
 from .errors import ConfigProblem
 from .memory import AUTO
 
-__all__ = ["ParallelLayout", "model_parallel_problems", "pipeline_config_problems"]
+__all__ = [
+    "ParallelLayout",
+    "caller_accumulation_problems",
+    "model_parallel_problems",
+    "pipeline_config_problems",
+]
+
+_MANAGED = "managed_gradient_accumulation"
 
 
 @dataclass(frozen=True)
@@ -88,14 +99,7 @@ def pipeline_config_problems(
                 stage,
             )
         )
-    if ds.get("managed_gradient_accumulation") is False:
-        problems.append(
-            ConfigProblem(
-                "managed_gradient_accumulation",
-                "DeepSpeed does not support caller-owned accumulation with pipeline parallelism: remove it",
-                False,
-            )
-        )
+    problems += caller_accumulation_problems(ds, pipelined=True)
     configured = (ds.get("pipeline") or {}).get("stages")
     if (
         isinstance(configured, int)
@@ -133,6 +137,64 @@ def pipeline_config_problems(
                 "token-budget micro-batches change shape from pass to pass: build the PipelineModule with "
                 "dynamic_shape=True so DeepSpeed sends activation shapes with every micro-batch",
                 cfg.micro_batch_tokens,
+            )
+        )
+    return problems
+
+
+def caller_accumulation_problems(
+    ds: dict[str, Any], *, pipelined: bool = False, schedule: Any = None
+) -> list[ConfigProblem]:
+    """What ``"managed_gradient_accumulation": false`` in ``ds`` (the DeepSpeed part of the config) is
+    combined with that DeepSpeed 0.19.8 refuses (``DeepSpeedEngine._do_sanity_check`` asserts it inside
+    ``deepspeed.initialize``, after the process group exists): pipeline parallelism, DeepCompile, and
+    ``zero_optimization.overlap_comm`` below ZeRO stage 2; and what ds_adabatch cannot measure with it: the
+    gradient-noise scale at ZeRO stage 0 (``schedule``: the ``"adabatch"`` schedule's config). Empty
+    without the key (managed accumulation)."""
+    value = ds.get(_MANAGED, True)
+    if not isinstance(value, bool):
+        return [ConfigProblem(_MANAGED, "must be true or false", value)]
+    if value:
+        return []
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    problems = []
+    if pipelined:
+        problems.append(
+            ConfigProblem(
+                _MANAGED,
+                "DeepSpeed does not support caller-owned accumulation with pipeline parallelism: remove it",
+                False,
+            )
+        )
+    if isinstance(zero, dict) and zero.get("overlap_comm") is True and isinstance(stage, int) and stage < 2:
+        problems.append(
+            ConfigProblem(
+                "zero_optimization.overlap_comm",
+                f"DeepSpeed's caller-owned accumulation ({_MANAGED}: false) overlaps communication only "
+                f"from ZeRO stage 2, and this config has stage {stage}: set overlap_comm to false, raise "
+                f"the stage, or remove {_MANAGED}",
+                True,
+            )
+        )
+    if stage == 0 and measures_noise(schedule):
+        problems.append(
+            ConfigProblem(
+                _MANAGED,
+                f"the {schedule.type} schedule reads the global batch's gradient norm after the step's last "
+                "backward, and with caller-owned accumulation ZeRO stage 0 reduces the gradients only "
+                f"inside DeepSpeed's step(): remove {_MANAGED}, or use ZeRO stage 1 or more",
+                False,
+            )
+        )
+    compile_section = ds.get("compile") or {}
+    if isinstance(compile_section, dict) and compile_section.get("deepcompile") is True:
+        problems.append(
+            ConfigProblem(
+                "compile.deepcompile",
+                f"DeepSpeed does not support caller-owned accumulation ({_MANAGED}: false) with "
+                f"DeepCompile: set compile.deepcompile to false, or remove {_MANAGED}",
+                True,
             )
         )
     return problems

@@ -12,6 +12,12 @@ Either way each micro-batch's mean loss is weighted by ``count × W / total`` (`
 or target tokens; ``total``: the global batch's over the ``W`` data-parallel ranks) and handed to
 DeepSpeed's ``backward(..., scale_wrt_gas=False)``; summed over the micro-batches and averaged over the
 ranks by DeepSpeed, that is exactly the mean gradient over the global batch (``weights.py``).
+
+Who ends the accumulation depends on the ds_config. By default (DeepSpeed's managed accumulation) the
+boundary is set explicitly before every pass and ``step()`` follows every pass (DeepSpeed updates only
+on the boundary). With ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.4) the caller owns
+the boundary: no boundary is set, and ``step()`` is called once, after the step's last pass
+(:meth:`StepPasses.step`). Both give the same update (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -73,15 +79,20 @@ class StepPasses:
         self.loss_sum = torch.zeros((), dtype=_FLOAT64, device=ds.device)
         self.last = len(micro) - 1
         self.scale = engine.world_size / total  # loss weight = count * W / total (weights.py)
+        # DeepSpeed 0.19.8 DeepSpeedEngine.managed_gradient_accumulation() (public): False when the
+        # config hands the boundary to the caller (every step() ends the accumulation).
+        self.caller_owned = not ds.managed_gradient_accumulation()
 
     def set_boundary(self, index: int) -> None:
         """Before micro-batch ``index``'s forward: whether its ``step()`` is the optimizer step.
 
         DeepSpeed 0.19.8 decides the boundary from ``micro_steps % GAS`` unless it is set explicitly; a
         GAS change with ``micro_steps`` not a multiple of the new GAS would fire early and mix
-        micro-batches of two steps. Setting it for every micro-batch avoids that.
+        micro-batches of two steps. Setting it for every micro-batch avoids that. Under caller-owned
+        accumulation there is no boundary to set (DeepSpeed refuses one): :meth:`step` ends it.
         """
-        self.ds.set_gradient_accumulation_boundary(index == self.last)
+        if not self.caller_owned:
+            self.ds.set_gradient_accumulation_boundary(index == self.last)
 
     def backward(self, index: int, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed's backward of micro-batch ``index``'s mean ``loss``, weighted for the exact mean."""
@@ -100,11 +111,22 @@ class StepPasses:
             self.loss_sum.add_(loss.detach(), alpha=count)
         return out
 
+    def step(self, index: int, lr_kwargs: Any = None) -> bool:
+        """DeepSpeed's ``step()`` after micro-batch ``index``'s backward; True when it was the optimizer
+        step. Managed accumulation: after every pass (a micro-step until the boundary set by
+        :meth:`set_boundary`). Caller-owned: only after the last pass, where it is the boundary
+        (reduction, update, LR step); the passes before it only accumulate."""
+        last = index == self.last
+        if last or not self.caller_owned:
+            self.ds.step(lr_kwargs=lr_kwargs)
+        return last
+
     def close(self) -> None:
         """After the last pass (or an error): the probe stopped, DeepSpeed's own boundary rule back."""
         if self.probe is not None:
             self.probe.stop()
-        self.ds.set_gradient_accumulation_boundary(None)
+        if not self.caller_owned:
+            self.ds.set_gradient_accumulation_boundary(None)
 
     def result(self) -> tuple[torch.Tensor, int, int, int, Measured | None]:
         """``(loss sum, tokens, real samples, total, noise sums)`` of the completed step."""

@@ -211,7 +211,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
                 passes.backward(i, self._micro_loss(_to_device(batch, device)))
                 if i == passes.last and armed:
                     recovery.begin_optimizer_step(self.global_steps)
-                ds.step()  # DeepSpeed updates only on the boundary
+                passes.step(i)  # DeepSpeed updates only on the boundary
         finally:
             passes.close()
         return passes.result()

@@ -251,7 +251,7 @@ class LoopMixin:
         if last and recovery.armed:
             recovery.begin_optimizer_step(self.global_steps)
         try:
-            self.deepspeed.step(lr_kwargs=lr_kwargs)
+            loop.passes.step(loop.current, lr_kwargs)
         except Exception as exc:
             self._loop_out_of_memory(loop, exc, "optimizer step" if last else "step")
             raise

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ...config import ConfigError, ConfigProblem, load_ds_config
+from ...config.parallel import caller_accumulation_problems
 from ...data.token_loader import TokenBudgetLoader
 from ...schedules import BatchSizeController
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
@@ -142,6 +143,9 @@ def initialize(
     loaded = load_ds_config(config)
     _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
     pipelined = is_pipeline_module(model)
+    schedule = loaded.adabatch.schedule
+    if problems := caller_accumulation_problems(loaded.deepspeed, pipelined=pipelined, schedule=schedule):
+        raise ConfigError(problems, loaded.source)
     # Lengths are validated (and an over-long sample named) before any process group starts.
     token_sampler = token_budget_sampler(loaded.adabatch, training_data, lengths, length_fn)
 

@@ -167,6 +167,15 @@ class OomAgreement:
         if failed:
             raise PeerOutOfMemory(failed)
 
+    def agree_before_step(self) -> None:
+        """The agreement of a pass that reaches the optimizer step without one (caller-owned
+        accumulation at ZeRO 0/1 reduces only inside ``step()``); nothing when this pass agreed already.
+
+        Raises:
+            PeerOutOfMemory: a rank ran out of memory in this pass.
+        """
+        self._before_collective()
+
     def report_oom(self, where: str, pass_index: int | None = None) -> list[int]:
         """This rank caught an OOM (in micro-batch ``pass_index`` of the step, when known); tell the
         others and return every rank that failed (:attr:`failed_passes` says where each failed).

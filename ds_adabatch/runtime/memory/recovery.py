@@ -167,7 +167,15 @@ class OomRecovery:
             return False, None, ranks
 
     def begin_optimizer_step(self, step: int) -> None:
-        """The step's last pass is done: an out-of-memory error from now on is the optimizer step's."""
+        """The step's last pass is done: an out-of-memory error from now on is the optimizer step's.
+
+        A last pass that issued no collective yet agrees here, before ``step()``: under caller-owned
+        accumulation (``managed_gradient_accumulation: false``) ZeRO 0 and 1 reduce inside DeepSpeed's
+        ``step()``, and a peer's failure must not be learned in there (DeepSpeed 0.19.8 leaves the engine
+        inside its step, a boundary for every later backward on this rank only). Under managed
+        accumulation the last pass always agreed already: nothing is exchanged."""
+        if self.agreement is not None:
+            self.agreement.agree_before_step()
         self.where = f"in the optimizer step of step {step}"
         self.pass_index = None
         self.in_optimizer_step = True
