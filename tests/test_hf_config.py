@@ -375,3 +375,22 @@ def test_the_sections_data_keys_win_over_training_arguments(tmp_path):
     trainer, rec = _trainer(tmp_path, args=args, adabatch_config=section, dataset=IndexRegression(22))
     trainer.train()
     assert sum(s["plan"][0] for s in rec.steps) == 20, "data.drop_last true: the 2-sample tail is skipped"
+
+
+def test_caller_owned_accumulation_is_refused_by_the_trainer(tmp_path):
+    # accelerate steps DeepSpeed after every backward: each micro-batch would be an update of its own.
+    from hf_worker import ds_config
+
+    from ds_adabatch.integrations.hf.config import read_trainer_section
+
+    section = {"schedule": {"type": "constant", "value": 4}, "max_micro_batch_per_gpu": 2}
+    config = {**ds_config(section), "managed_gradient_accumulation": False}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    for deepspeed in (config, str(path)):
+        with pytest.raises(ConfigError) as err:
+            read_trainer_section(None, deepspeed, has_scheduler=False)
+        assert set(err.value.paths) == {"managed_gradient_accumulation"}, str(err.value)
+        assert "remove the key" in str(err.value)
+    managed = {**config, "managed_gradient_accumulation": True}
+    assert read_trainer_section(None, managed, has_scheduler=False).config.schedule.value == 4

@@ -84,16 +84,23 @@ class TrainerSection:
         return self.loaded.with_world_size(world_size).adabatch
 
 
-def _has_section(deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None) -> bool:
-    if deepspeed is None or deepspeed is False:
-        return False
+def _deepspeed_dict(deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None) -> Mapping[str, Any]:
+    """The DeepSpeed config ``TrainingArguments(deepspeed=...)`` names; empty where there is none or it
+    is not a readable JSON object (transformers reports its own error for it)."""
+    if deepspeed is None or isinstance(deepspeed, bool):
+        return {}
     if isinstance(deepspeed, Mapping):
-        return "adabatch" in deepspeed
+        return deepspeed
     try:
         with open(deepspeed, encoding="utf-8") as f:
-            return "adabatch" in json.load(f)
+            loaded = json.load(f)
     except (OSError, ValueError, TypeError):
-        return False  # not a readable JSON file: transformers reports its own error for it
+        return {}
+    return loaded if isinstance(loaded, Mapping) else {}
+
+
+def _has_section(deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None) -> bool:
+    return "adabatch" in _deepspeed_dict(deepspeed)
 
 
 def read_trainer_section(
@@ -133,6 +140,17 @@ def read_trainer_section(
     problems = _problems(
         section, uses_deepspeed=bool(deepspeed), user_schedule=has_scheduler and not is_stand_in
     )
+    if _deepspeed_dict(deepspeed).get("managed_gradient_accumulation") is False:
+        # accelerate steps the DeepSpeed engine after every backward: with caller-owned accumulation
+        # each micro-batch would be an update of its own (docs/deepspeed.md).
+        problems.append(
+            ConfigProblem(
+                "managed_gradient_accumulation",
+                "the Trainer steps DeepSpeed after every micro-batch, so caller-owned accumulation would "
+                "make each micro-batch an optimizer step: remove the key from the DeepSpeed config",
+                False,
+            )
+        )
     if problems:
         raise ConfigError(problems, source=f"the adabatch section ({source})")
     return section
