@@ -274,6 +274,38 @@ class StepCore:
         self.last_loss, self.last_grad_norm = mean_loss, grad_norm
         self.loss_ema.update(mean_loss)
 
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the next decisions depend on: the scheduled batch, the override, the schedule's state,
+        the signals it reads and the learned micro-batch limit (global values, so a resume can
+        re-shard). The keys are those of the engine's checkpoint section (``checkpoint/run_state.py``)."""
+        noise = self.attach.noise
+        return {
+            "scheduled_batch": self.scheduled_batch,
+            "override": self.override,
+            "controller": self.controller.state_dict(),
+            "loss_ema": self.loss_ema.state_dict(),
+            "noise": None if noise is None else noise.state_dict(),
+            "last_loss": self.last_loss,
+            "last_grad_norm": self.last_grad_norm,
+            "memory": self.attach.memory.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output. ``scheduled_batch`` is left to the holder, which
+        re-plans a resume for its world size (``BatchSizeController.resume_batch``)."""
+        override = state["override"]
+        self.override = (int(override[0]), str(override[1])) if override else None
+        self.controller.load_state_dict(state["controller"])
+        self.loss_ema.load_state_dict(state["loss_ema"])
+        noise = self.attach.noise
+        if noise is not None and state.get("noise") is not None:
+            noise.load_state_dict(state["noise"])
+        self.last_loss = state["last_loss"]
+        self.last_grad_norm = state["last_grad_norm"]
+        if state.get("memory") is not None:  # checkpoints written before the memory section have none
+            self.attach.memory.load_state_dict(state["memory"])
+
 
 def plan_change(
     old: BatchPlan, new: BatchPlan, *, step: int, samples: int, lr_multiplier: float, reason: str
