@@ -8,7 +8,8 @@ The loop of DeepSpeed's getting-started tutorial runs unchanged over the loader 
         engine.backward(loss)              # weighted: count x W / total of the global batch
         engine.step()                      # the optimizer step after the plan's last micro-batch
 
-How it stays exact. The loader and the engine share one step in progress (:class:`LoopStep`). When the
+How it stays exact. The loader and the engine share one step in progress (:class:`LoopStep`, held by the
+engine's :class:`ForwardBackwardLoop`, ``engine.loop``). When the
 loader needs a new step it decides the plan (``engine.next_plan()``), takes the sampler's next global
 batch cut for this rank, and hands out its micro-batches one by one; before each it sets DeepSpeed's
 accumulation boundary explicitly (DeepSpeed's own ``micro_steps % GAS`` rule breaks when GAS changes).
