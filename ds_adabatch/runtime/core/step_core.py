@@ -37,6 +37,7 @@ from .step_times import NoStepTimes
 from .sync import StepSync
 
 __all__ = [
+    "CoreHolder",
     "Decision",
     "Progress",
     "StepAttachments",
@@ -326,6 +327,12 @@ def plan_change(
     )
 
 
+class CoreHolder(Protocol):
+    """What holds a step core (an engine, the Trainer's batch state)."""
+
+    core: StepCore
+
+
 class in_core(Generic[T]):  # noqa: N801 - used like ``property``
     """An attribute of a step core's holder that lives in its core (``holder.core.<same name>``):
     ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``."""
@@ -337,10 +344,10 @@ class in_core(Generic[T]):  # noqa: N801 - used like ``property``
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, holder: Any, owner: type | None = None) -> T:
+    def __get__(self, holder: CoreHolder | None, owner: type | None = None) -> T:
         if holder is None:
             return self  # type: ignore[return-value]  # the descriptor itself, on the class
         return getattr(holder.core, self.name)
 
-    def __set__(self, holder: Any, value: T) -> None:
+    def __set__(self, holder: CoreHolder, value: T) -> None:
         setattr(holder.core, self.name, value)

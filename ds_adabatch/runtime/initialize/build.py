@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ...config.loader import LoadedConfig
     from ...config.parallel import ParallelLayout
     from ...data import ElasticDataLoader
+    from ...data.tokens import TokenBudgetSampler
 
 __all__ = ["initialize", "refuse_replaced_deepspeed_initialize"]
 
@@ -353,7 +354,12 @@ def _deepspeed_initialize(deepspeed: Any, **kwargs: Any) -> tuple[Any, Any, Any,
 
 
 def _build_loader(
-    cfg: AdaBatchConfig, training_data: Any, token_sampler: Any, rank: int, world: int, collate_fn: Any
+    cfg: AdaBatchConfig,
+    training_data: Any,
+    token_sampler: TokenBudgetSampler | None,
+    rank: int,
+    world: int,
+    collate_fn: Callable | None,
 ) -> ElasticDataLoader | TokenBudgetLoader | None:
     """This data-parallel rank's loader (every process of a replica builds the same one)."""
     if token_sampler is not None:
