@@ -27,7 +27,7 @@ import ds_adabatch
 CUMULATIVE = {
     "deepspeed/runtime/engine.py": ("forward", "backward", "step"),
     "ds_adabatch/runtime/engine/data_parallel.py": ("train_batch", "_take_step_batch", "_complete_step"),
-    "ds_adabatch/runtime/engine/loop.py": ("__next__", "_begin_loop_step", "backward", "step"),
+    "ds_adabatch/runtime/engine/loop.py": ("__next__", "begin_step", "backward", "step"),
     "ds_adabatch/runtime/core/passes.py": ("__init__", "backward"),
 }
 

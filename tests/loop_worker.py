@@ -160,7 +160,7 @@ def phase_exact(args) -> None:
     engine, _, loader, _ = ds_adabatch.initialize(net, ref_config(2), data)
 
     def save_inside_a_step(engine, i) -> bool:
-        if (engine.global_steps, engine._loop.current) == SAVE_AT:
+        if (engine.global_steps, engine.loop.in_progress.current) == SAVE_AT:
             boundary = engine.is_gradient_accumulation_boundary()
             engine.save_checkpoint(os.path.join(args.out, "ckpt"))
             write(args.out, "saved", {"boundary": boundary, "gas": engine.plan.gradient_accumulation_steps})

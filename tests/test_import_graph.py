@@ -307,3 +307,13 @@ def test_no_production_module_imports_the_testing_helpers():
     testing = f"{PACKAGE}.testing"
     importers = sorted(m for m, edges in graph.items() if testing in edges and m != testing)
     assert importers == [], f"production modules import {testing}: {importers}"
+
+
+def test_the_architecture_page_lists_the_runtime_layers_in_order():
+    # docs/architecture.md's table of runtime/ names every capability, lowest first, as RUNTIME_LAYERS does.
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## `runtime/` by capability", 1)
+    assert len(section) == 2, "docs/architecture.md has no section '`runtime/` by capability'"
+    rows = [line for line in section[1].splitlines() if line.startswith("| `")]
+    listed = [row.split("`")[1].removesuffix("/").removesuffix(".py") for row in rows]
+    assert listed == RUNTIME_LAYERS, f"the page lists {listed}, the import-graph test {RUNTIME_LAYERS}"

@@ -135,6 +135,35 @@ def test_every_entry_point_decides_through_the_core():
         assert users == ["runtime/core/step_core.py"], f"{name} is used outside the step core: {users}"
 
 
+def test_the_core_state_continues_in_a_fresh_core():
+    """What the next decisions read (override, signals, schedule state, learned limit) round-trips."""
+    section = {"type": "loss_plateau", "start": 8}
+    core, _ = core_for(section)
+    core.set_override(24, "manual")
+    core.decide(0)  # agrees the override
+    core.signals_resolved(2.5, 1.25)
+    core.signals_resolved(2.0, None)
+    core.attach.memory.on_oom(4)
+    state = core.state_dict()
+    fresh, _ = core_for(section)
+    fresh.load_state_dict(state)
+    assert fresh.override == (24, "manual") and fresh.state_dict() == {**state, "scheduled_batch": 8}, (
+        "a fresh core loaded from state_dict() must hold the same state (the holder re-plans the batch)"
+    )
+    assert (fresh.last_loss, fresh.last_grad_norm, fresh.loss_ema.value) == (2.0, None, core.loss_ema.value)
+    assert fresh.attach.memory.limit == core.attach.memory.limit < 4, "the learned limit was not restored"
+
+
+def test_the_engines_hold_their_parts_instead_of_mixing_them_in():
+    from ds_adabatch.runtime.engine.base import AdaptiveEngineBase
+    from ds_adabatch.runtime.engine.data_parallel import AdaptiveBatchEngine
+    from ds_adabatch.runtime.pipeline.engine import AdaptivePipelineEngine
+
+    for engine in (AdaptiveBatchEngine, AdaptivePipelineEngine):
+        bases = [c.__name__ for c in engine.__mro__[1:-1]]
+        assert bases == [AdaptiveEngineBase.__name__], f"{engine.__name__} mixes in {bases}"
+
+
 def test_the_allocator_counters_read_off_an_accelerator_are_the_stand_ins():
     class Counters:
         def max_memory_allocated(self) -> int:

@@ -178,7 +178,7 @@ def main():
             loss = outputs.loss
             model.backward(loss)
             model.step()
-            if model.last_step_batch is not None and model._loop is None:  # test instrumentation
+            if model.last_step_batch is not None and model.loop.in_progress is None:  # test instrumentation
                 ledger.append(model.last_step_batch.global_batch.all_indices())
         perplexity, eval_loss = evaluation(model, eval_dataloader)
         print(f"epoch {epoch}: ppl: {perplexity}, loss: {eval_loss}, steps {model.global_steps}", flush=True)

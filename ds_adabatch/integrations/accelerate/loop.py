@@ -84,9 +84,8 @@ class AdaptiveTrainDataLoader:
 
     def _mark_boundary(self) -> None:
         """Make accelerate's next ``accumulate()`` say ``sync_gradients`` exactly on the plan's boundary."""
-        loop = (
-            self.engine._loop
-        )  # the step in progress (runtime/engine/loop.py): its micro-batch just handed out
+        loop = self.engine.loop.in_progress  # the step in progress (runtime/engine/loop.py): its
+        # micro-batch just handed out
         index, count = loop.current, len(loop.micro)
         last = index == loop.last
         accelerator, state = self.accelerator, self.accelerator.gradient_state
@@ -113,7 +112,7 @@ class PlanBackward:
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
         engine = self.engine
-        loop = engine._loop
+        loop = engine.loop.in_progress
         if loop is None or loop.current is None:
             raise RuntimeError(
                 "accelerator.backward() needs a micro-batch from the training dataloader that "

@@ -37,6 +37,7 @@ from .step_times import NoStepTimes
 from .sync import StepSync
 
 __all__ = [
+    "CoreHolder",
     "Decision",
     "Progress",
     "StepAttachments",
@@ -274,6 +275,38 @@ class StepCore:
         self.last_loss, self.last_grad_norm = mean_loss, grad_norm
         self.loss_ema.update(mean_loss)
 
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the next decisions depend on: the scheduled batch, the override, the schedule's state,
+        the signals it reads and the learned micro-batch limit (global values, so a resume can
+        re-shard). The keys are those of the engine's checkpoint section (``checkpoint/run_state.py``)."""
+        noise = self.attach.noise
+        return {
+            "scheduled_batch": self.scheduled_batch,
+            "override": self.override,
+            "controller": self.controller.state_dict(),
+            "loss_ema": self.loss_ema.state_dict(),
+            "noise": None if noise is None else noise.state_dict(),
+            "last_loss": self.last_loss,
+            "last_grad_norm": self.last_grad_norm,
+            "memory": self.attach.memory.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output. ``scheduled_batch`` is left to the holder, which
+        re-plans a resume for its world size (``BatchSizeController.resume_batch``)."""
+        override = state["override"]
+        self.override = (int(override[0]), str(override[1])) if override else None
+        self.controller.load_state_dict(state["controller"])
+        self.loss_ema.load_state_dict(state["loss_ema"])
+        noise = self.attach.noise
+        if noise is not None and state.get("noise") is not None:
+            noise.load_state_dict(state["noise"])
+        self.last_loss = state["last_loss"]
+        self.last_grad_norm = state["last_grad_norm"]
+        if state.get("memory") is not None:  # checkpoints written before the memory section have none
+            self.attach.memory.load_state_dict(state["memory"])
+
 
 def plan_change(
     old: BatchPlan, new: BatchPlan, *, step: int, samples: int, lr_multiplier: float, reason: str
@@ -294,6 +327,12 @@ def plan_change(
     )
 
 
+class CoreHolder(Protocol):
+    """What holds a step core (an engine, the Trainer's batch state)."""
+
+    core: StepCore
+
+
 class in_core(Generic[T]):  # noqa: N801 - used like ``property``
     """An attribute of a step core's holder that lives in its core (``holder.core.<same name>``):
     ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``."""
@@ -305,10 +344,10 @@ class in_core(Generic[T]):  # noqa: N801 - used like ``property``
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, holder: Any, owner: type | None = None) -> T:
+    def __get__(self, holder: CoreHolder | None, owner: type | None = None) -> T:
         if holder is None:
             return self  # type: ignore[return-value]  # the descriptor itself, on the class
         return getattr(holder.core, self.name)
 
-    def __set__(self, holder: Any, value: T) -> None:
+    def __set__(self, holder: CoreHolder, value: T) -> None:
         setattr(holder.core, self.name, value)

@@ -26,15 +26,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ...config.schedules import measures_noise
-from ...plan import BatchPlan, plan_batch
+from ...plan import BatchPlan, PlanError, plan_batch
 from ...schedules import BatchSizeController
 from ...signals import EmaLoss, GradientNoiseEstimator
-from ..checkpoint.save_load import CheckpointMixin
+from ..checkpoint.save_load import EngineCheckpoints, HostSnapshots
 from ..core.batch_shape import apply_plan_to_engine
 from ..core.loss import StepLoss
 from ..core.lr import BatchCoupledLR
@@ -42,18 +42,35 @@ from ..core.metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_c
 from ..core.step_core import Progress, StepAttachments, StepCore, in_core, plan_change
 from ..core.step_times import step_times_for
 from ..core.sync import StepSync
-from ..memory.recovery import OomRecovery
+from ..memory.recovery import engine_oom_recovery
 from ..noise.adam_geometry import measured_geometry
 
-__all__ = ["AdaptiveEngineBase"]
+if TYPE_CHECKING:
+    from ...config.loader import LoadedConfig
+    from ...data.loader import ElasticDataLoader, StepBatch
+    from ...data.token_loader import TokenBudgetLoader
+
+__all__ = ["AdaptiveEngineBase", "LiveStepRecovery"]
 
 logger = logging.getLogger("ds_adabatch")
 
 
-class AdaptiveEngineBase(CheckpointMixin):
+class LiveStepRecovery(HostSnapshots, Protocol):
+    """Live recovery as an engine holds it (``live.recovery.LiveRecovery``, a layer above)."""
+
+    events: list[dict[str, Any]]
+    """The recoveries of this process so far (``engine.live_events``)."""
+
+    def run_step(self, step: Callable[[], StepLoss]) -> StepLoss: ...
+
+    def close(self) -> None: ...
+
+
+class AdaptiveEngineBase:
     """The state and step machinery of an adaptive-batch engine (see the module docstring).
 
     Subclasses run the passes of a step (``train_batch``) and may override :meth:`_apply_shape`.
+    Checkpoints are written and read by the engine's :class:`EngineCheckpoints` (``checkpoints``).
 
     Args:
         ds_engine: the DeepSpeed engine to drive.
@@ -69,9 +86,9 @@ class AdaptiveEngineBase(CheckpointMixin):
     """
 
     _plan_unit = "rank"  # what a plan's world size counts, in log lines
-    # Live elasticity (live_recovery.py): the recovery armed on this engine, or why it is off; the extra
-    # fields the first step after a recovery writes into its record.
-    _live_recovery: Any = None
+    # Live elasticity (live/recovery.py): the recovery armed on this engine, or why it is off; the extra
+    # fields the next step writes into its record (extend_next_record).
+    _live_recovery: LiveStepRecovery | None = None
     _live_off: str = "off:config"
     _record_extra: dict[str, float] | None = None
 
@@ -79,10 +96,10 @@ class AdaptiveEngineBase(CheckpointMixin):
         self,
         ds_engine: Any,
         *,
-        loaded_config: Any,
+        loaded_config: LoadedConfig,
         controller: BatchSizeController,
         lr: BatchCoupledLR,
-        dataloader: Any = None,
+        dataloader: ElasticDataLoader | TokenBudgetLoader | None = None,
         loss_fn: Callable[..., Any] | None = None,
         token_count_fn: Callable[[Any], int] | None = None,
         world_size: int,
@@ -114,7 +131,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         self.global_tokens = 0
         self.history: list[PlanChange] = []
         self._decided_step: int | None = None  # the step whose plan next_plan() already applied
-        self.last_step_batch: Any = None
+        self.last_step_batch: StepBatch | None = None
         self.last_metrics: StepMetrics | None = None
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
@@ -125,8 +142,14 @@ class AdaptiveEngineBase(CheckpointMixin):
             controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
         )
         # The learned micro-batch limit, and the out-of-memory recovery when armed (recovery.py).
-        self.memory_recovery = self._oom_recovery(
-            ds_engine, recovers_from_oom, agreement_world or world_size, model_communicates
+        # Every process joins the agreement (a tensor rank that fails leaves its peers waiting too).
+        self.memory_recovery, self._oom_off = engine_oom_recovery(
+            ds_engine,
+            cfg,
+            rank=self.rank,
+            agreement_world=agreement_world or world_size,
+            model_communicates=model_communicates,
+            recovers_from_oom=recovers_from_oom,
         )
         # The decision of every step (step_core.py), with the features that ride on it attached.
         self.core = StepCore(
@@ -145,36 +168,9 @@ class AdaptiveEngineBase(CheckpointMixin):
             resolve_losses=self.resolve_losses,  # overridden by the pipeline engine (its own losses)
         )
         self._step_ooms = 0
+        # save_checkpoint / load_checkpoint and the adabatch section they carry (checkpoint/).
+        self.checkpoints = EngineCheckpoints(self, data_state=self._data_state)
         self._apply_plan(self.plan, reason="initial plan", record=False)
-
-    def _oom_recovery(
-        self, ds_engine: Any, recovers_from_oom: bool, agreement_world: int, model_communicates: bool
-    ) -> OomRecovery:
-        """The out-of-memory recovery of this engine (its reason to be off in ``_oom_off``). Every
-        process joins the agreement (a tensor rank that fails leaves its peers waiting too)."""
-        cfg = self.config
-        memory_cfg = cfg
-        self._oom_off = None if cfg.memory.recover_from_oom else "config"  # why it is off, if it is
-        if not recovers_from_oom:
-            if self._oom_off is None and self.rank == 0:
-                # On by default everywhere else: say so once, loudly (the JSONL says it every step).
-                logger.warning(
-                    "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
-                    "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
-                    "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
-                    "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
-                )
-            self._oom_off = self._oom_off or "pipeline"
-            memory_cfg = cfg.model_copy(
-                update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
-            )
-        return OomRecovery(
-            ds_engine,
-            memory_cfg,
-            rank=self.rank,
-            world_size=agreement_world,
-            model_communicates=model_communicates,
-        )
 
     # ---------------------------------------------------------------------------------------------
     # Delegation
@@ -191,10 +187,15 @@ class AdaptiveEngineBase(CheckpointMixin):
 
     # ---------------------------------------------------------------------------------------------
     # The DeepSpeed engine this engine drives, and its replacement after a live recovery
-    def attach_live(self, recovery: Any, off: str | None) -> None:
+    def attach_live(self, recovery: LiveStepRecovery | None, off: str | None) -> None:
         """Arm live recovery (``recovery``), or record why it is off (``off``: ``"off:<why>"``)."""
         self._live_recovery = recovery
         self._live_off = "off:config" if off is None else off
+        self.checkpoints.live = recovery  # a checkpoint load never goes back behind its snapshots
+
+    def extend_next_record(self, extra: dict[str, float]) -> None:
+        """Fields the next step writes into its metrics record (``extra``), with any noted before."""
+        self._record_extra = {**(self._record_extra or {}), **extra}
 
     def release_deepspeed(self) -> None:
         """Let go of the DeepSpeed engine and of what is bound to its process groups (their world failed
@@ -225,7 +226,7 @@ class AdaptiveEngineBase(CheckpointMixin):
         """
         live, off = self._live_recovery, self._live_off
         type(self).__init__(self, ds_engine, **parts)
-        self._live_recovery, self._live_off = live, off
+        self.attach_live(live, off)
 
     # ---------------------------------------------------------------------------------------------
     # Public state
@@ -353,6 +354,74 @@ class AdaptiveEngineBase(CheckpointMixin):
         self._sync.reduce()
 
     # ---------------------------------------------------------------------------------------------
+    # Checkpoints (checkpoint/save_load.py writes and reads them; checkpoint/run_state.py the section)
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        *,
+        keep_last: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
+
+        Call on every rank, as with DeepSpeed. The checkpoint becomes visible to ``load_checkpoint``
+        (and DeepSpeed's ``latest`` file points at it) only after every rank finished writing: a rank
+        that dies mid-save leaves the previous checkpoint as the one a resume loads. ``keep_last=K``
+        then deletes all but the newest K complete checkpoints (and their converted copies). Each rank
+        records the size and CRC-32 of every file it wrote, and the checkpoint's completion record holds
+        them all (its manifest), so that a load can tell a damaged file.
+        """
+        return self.checkpoints.save(save_dir, tag, client_state, keep_last=keep_last, **kwargs)
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, *, elastic: bool = True, **kwargs: Any
+    ) -> tuple[str | None, dict]:
+        """DeepSpeed's ``load_checkpoint``, then the adabatch state; returns ``(path, client_state)``.
+
+        Without ``tag`` the newest *complete* checkpoint in ``load_dir`` is loaded (``(None, {})``
+        when there is none). On another data-parallel size the sample stream continues where it
+        stopped and the global batch is re-planned; for ZeRO 1-3 the checkpoint is first converted to
+        DeepSpeed's universal format (once, on rank 0; cached as ``<tag>_universal`` and reused) unless
+        ``elastic=False``, which raises instead. The client state returned excludes the adabatch entry.
+
+        Before DeepSpeed reads anything, the ranks check the checkpoint's files against its manifest
+        (sizes everywhere, each file's CRC-32 on one rank). Without ``tag``, a damaged newest checkpoint
+        is skipped for the newest one that verifies (one warning on rank 0 names the file and the step
+        resumed from; the path returned is that checkpoint's); when none verifies, or the ``tag`` named
+        does not, :class:`~ds_adabatch.CheckpointCorrupt` is raised on every rank and nothing is loaded.
+        A checkpoint saved before manifests existed loads unverified (said once).
+        """
+        self._before_load()
+        return self.checkpoints.load(load_dir, tag, elastic=elastic, **kwargs)
+
+    def adabatch_state_dict(self) -> dict[str, Any]:
+        """The adabatch part of a checkpoint (global counts only, so a resume can re-shard)."""
+        return self.checkpoints.run_state.state_dict()
+
+    def load_adabatch_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`adabatch_state_dict`'s output: counts, schedule, loader cursor, signals;
+        the global batch re-planned for this world size."""
+        batch = self.checkpoints.run_state.load_state_dict(state)
+        try:
+            plan = self.core.plan_for(batch)
+        except PlanError as err:  # pragma: no cover - rounding above guarantees a plan
+            raise ValueError(f"cannot resume: {err}") from err
+        self.core.scheduled_batch = batch
+        self._decided_step = None
+        self._apply_plan(plan, reason="resume", record=False)
+        self.deepspeed.global_samples = self.global_samples
+        self.lr_coupling.set_samples(self.global_samples)
+
+    def _before_load(self) -> None:
+        """What must happen before a checkpoint is loaded (the data-parallel engine's loop)."""
+
+    def _data_state(self) -> Any:
+        """The loader's state a checkpoint saves."""
+        return None if self.dataloader is None else self.dataloader.state_dict()
+
+    # ---------------------------------------------------------------------------------------------
     # Batch-size decisions (step_core.py decides; the engine applies)
     def _progress(self) -> Progress:
         lrs = self.lr_coupling.get_lr()
@@ -386,9 +455,6 @@ class AdaptiveEngineBase(CheckpointMixin):
             if memory_reason is not None and decision.batch == self.plan.global_batch_size:
                 reason = memory_reason
             self._apply_plan(plan, reason=reason, record=record)
-
-    def _plan_for(self, batch: int) -> BatchPlan:
-        return self.core.plan_for(batch)
 
     def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,15 +34,20 @@ from ..core.passes import StepPasses
 from ..memory.recovery import replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
 from ..noise.probe import NoiseCadence, NoiseProbe, update_estimator
 from .base import AdaptiveEngineBase
-from .loop import LoopMixin
+from .loop import ForwardBackwardLoop, LoopStepHooks
+
+if TYPE_CHECKING:
+    from ...data.loader import StepBatch
 
 __all__ = ["AdaptiveBatchEngine"]
 
 
-class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
+class AdaptiveBatchEngine(AdaptiveEngineBase):
     """A DeepSpeed engine whose global batch follows the ``"adabatch"`` schedule.
 
-    Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step.
+    Build it with :func:`ds_adabatch.initialize`. Call :meth:`train_batch` once per optimizer step, or
+    run DeepSpeed's forward / backward / step loop over the loader ``initialize`` returns (the engine's
+    :class:`~ds_adabatch.runtime.engine.loop.ForwardBackwardLoop`, ``loop``).
     """
 
     def __init__(self, ds_engine: Any, **kwargs: Any) -> None:
@@ -52,6 +57,62 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         self._probe: NoiseProbe | None = None
         self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
         self._by_token = self.config.loss_normalization == "token"
+        # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps.
+        self.loop = ForwardBackwardLoop(
+            self,
+            LoopStepHooks(open=self._open_loop_step, passes=self._loop_passes, complete=self._complete_step),
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # The forward / backward / step loop (loop.py runs it; these are DeepSpeed's names for it)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped engine's forward; inside a loop step an out-of-memory error is recorded for the
+        restart (``loop.py``)."""
+        return self.loop.forward(*args, **kwargs)
+
+    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        """DeepSpeed's ``backward`` for the micro-batch the loader handed out last, weighted so the step's
+        update is the exact mean over its global batch (``scale_wrt_gas`` is ignored: the weight
+        replaces DeepSpeed's ``1 / GAS``). ``loss`` is the mean over the micro-batch (a criterion's
+        default ``reduction="mean"``); for a pad it is weighted 0."""
+        return self.loop.backward(loss, retain_graph=retain_graph)
+
+    def step(self, lr_kwargs: Any = None) -> None:
+        """DeepSpeed's ``step`` for the micro-batch handed out last: the optimizer step after the plan's
+        last micro-batch, a micro-step otherwise. After the optimizer step the step is counted and
+        recorded, and the next plan takes effect at the loader's next micro-batch."""
+        self.loop.step(lr_kwargs=lr_kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the micro-batch handed out last (or, between micro-batches, the next one) ends the
+        optimizer step. Between optimizer steps the next plan is not decided yet: True when the current
+        plan has one micro-batch per step."""
+        return self.loop.is_boundary()
+
+    def _before_load(self) -> None:
+        self.loop.before_load()  # refused inside a loop step (its partial gradients)
+
+    def _data_state(self) -> Any:
+        """The loader's state; inside a step of the loop, as it was before that step (a resume trains the
+        step again from its start; partial gradients are not saved)."""
+        if self.loop.in_progress is not None:
+            return self.loop.data_state()
+        return super()._data_state()
+
+    def _open_loop_step(self) -> tuple[StepBatch, dict[str, Any], bool]:
+        """A loop step begins: its plan decided, the loader's state before it, its global batch taken."""
+        self._step_times.step_started()
+        self.next_plan()
+        data_state = self.dataloader.state_dict()
+        measure = self._should_measure_noise(from_loader=True)
+        return self._take_step_batch(split=measure), data_state, measure
+
+    def _loop_passes(
+        self, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
+    ) -> StepPasses:
+        """The passes of a loop step, at its first micro-batch."""
+        self._step_ooms = 0
+        return StepPasses(self, micro, total_samples, measure)
 
     # ---------------------------------------------------------------------------------------------
     # One optimizer step
@@ -73,7 +134,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
         loop by ``engine.global_steps`` / ``global_samples``, which may go back by up to
         ``snapshot_every`` steps across such a call.
         """
-        if self._loop is not None:
+        if self.loop.in_progress is not None:
             raise RuntimeError(
                 "train_batch() while the forward / backward / step loop is inside an optimizer step: "
                 "finish that step (engine.step() after its last micro-batch) or use one way of stepping"
@@ -123,7 +184,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             results = self._forward_backward(micro, total_samples, measure)
         return self._complete_step(step, started, lr_used, results)
 
-    def _take_step_batch(self, split: bool = False) -> Any:
+    def _take_step_batch(self, split: bool = False) -> StepBatch:
         """The sampler's next global batch for the plan, cut for this rank (the epoch tail re-planned).
 
         ``split``: a noise measurement is due; where the step is one pass in total it is cut into two
@@ -142,7 +203,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             self.last_step_batch = step_batch
         return step_batch
 
-    def _complete_step(self, step: int, started: float, lr_used: float, results: tuple) -> StepLoss:
+    def _complete_step(self, step: int, started: float, lr_used: float, results: tuple[Any, ...]) -> StepLoss:
         """Account a step whose passes ran (``StepPasses.result()``): counts, signals, its record, its loss."""
         loss_sum, tokens, total_samples, total, probe_sums = results
         sync = self._sync
@@ -156,7 +217,7 @@ class AdaptiveBatchEngine(LoopMixin, AdaptiveEngineBase):
             self._apply_plan(split, reason="noise measurement", record=False)
         self._finish_step(total_samples, tokens, count_memory=split is None)
         if split is not None:
-            self._record_extra = {**(self._record_extra or {}), "noise_split_passes": 2.0}
+            self.extend_next_record({"noise_split_passes": 2.0})
         # The previous step's measurement: its all-reduce (issued below, one step ago) has overlapped
         # this step's work, and it reaches the schedule before the next decision.
         sync.complete()

@@ -8,7 +8,8 @@ The loop of DeepSpeed's getting-started tutorial runs unchanged over the loader 
         engine.backward(loss)              # weighted: count x W / total of the global batch
         engine.step()                      # the optimizer step after the plan's last micro-batch
 
-How it stays exact. The loader and the engine share one step in progress (:class:`LoopStep`). When the
+How it stays exact. The loader and the engine share one step in progress (:class:`LoopStep`, held by the
+engine's :class:`ForwardBackwardLoop`, ``engine.loop``). When the
 loader needs a new step it decides the plan (``engine.next_plan()``), takes the sampler's next global
 batch cut for this rank, and hands out its micro-batches one by one; before each it sets DeepSpeed's
 accumulation boundary explicitly (DeepSpeed's own ``micro_steps % GAS`` rule breaks when GAS changes).
@@ -36,20 +37,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.passes import StepPasses
 from ..memory.oom import UnrecoverableOutOfMemory, is_out_of_memory
 from ..memory.recovery import optimizer_step_oom
 
-__all__ = ["LoopDataLoader", "LoopMixin", "LoopStep"]
+if TYPE_CHECKING:
+    from ...data.loader import StepBatch
+    from ...plan import BatchPlan
+    from ..core.loss import StepLoss
+    from ..core.lr import BatchCoupledLR
+    from ..memory.recovery import OomRecovery
+
+__all__ = ["ForwardBackwardLoop", "LoopDataLoader", "LoopEngine", "LoopHolder", "LoopStep", "LoopStepHooks"]
 
 
 class LoopStep:
     """The optimizer step the forward / backward / step loop is in (one per step)."""
 
-    def __init__(self, step_batch: Any, data_state: Any, started: float, step: int) -> None:
+    def __init__(self, step_batch: StepBatch, data_state: dict[str, Any], started: float, step: int) -> None:
         self.step_batch = step_batch
         self.micro = [(m.batch, m.num_samples) for m in step_batch.micro_batches]
         self.epoch = step_batch.epoch
@@ -68,15 +77,24 @@ class LoopStep:
         return len(self.micro) - 1
 
 
+class LoopHolder(Protocol):
+    """The engine a :class:`LoopDataLoader` hands micro-batches for: its loop and its current loader
+    (both rebuilt after a live recovery, so they are read at every use)."""
+
+    loop: ForwardBackwardLoop
+    dataloader: Any
+    plan: BatchPlan
+
+
 class LoopDataLoader:
     """The loader ``initialize(..., training_data=...)`` returns: iterate it for the forward / backward /
     step loop (see the module docstring). Everything else is the engine's current
     :class:`~ds_adabatch.data.ElasticDataLoader` (``next_step``, ``sampler``, ``state_dict``, ...): after a
     live recovery rebuilt it for the smaller world, this object reads the new one."""
 
-    engine: Any = None  # a class default, so __getattr__ never runs for it
+    engine: LoopHolder | None = None  # a class default, so __getattr__ never runs for it
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: LoopHolder) -> None:
         self.engine = engine
 
     @property
@@ -96,7 +114,7 @@ class LoopDataLoader:
         sampler = getattr(loader, "sampler", None)
         if sampler is None or not hasattr(sampler, "position"):
             raise TypeError("the length of an IterableDataset's stream is unknown")
-        loop = engine._loop
+        loop = engine.loop.in_progress
         left = sampler.num_samples - sampler.position
         if left == 0 or sampler.train_coverage >= 1.0:
             left = sampler.num_samples
@@ -114,7 +132,7 @@ class LoopDataLoader:
 class _EpochIterator:
     """One epoch of this rank's micro-batches (one ``for`` over :class:`LoopDataLoader`)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: LoopHolder) -> None:
         self.engine = engine
         self.epoch: int | None = None  # the epoch this iteration hands out
 
@@ -123,7 +141,8 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         engine = self.engine
-        loop = engine._loop
+        steps = engine.loop
+        loop = steps.in_progress
         if loop is not None and loop.current is not None:
             raise RuntimeError(
                 "the loader's next micro-batch was asked for before engine.step() of the previous one: "
@@ -132,13 +151,13 @@ class _EpochIterator:
         if loop is None or loop.next_index > loop.last:
             if self.epoch is not None and _epoch_complete(engine.dataloader):
                 raise StopIteration
-            loop = engine._begin_loop_step()
+            loop = steps.begin_step()
         if self.epoch is None:
             self.epoch = loop.epoch
         elif loop.epoch != self.epoch and loop.next_index == 0:
             # A batch of the next epoch (after a drop_last remainder): it opens the next iteration.
             raise StopIteration
-        return engine._hand_out(loop)
+        return steps.hand_out(loop)
 
 
 def _epoch_complete(loader: Any) -> bool:
@@ -147,84 +166,129 @@ def _epoch_complete(loader: Any) -> bool:
     return coverage is not None and coverage >= 1.0
 
 
-class LoopMixin:
-    """``backward``, ``step`` and ``is_gradient_accumulation_boundary`` of the loop (mixed into the
-    data-parallel engine); see the module docstring."""
+class LoopEngine(Protocol):
+    """What the loop reads from the data-parallel engine it runs in (its public state)."""
 
-    _loop: LoopStep | None = None
+    deepspeed: Any
+    """The DeepSpeed engine: its forward, ``step``, ``global_rank``."""
+    plan: BatchPlan
+    global_steps: int
+    token_budget: bool
+    memory_recovery: OomRecovery
+    lr_coupling: BatchCoupledLR
+
+
+@dataclass(frozen=True)
+class LoopStepHooks:
+    """The engine's parts of a loop step, in the order the loop reaches them."""
+
+    open: Callable[[], tuple[StepBatch, dict[str, Any], bool]]
+    """Start a step: decide its plan, take its global batch; returns ``(step batch, the loader's state
+    before it, whether it measures the noise scale)``."""
+    passes: Callable[[list[tuple[Any, int]], int | None, bool], StepPasses]
+    """The step's passes (``StepPasses``), at its first micro-batch: ``(micro-batches, total samples,
+    measure)``."""
+    complete: Callable[[int, float, float, tuple[Any, ...]], StepLoss]
+    """Account the step whose optimizer step ran: ``(step, started, LR used, StepPasses.result())``."""
+
+
+class ForwardBackwardLoop:
+    """The forward / backward / step loop of one data-parallel engine (see the module docstring): the
+    step in progress, and ``forward``, ``backward``, ``step`` and the boundary as the engine's methods
+    of the same names call them."""
+
+    def __init__(self, engine: LoopEngine, hooks: LoopStepHooks) -> None:
+        self.engine = engine
+        self.hooks = hooks
+        self.in_progress: LoopStep | None = None
+        """The optimizer step the loop is in (None between steps)."""
 
     # -- the loader's side ---------------------------------------------------------------------------
-    def _begin_loop_step(self) -> LoopStep:
+    def begin_step(self) -> LoopStep:
         """Decide the next plan, take its global batch and make it the step in progress."""
         started = time.perf_counter()
-        self._step_times.step_started()
-        self.next_plan()
-        data_state = self.dataloader.state_dict()
-        measure = self._should_measure_noise(from_loader=True)
-        step_batch = self._take_step_batch(split=measure)
-        loop = LoopStep(step_batch, data_state, started, self.global_steps)
+        step_batch, data_state, measure = self.hooks.open()
+        loop = LoopStep(step_batch, data_state, started, self.engine.global_steps)
         loop.measure = measure
-        self._loop = loop
+        self.in_progress = loop
         return loop
 
-    def _hand_out(self, loop: LoopStep) -> Any:
+    def hand_out(self, loop: LoopStep) -> Any:
+        """Micro-batch ``loop.next_index`` of the step, its boundary set."""
+        engine = self.engine
         index = loop.next_index
         if loop.passes is None:  # the step's totals, its LR samples and its probe, at its first pass
-            self._step_ooms = 0
-            measure = loop.measure
-            loop.lr_used = self.lr_coupling.get_lr()[0]
+            loop.lr_used = engine.lr_coupling.get_lr()[0]
             global_batch = loop.step_batch.global_batch
             total = global_batch.size if global_batch is not None else None
-            loop.passes = StepPasses(self, loop.micro, total, measure)
-        recovery = self.memory_recovery
+            loop.passes = self.hooks.passes(loop.micro, total, loop.measure)
+        recovery = engine.memory_recovery
         if recovery.armed:
-            recovery.begin_pass(f"in micro-batch {index} of step {self.global_steps}", index=index)
+            recovery.begin_pass(f"in micro-batch {index} of step {engine.global_steps}", index=index)
         loop.passes.set_boundary(index)
         loop.current, loop.next_index, loop.backward_done = index, index + 1, False
         return loop.micro[index][0]
 
+    def data_state(self) -> dict[str, Any] | None:
+        """The loader's state before the step in progress (a resume trains it again), or None
+        between steps."""
+        return None if self.in_progress is None else self.in_progress.data_state
+
+    def before_load(self) -> None:
+        """A checkpoint is about to be loaded: refused inside a step; a step taken but not started is
+        dropped (the loaded cursor replaces it)."""
+        loop = self.in_progress
+        if loop is None:
+            return
+        if loop.passes is not None:
+            raise RuntimeError(
+                "load_checkpoint() inside an optimizer step of the forward / backward / step loop: "
+                "its partial gradients would be mixed into the loaded state; load before the loop or "
+                "after the engine.step() that ends a step (engine.is_gradient_accumulation_boundary())"
+            )
+        self.in_progress = None
+
     # -- the engine's side ---------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped engine's forward; inside a loop step an out-of-memory error is recorded for the
-        restart (module docstring)."""
-        loop = self._loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped engine's forward; inside a loop step an out-of-memory error is recorded."""
+        ds = self.engine.deepspeed
+        loop = self.in_progress
         if loop is None or loop.current is None:
-            return self.deepspeed(*args, **kwargs)
+            return ds(*args, **kwargs)
         try:
-            return self.deepspeed(*args, **kwargs)
+            return ds(*args, **kwargs)
         except Exception as exc:
-            self._loop_out_of_memory(loop, exc, "forward")
+            self._out_of_memory(loop, exc, "forward")
             raise
 
-    def _loop_out_of_memory(self, loop: LoopStep, exc: Exception, phase: str) -> None:
+    def _out_of_memory(self, loop: LoopStep, exc: Exception, phase: str) -> None:
         """Raise :class:`UnrecoverableOutOfMemory` for an out-of-memory ``exc`` in the loop, recorded."""
         if not is_out_of_memory(exc) or isinstance(exc, UnrecoverableOutOfMemory):
             return
+        engine = self.engine
+        rank = engine.deepspeed.global_rank
         index = loop.current if loop.current is not None else loop.last
         if phase == "optimizer step":
-            where = f"in the optimizer step of step {self.global_steps}"
-            raise optimizer_step_oom(self.deepspeed, self.global_rank, where) from exc
-        where = f"in the {phase} of micro-batch {index} of step {self.global_steps}"
+            where = f"in the optimizer step of step {engine.global_steps}"
+            raise optimizer_step_oom(engine.deepspeed, rank, where) from exc
+        where = f"in the {phase} of micro-batch {index} of step {engine.global_steps}"
         error = UnrecoverableOutOfMemory(
-            f"out of memory on rank {self.global_rank} {where} (forward / backward / step loop): the loop's "
+            f"out of memory on rank {rank} {where} (forward / backward / step loop): the loop's "
             "passes run in your code, so the step cannot be re-planned in place as engine.train_batch() "
             "does"
         )
-        recovery = self.memory_recovery
+        recovery = engine.memory_recovery
         recovery.where = where
         predictor = recovery.predictor
         size = predictor.pass_size if predictor is not None else None  # the limit's unit
-        if not size and not self.token_budget:
+        if not size and not engine.token_budget:
             size = loop.micro[index][1]
         recovery.records.record(error, recovery.memory.key, size or recovery.memory.limit, where=where)
         raise error from exc
 
-    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
-        """DeepSpeed's ``backward`` for the micro-batch the loader handed out last, weighted so the step's
-        update is the exact mean over its global batch (``scale_wrt_gas`` is ignored: the weight
-        replaces DeepSpeed's ``1 / GAS``). ``loss`` is the mean over the micro-batch (a criterion's
-        default ``reduction="mean"``); for a pad it is weighted 0."""
-        loop = self._current_loop("backward")
+    def backward(self, loss: Any, retain_graph: bool = False) -> Any:
+        """The engine's ``backward`` (its docstring): the handed-out micro-batch's weighted backward."""
+        loop = self._current("backward")
         if loop.backward_done:
             raise RuntimeError(
                 "engine.backward() was called twice for one micro-batch: call engine.step() after it"
@@ -232,49 +296,47 @@ class LoopMixin:
         try:
             out = loop.passes.backward(loop.current, loss, retain_graph=retain_graph)
         except Exception as exc:
-            self._loop_out_of_memory(loop, exc, "backward")
+            self._out_of_memory(loop, exc, "backward")
             raise
         loop.backward_done = True
         return out
 
     def step(self, lr_kwargs: Any = None) -> None:
-        """DeepSpeed's ``step`` for the micro-batch handed out last: the optimizer step after the plan's
-        last micro-batch, a micro-step otherwise. After the optimizer step the step is counted and
-        recorded, and the next plan takes effect at the loader's next micro-batch."""
-        loop = self._current_loop("step")
+        """The engine's ``step`` (its docstring): DeepSpeed's step; after the last micro-batch the
+        optimizer step, counted and recorded."""
+        engine = self.engine
+        loop = self._current("step")
         if not loop.backward_done:
             raise RuntimeError(
                 "engine.step() before engine.backward() of the micro-batch: call backward first"
             )
         last = loop.current == loop.last
-        recovery = self.memory_recovery
+        recovery = engine.memory_recovery
         if last and recovery.armed:
-            recovery.begin_optimizer_step(self.global_steps)
+            recovery.begin_optimizer_step(engine.global_steps)
         try:
             loop.passes.step(loop.current, lr_kwargs)
         except Exception as exc:
-            self._loop_out_of_memory(loop, exc, "optimizer step" if last else "step")
+            self._out_of_memory(loop, exc, "optimizer step" if last else "step")
             raise
         loop.current = None
         if not last:
             return
         passes = loop.passes
         passes.close()
-        self._loop = None
-        self._complete_step(loop.step, loop.started, loop.lr_used, passes.result())
+        self.in_progress = None
+        self.hooks.complete(loop.step, loop.started, loop.lr_used, passes.result())
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the micro-batch handed out last (or, between micro-batches, the next one) ends the
-        optimizer step. Between optimizer steps the next plan is not decided yet: True when the current
-        plan has one micro-batch per step."""
-        loop = self._loop
+    def is_boundary(self) -> bool:
+        """The engine's ``is_gradient_accumulation_boundary`` (its docstring)."""
+        loop = self.in_progress
         if loop is None:
-            return self.plan.gradient_accumulation_steps == 1
+            return self.engine.plan.gradient_accumulation_steps == 1
         index = loop.current if loop.current is not None else loop.next_index
         return index == loop.last
 
-    def _current_loop(self, verb: str) -> LoopStep:
-        loop = self._loop
+    def _current(self, verb: str) -> LoopStep:
+        loop = self.in_progress
         if loop is None or loop.current is None:
             raise RuntimeError(
                 f"engine.{verb}() needs a micro-batch from the loader ds_adabatch.initialize returned: "

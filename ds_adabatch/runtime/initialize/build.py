@@ -7,13 +7,13 @@ import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...config import ConfigError, ConfigProblem, load_ds_config
 from ...config.parallel import caller_accumulation_problems
-from ...data.token_loader import TokenBudgetLoader
+from ...data.loader_setup import build_rank_loader
 from ...schedules import BatchSizeController
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
 from ..core.weights import make_token_counter, pipeline_token_count
@@ -23,9 +23,17 @@ from ..engine.data_parallel import AdaptiveBatchEngine
 from ..engine.loop import LoopDataLoader
 from ..live.recovery import CurrentOptimizer, attach_live_recovery, prepare_live_world
 from ..pipeline.engine import AdaptivePipelineEngine
-from .arguments import resolve_call
+from .arguments import InitializeCall, resolve_call
 from .layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
 from .tokens import token_budget_sampler
+
+if TYPE_CHECKING:
+    from ...config import AdaBatchConfig
+    from ...config.loader import LoadedConfig
+    from ...config.parallel import ParallelLayout
+    from ...data import ElasticDataLoader
+    from ...data.token_loader import TokenBudgetLoader
+    from ...data.tokens import TokenBudgetSampler
 
 __all__ = ["initialize", "refuse_replaced_deepspeed_initialize"]
 
@@ -136,115 +144,113 @@ def initialize(
         config=config,
         config_params=config_params,
     )
-    model, training_data, collate_fn = call.model, call.training_data, call.collate_fn
-    model_parameters, optimizer, lr_scheduler = call.model_parameters, call.optimizer, call.lr_scheduler
-    deepspeed_kwargs.update(call.deepspeed_kwargs)
-    config = call.config
-    loaded = load_ds_config(config)
-    _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, deepspeed_kwargs)
-    pipelined = is_pipeline_module(model)
-    schedule = loaded.adabatch.schedule
-    if problems := caller_accumulation_problems(loaded.deepspeed, pipelined=pipelined, schedule=schedule):
-        raise ConfigError(problems, loaded.source)
-    # Lengths are validated (and an over-long sample named) before any process group starts.
-    token_sampler = token_budget_sampler(loaded.adabatch, training_data, lengths, length_fn)
-
-    import deepspeed
-    import deepspeed.comm as dist
-
-    if not dist.is_initialized():
-        _check_deepspeed_sections(loaded)
-
-    live = loaded.adabatch.live_elastic
-    _init_distributed(deepspeed, dist, deepspeed_kwargs, live)
-    world_live, live_off = prepare_live_world(
-        live,
-        pipelined=pipelined,
-        mpu=deepspeed_kwargs.get("mpu"),
-        training_data=training_data,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+    builder = _EngineBuilder(
+        call,
+        loss_fn=loss_fn,
+        token_count_fn=token_count_fn,
+        lengths=lengths,
+        length_fn=length_fn,
+        deepspeed_kwargs=deepspeed_kwargs,
     )
+    return builder.initialize()
 
-    def build(into: AdaptiveBatchEngine | None = None) -> AdaptiveBatchEngine | AdaptivePipelineEngine:
+
+class _EngineBuilder:
+    """One ``initialize`` call, checked, with the process group up: builds the engine, and builds it
+    again ``into`` the same engine after a live recovery (live/recovery.py calls :meth:`build`)."""
+
+    def __init__(
+        self,
+        call: InitializeCall,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        token_count_fn: Callable[[Any], int] | None,
+        lengths: Any,
+        length_fn: Callable[[Any], int] | None,
+        deepspeed_kwargs: dict[str, Any],
+    ) -> None:
+        self.call = call
+        self.model, self.training_data, self.collate_fn = call.model, call.training_data, call.collate_fn
+        self.model_parameters, self.optimizer = call.model_parameters, call.optimizer
+        self.lr_scheduler = call.lr_scheduler
+        self.loss_fn, self.token_count_fn = loss_fn, token_count_fn
+        self.lengths, self.length_fn = lengths, length_fn
+        deepspeed_kwargs.update(call.deepspeed_kwargs)
+        self.deepspeed_kwargs = deepspeed_kwargs
+        self.loaded = loaded = load_ds_config(call.config)
+        _check_arguments(
+            self.model, self.training_data, loss_fn, self.collate_fn, token_count_fn, deepspeed_kwargs
+        )
+        self.pipelined = is_pipeline_module(self.model)
+        schedule = loaded.adabatch.schedule
+        if problems := caller_accumulation_problems(
+            loaded.deepspeed, pipelined=self.pipelined, schedule=schedule
+        ):
+            raise ConfigError(problems, loaded.source)
+        # Lengths are validated (and an over-long sample named) before any process group starts.
+        self.token_sampler = token_budget_sampler(loaded.adabatch, self.training_data, lengths, length_fn)
+
+        import deepspeed
+        import deepspeed.comm as dist
+
+        self.deepspeed, self.dist = deepspeed, dist
+        if not dist.is_initialized():
+            _check_deepspeed_sections(loaded)
+        self.live = live = loaded.adabatch.live_elastic
+        _init_distributed(deepspeed, dist, deepspeed_kwargs, live)
+        self.world_live, self.live_off = prepare_live_world(
+            live,
+            pipelined=self.pipelined,
+            mpu=deepspeed_kwargs.get("mpu"),
+            training_data=self.training_data,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+        )
+
+    def initialize(self) -> tuple[AdaptiveBatchEngine | AdaptivePipelineEngine, Any, Any, Any]:
+        """The engine, its live recovery armed, and what ``initialize`` returns with it."""
+        engine = self.build()
+        attach_live_recovery(
+            engine, self.live, self.world_live, self.live_off, self.model, lambda: self.build(into=engine)
+        )
+        loader = engine.dataloader
+        if loader is not None and not self.pipelined:
+            # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
+            loader = LoopDataLoader(engine)
+        # With live recovery the DeepSpeed engine (and its optimizer) is rebuilt after a loss: the
+        # script's optimizer is then a handle on the current one (live_recovery.py).
+        returned = CurrentOptimizer(engine) if engine.live_elastic == "on" else engine.deepspeed.optimizer
+        return engine, returned, loader, engine.lr_coupling
+
+    def build(self, into: AdaptiveBatchEngine | None = None) -> AdaptiveBatchEngine | AdaptivePipelineEngine:
         """Everything from the process group on. After a live recovery (live_recovery.py) it runs again
         on the new world ``into`` the engine the script holds, which keeps its LR wrapper and loader."""
-        layout = parallel_layout(model, deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank())
-        if pipelined:
-            pipeline_problems(model, loaded, training_data, loss_fn, deepspeed_kwargs, layout)
-        else:
-            problems = model_parallel_problems(loaded, layout)
-            if problems:
-                raise ConfigError(problems, loaded.source)
-        world, rank = layout.data_parallel_size, layout.data_parallel_rank
-        planned = loaded.with_world_size(world)
+        layout, planned = self._plan_world()
         cfg = planned.adabatch
-        _configure_logging(dist.get_rank())
-
+        world, rank = layout.data_parallel_size, layout.data_parallel_rank
+        _configure_logging(self.dist.get_rank())
         controller = BatchSizeController(cfg, world_size=world)
         sampler = (
-            token_sampler if into is None else token_budget_sampler(cfg, training_data, lengths, length_fn)
+            self.token_sampler
+            if into is None
+            else token_budget_sampler(cfg, self.training_data, self.lengths, self.length_fn)
         )
-        dataloader = _build_loader(cfg, training_data, sampler, rank, world, collate_fn)
-
-        if world_live is not None:
-            world_live.seed_deepspeed_group()  # before DeepSpeed clones the world (live_world.py)
-        ds_engine, _, _, ds_scheduler = _deepspeed_initialize(
-            deepspeed,
-            args=call.deepspeed_args,
-            model=model,
-            model_parameters=model_parameters if model_parameters is not None else model.parameters(),
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            config=planned.deepspeed,
-            **deepspeed_kwargs,
-        )
-        call.report_local_rank(ds_engine.local_rank)
-        if ds_engine.optimizer is None:
-            raise ConfigError.single(
-                "optimizer",
-                'training needs an optimizer: add an "optimizer" section or pass optimizer=',
-                None,
-            )
-        reference = cfg.lr_scaling.reference_batch or planned.plan.global_batch_size
-        if into is None:
-            coupled = BatchCoupledLR(
-                ds_engine.optimizer,
-                ds_scheduler,
-                unit=cfg.lr_schedule_unit,
-                reference_batch=reference,
-                rule=cfg.lr_scaling.rule,
-            )
-        else:
-            coupled = into.lr_coupling
-            coupled.rebind(ds_engine.optimizer, ds_scheduler, reference_batch=reference)
-        # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
-        # state_dict; the coupled wrapper takes that slot so both go through it.
-        ds_engine.lr_scheduler = coupled
-        bind = getattr(controller.schedule, "bind_base_lr", None)
-        if callable(bind):  # LR-aware schedules (seesaw) read the scheduler's unscaled LR
-            bind(CurrentBaseLR(coupled))
-
-        # Token-budget steps count the clock's tokens from the lengths; only a token loss needs a counter.
-        keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
-        needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
-        count_fn = token_count_fn
-        if needs_tokens and count_fn is None:
-            count_fn = pipeline_token_count if pipelined else make_token_counter(model)
+        dataloader = _build_loader(cfg, self.training_data, sampler, rank, world, self.collate_fn)
+        ds_engine, ds_scheduler = self._deepspeed_engine(planned)
+        coupled = _couple_lr(ds_engine, ds_scheduler, planned, controller, into)
         common = {
             "loaded_config": planned,
             "controller": controller,
             "lr": coupled,
             "dataloader": dataloader,
-            "token_count_fn": count_fn,
-            "agreement_world": dist.get_world_size(),
+            "token_count_fn": self._token_count_fn(cfg, controller),
+            "agreement_world": self.dist.get_world_size(),
         }
-        if pipelined:
-            return AdaptivePipelineEngine(
-                ds_engine, loss_fn=loss_fn if loss_fn is not None else model.loss_fn, **common
-            )
+        if self.pipelined:
+            loss_fn = self.loss_fn if self.loss_fn is not None else self.model.loss_fn
+            return AdaptivePipelineEngine(ds_engine, loss_fn=loss_fn, **common)
         data_parallel = {
-            "loss_fn": loss_fn,
+            "loss_fn": self.loss_fn,
             "world_size": world,
             # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
             "counts_here": layout.tensor_parallel_rank == 0,
@@ -257,16 +263,84 @@ def initialize(
             return into
         return AdaptiveBatchEngine(ds_engine, **data_parallel)
 
-    engine = build()
-    attach_live_recovery(engine, live, world_live, live_off, model, lambda: build(into=engine))
-    loader = engine.dataloader
-    if loader is not None and not pipelined:
-        # The forward / backward / step loop iterates it (loop.py); train_batch reads the same stream.
-        loader = LoopDataLoader(engine)
-    # With live recovery the DeepSpeed engine (and its optimizer) is rebuilt after a loss: the script's
-    # optimizer is then a handle on the current one (live_recovery.py).
-    returned = CurrentOptimizer(engine) if engine.live_elastic == "on" else engine.deepspeed.optimizer
-    return engine, returned, loader, engine.lr_coupling
+    def _plan_world(self) -> tuple[ParallelLayout, LoadedConfig]:
+        """The parallel layout of this world (checked) and the config planned for its data-parallel size."""
+        model, loaded, dist = self.model, self.loaded, self.dist
+        layout = parallel_layout(
+            model, self.deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank()
+        )
+        if self.pipelined:
+            pipeline_problems(model, loaded, self.training_data, self.loss_fn, self.deepspeed_kwargs, layout)
+        else:
+            problems = model_parallel_problems(loaded, layout)
+            if problems:
+                raise ConfigError(problems, loaded.source)
+        return layout, loaded.with_world_size(layout.data_parallel_size)
+
+    def _deepspeed_engine(self, planned: LoadedConfig) -> tuple[Any, Any]:
+        """DeepSpeed's engine and LR scheduler for the planned config (an optimizer is required)."""
+        if self.world_live is not None:
+            self.world_live.seed_deepspeed_group()  # before DeepSpeed clones the world (live_world.py)
+        model, model_parameters = self.model, self.model_parameters
+        ds_engine, _, _, ds_scheduler = _deepspeed_initialize(
+            self.deepspeed,
+            args=self.call.deepspeed_args,
+            model=model,
+            model_parameters=model_parameters if model_parameters is not None else model.parameters(),
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            config=planned.deepspeed,
+            **self.deepspeed_kwargs,
+        )
+        self.call.report_local_rank(ds_engine.local_rank)
+        if ds_engine.optimizer is None:
+            raise ConfigError.single(
+                "optimizer",
+                'training needs an optimizer: add an "optimizer" section or pass optimizer=',
+                None,
+            )
+        return ds_engine, ds_scheduler
+
+    def _token_count_fn(
+        self, cfg: AdaBatchConfig, controller: BatchSizeController
+    ) -> Callable[[Any], int] | None:
+        """The target-token counter: the user's, or a default where the run counts tokens."""
+        # Token-budget steps count the clock's tokens from the lengths; only a token loss needs a counter.
+        keyed_on_tokens = "tokens" in controller.schedule.requires and not cfg.token_budget
+        needs_tokens = cfg.loss_normalization == "token" or keyed_on_tokens
+        if needs_tokens and self.token_count_fn is None:
+            return pipeline_token_count if self.pipelined else make_token_counter(self.model)
+        return self.token_count_fn
+
+
+def _couple_lr(
+    ds_engine: Any,
+    ds_scheduler: Any,
+    planned: LoadedConfig,
+    controller: BatchSizeController,
+    into: AdaptiveBatchEngine | None,
+) -> BatchCoupledLR:
+    """The LR coupling on DeepSpeed's optimizer and scheduler: new, or the engine's rebound (a rebuild)."""
+    cfg = planned.adabatch
+    reference = cfg.lr_scaling.reference_batch or planned.plan.global_batch_size
+    if into is None:
+        coupled = BatchCoupledLR(
+            ds_engine.optimizer,
+            ds_scheduler,
+            unit=cfg.lr_schedule_unit,
+            reference_batch=reference,
+            rule=cfg.lr_scaling.rule,
+        )
+    else:
+        coupled = into.lr_coupling
+        coupled.rebind(ds_engine.optimizer, ds_scheduler, reference_batch=reference)
+    # DeepSpeed 0.19.8 steps engine.lr_scheduler once per applied optimizer step and checkpoints its
+    # state_dict; the coupled wrapper takes that slot so both go through it.
+    ds_engine.lr_scheduler = coupled
+    bind = getattr(controller.schedule, "bind_base_lr", None)
+    if callable(bind):  # LR-aware schedules (seesaw) read the scheduler's unscaled LR
+        bind(CurrentBaseLR(coupled))
+    return coupled
 
 
 def refuse_replaced_deepspeed_initialize(current: Any) -> None:
@@ -287,34 +361,21 @@ def _deepspeed_initialize(deepspeed: Any, **kwargs: Any) -> tuple[Any, Any, Any,
 
 
 def _build_loader(
-    cfg: Any, training_data: Any, token_sampler: Any, rank: int, world: int, collate_fn: Any
-) -> Any:
+    cfg: AdaBatchConfig,
+    training_data: Any,
+    token_sampler: TokenBudgetSampler | None,
+    rank: int,
+    world: int,
+    collate_fn: Callable | None,
+) -> ElasticDataLoader | TokenBudgetLoader | None:
     """This data-parallel rank's loader (every process of a replica builds the same one)."""
-    if token_sampler is not None:
-        return TokenBudgetLoader(
-            training_data,
-            token_sampler,
-            rank=rank,
-            world_size=world,
-            collate_fn=collate_fn,
-            num_workers=cfg.data.num_workers,
-        )
-    if training_data is None:
-        return None
-    from ...data import ElasticDataLoader, ElasticSampler
-
-    sampler = None
-    if not isinstance(training_data, torch.utils.data.IterableDataset):
-        sampler = ElasticSampler(
-            len(training_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last
-        )
-    return ElasticDataLoader(
+    return build_rank_loader(
         training_data,
-        sampler,
+        cfg.data,
+        token_sampler=token_sampler,
         rank=rank,
         world_size=world,
         collate_fn=collate_fn,
-        num_workers=cfg.data.num_workers,
     )
 
 
@@ -352,7 +413,7 @@ _DS_SECTIONS = {
 }
 
 
-def _check_deepspeed_sections(loaded: Any) -> None:
+def _check_deepspeed_sections(loaded: LoadedConfig) -> None:
     """Let DeepSpeed validate its own sections now, before a process group exists.
 
     ``deepspeed.runtime.config.DeepSpeedConfig`` (0.19.8) parses every section without a process group;

@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -48,6 +48,13 @@ from .snapshot import (
 from .units import Assembled
 from .world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
 from .zero3 import full_shapes, unpartition_model
+
+if TYPE_CHECKING:
+    from ...config.live import LiveElasticConfig
+    from ...plan import BatchPlan
+    from ..core.loss import StepLoss
+    from ..engine.data_parallel import AdaptiveBatchEngine
+    from ..pipeline.engine import AdaptivePipelineEngine
 
 __all__ = [
     "LiveRecovery",
@@ -106,7 +113,13 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 def prepare_live_world(
-    live: Any, *, pipelined: bool, mpu: Any, training_data: Any, optimizer: Any, lr_scheduler: Any
+    live: LiveElasticConfig,
+    *,
+    pipelined: bool,
+    mpu: Any,
+    training_data: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
 ) -> tuple[LiveWorld | None, str | None]:
     """The live world for an engine about to be built, or None and why live recovery is off.
 
@@ -151,8 +164,8 @@ def prepare_live_world(
 
 
 def attach_live_recovery(
-    engine: Any,
-    live: Any,
+    engine: AdaptiveBatchEngine | AdaptivePipelineEngine,
+    live: LiveElasticConfig,
     world: LiveWorld | None,
     off: str | None,
     model: torch.nn.Module,
@@ -186,7 +199,7 @@ class CurrentOptimizer:
     ``zero_grad()``) keeps this handle, which reads and calls whatever optimizer the engine drives now.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: AdaptiveBatchEngine) -> None:
         object.__setattr__(self, "_engine", engine)
 
     @property
@@ -274,7 +287,12 @@ class LiveRecovery:
     """The step wrapper and the recovery of one process (see the module docstring)."""
 
     def __init__(
-        self, engine: Any, live: Any, world: LiveWorld, model: torch.nn.Module, rebuild: Callable[[], Any]
+        self,
+        engine: AdaptiveBatchEngine,
+        live: LiveElasticConfig,
+        world: LiveWorld,
+        model: torch.nn.Module,
+        rebuild: Callable[[], AdaptiveBatchEngine],
     ) -> None:
         self.engine = engine
         self.cfg = live
@@ -349,7 +367,7 @@ class LiveRecovery:
         self._cadence.snapshot_taken(self.engine.global_steps, time.perf_counter() - started, self._group)
 
     # ---------------------------------------------------------------------------------------------
-    def run_step(self, step: Callable[[], Any]) -> Any:
+    def run_step(self, step: Callable[[], StepLoss]) -> StepLoss:
         """Run one optimizer step; on a lost peer recover and run the step again on the new world."""
         while True:
             failure = None
@@ -404,49 +422,20 @@ class LiveRecovery:
             )
 
     def _recover(self, failure: str, detected: float, failed_step: int) -> None:
-        engine = self.engine
-        old_size, old_plan = self.world.size, engine.plan
+        """Recover from ``failure`` (detected at ``detected``, in step ``failed_step``): the new world
+        formed, the engine rebuilt on it and restored from the snapshot; the recovery recorded."""
+        old_size, old_plan = self.world.size, self.engine.plan
         phases: dict[str, float] = {}
-        mark = time.monotonic()
-
-        def phase(name: str) -> None:
-            nonlocal mark
-            now = time.monotonic()
-            phases[name] = now - mark
-            mark = now
-
         try:
-            if self.shrinks >= self.cfg.max_shrinks:
-                raise LiveRecoveryFailed(
-                    f"{self.shrinks} live recoveries already (adabatch.live_elastic.max_shrinks)"
-                )
-            self._release_failed_world()
-            phase("teardown_s")
-            # Every process alive (a transient network failure, a peer slower than the timeout): the
-            # same members form the next generation, and the job goes on from the snapshot as after a
-            # loss (max_shrinks bounds a failure that keeps coming back).
-            members, lost = self.world.agree_on_survivors()
-            self.world.form(members)
-            self._group = self._host_group()
-            phase("reform_s")
-            state = assemble(self.root, self.world.job_id, self.shapes, self._group)
-            if self.zero3:
-                unpartition_model(self.model, state)
-            phase("assemble_s")
-            self.rebuild()  # the same engine object, driving a DeepSpeed engine of the new world
-            phase("rebuild_s")
-            self._load(state)
-            self._new_snapshots()
-            phase("restore_s")
+            state, lost = self._rebuild_on_survivors(phases)
         except LiveRecoveryFailed as err:
             self._fail(str(err), failure)
         except (NoCompleteSnapshot, StoreLost, LeftOut, TimeoutError) as err:
             self._fail(str(err), failure)
         self.shrinks += 1
         redo = failed_step - 1 - state.step
-        kind = "shrink" if lost else "reform"
         event = {
-            "kind": kind,
+            "kind": "shrink" if lost else "reform",
             "failed_step": failed_step,
             "rolled_back_to": state.step,
             "steps_redone": redo,
@@ -458,11 +447,53 @@ class LiveRecovery:
         }
         self.events.append(event)
         self._first_step_after = (detected, event)
-        plan = engine.plan
+        self._record_recovery(event, old_plan, phases)
+        if self.engine.rank == 0:
+            self._log_recovery(event, failure, phases)
+
+    def _rebuild_on_survivors(self, phases: dict[str, float]) -> tuple[Assembled, list[int]]:
+        """Tear down, agree on the survivors, re-form, assemble the snapshot, rebuild and restore; each
+        phase's seconds into ``phases``. Returns the assembled state and the lost processes."""
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = now - mark
+            mark = now
+
+        if self.shrinks >= self.cfg.max_shrinks:
+            raise LiveRecoveryFailed(
+                f"{self.shrinks} live recoveries already (adabatch.live_elastic.max_shrinks)"
+            )
+        self._release_failed_world()
+        phase("teardown_s")
+        # Every process alive (a transient network failure, a peer slower than the timeout): the
+        # same members form the next generation, and the job goes on from the snapshot as after a
+        # loss (max_shrinks bounds a failure that keeps coming back).
+        members, lost = self.world.agree_on_survivors()
+        self.world.form(members)
+        self._group = self._host_group()
+        phase("reform_s")
+        state = assemble(self.root, self.world.job_id, self.shapes, self._group)
+        if self.zero3:
+            unpartition_model(self.model, state)
+        phase("assemble_s")
+        self.rebuild()  # the same engine object, driving a DeepSpeed engine of the new world
+        phase("rebuild_s")
+        self._load(state)
+        self._new_snapshots()
+        phase("restore_s")
+        return state, lost
+
+    def _record_recovery(self, event: dict[str, Any], old_plan: BatchPlan, phases: dict[str, float]) -> None:
+        """The recovery in the engine's plan history and in the next step's metrics record."""
+        engine = self.engine
+        lost, old_size = event["lost"], event["old_world_size"]
         engine.history.append(
             plan_change(
                 old_plan,
-                plan,
+                engine.plan,
                 step=engine.global_steps,
                 samples=engine.global_samples,
                 lr_multiplier=engine.lr_coupling.multiplier,
@@ -473,32 +504,36 @@ class LiveRecovery:
                 ),
             )
         )
-        engine._record_extra = {
-            "live_shrink_world_size": float(self.world.size),
-            "live_steps_redone": float(redo),
-            **{f"live_{k}": float(v) for k, v in phases.items()},
-            "live_recovery_s": float(event["recovery_s"]),
-        }
-        if engine.rank == 0:
-            logger.warning(
-                "live %s: lost process(es) %s in step %d (%s); %d -> %d ranks, rolled back to step %d "
-                "(%d step(s) to train again), global batch %d = %d ranks x micro %d x GAS %d; %s",
-                kind,
-                lost,
-                failed_step,
-                failure,
-                old_size,
-                self.world.size,
-                state.step,
-                redo,
-                plan.global_batch_size,
-                plan.world_size,
-                plan.micro_batch_per_gpu,
-                plan.gradient_accumulation_steps,
-                " ".join(f"{k}={v:.3f}" for k, v in {**phases, "recovery_s": event["recovery_s"]}.items()),
-            )
+        engine.extend_next_record(
+            {
+                "live_shrink_world_size": float(self.world.size),
+                "live_steps_redone": float(event["steps_redone"]),
+                **{f"live_{k}": float(v) for k, v in phases.items()},
+                "live_recovery_s": float(event["recovery_s"]),
+            }
+        )
 
-    def _fail(self, why: str, failure: str) -> None:
+    def _log_recovery(self, event: dict[str, Any], failure: str, phases: dict[str, float]) -> None:
+        plan = self.engine.plan
+        logger.warning(
+            "live %s: lost process(es) %s in step %d (%s); %d -> %d ranks, rolled back to step %d "
+            "(%d step(s) to train again), global batch %d = %d ranks x micro %d x GAS %d; %s",
+            event["kind"],
+            event["lost"],
+            event["failed_step"],
+            failure,
+            event["old_world_size"],
+            self.world.size,
+            event["rolled_back_to"],
+            event["steps_redone"],
+            plan.global_batch_size,
+            plan.world_size,
+            plan.micro_batch_per_gpu,
+            plan.gradient_accumulation_steps,
+            " ".join(f"{k}={v:.3f}" for k, v in {**phases, "recovery_s": event["recovery_s"]}.items()),
+        )
+
+    def _fail(self, why: str, failure: str) -> NoReturn:
         logger.error(
             "live recovery not possible, taking the restart path (exit, torchrun restarts the workers, "
             "resume from the last complete checkpoint): %s; the failure was %s",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -43,7 +43,17 @@ from .oom import (
 )
 from .predictor import PeakPredictor
 
-__all__ = ["OomRecovery", "memory_for", "optimizer_step_oom", "replan_after_oom", "resplit_micro_batches"]
+if TYPE_CHECKING:
+    from ...config import AdaBatchConfig
+
+__all__ = [
+    "OomRecovery",
+    "engine_oom_recovery",
+    "memory_for",
+    "optimizer_step_oom",
+    "replan_after_oom",
+    "resplit_micro_batches",
+]
 
 logger = logging.getLogger("ds_adabatch")
 T = TypeVar("T")
@@ -389,3 +399,36 @@ def _empty_cache() -> None:
         get_accelerator().empty_cache()
     except Exception:  # pragma: no cover - a CPU accelerator without a cache
         pass
+
+
+def engine_oom_recovery(
+    ds_engine: Any,
+    cfg: AdaBatchConfig,
+    *,
+    rank: int,
+    agreement_world: int,
+    model_communicates: bool,
+    recovers_from_oom: bool = True,
+) -> tuple[OomRecovery, str | None]:
+    """An adaptive engine's out-of-memory recovery over ``ds_engine``, and why it is off (``"config"``,
+    ``"pipeline"``) or None. ``recovers_from_oom`` False: the engine's passes cannot be recovered (the
+    pipeline's), whatever ``memory.recover_from_oom`` (``cfg``, the ``"adabatch"`` section) says."""
+    off = None if cfg.memory.recover_from_oom else "config"
+    memory_cfg = cfg
+    if not recovers_from_oom:
+        if off is None and rank == 0:
+            # On by default everywhere else: say so once, loudly (the JSONL says it every step).
+            logger.warning(
+                "out-of-memory recovery is off under pipeline parallelism (a stage that fails "
+                "mid-schedule leaves its neighbours blocked in point-to-point transfers): an "
+                "out-of-memory error ends the job. Size max_micro_batch_per_gpu to fit, and set "
+                "adabatch.memory.recover_from_oom to false to acknowledge it and silence this line"
+            )
+        off = off or "pipeline"
+        memory_cfg = cfg.model_copy(
+            update={"memory": cfg.memory.model_copy(update={"recover_from_oom": False})}
+        )
+    recovery = OomRecovery(
+        ds_engine, memory_cfg, rank=rank, world_size=agreement_world, model_communicates=model_communicates
+    )
+    return recovery, off

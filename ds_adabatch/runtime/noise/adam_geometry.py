@@ -114,81 +114,19 @@ def _dp_group_world(group: Any) -> int:
 def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     """The units of the engine's optimizer and the process group its partitions span, or why not.
 
-    Read from DeepSpeed 0.19.8's optimizer wrappers; each branch names the fields it relies on.
+    Read from DeepSpeed 0.19.8's optimizer wrappers; each reader names the fields it relies on.
     """
     opt = ds_engine.optimizer
     if hasattr(opt, "fp32_partitioned_groups_flat"):
-        # ZeRO 3 (stage3.py DeepSpeedZeroOptimizer_Stage3): sub-group s keeps one fp32 flat,
-        # fp32_partitioned_groups_flat[s], the concatenation of its parameters' own partitions
-        # (fp16_groups[s] order, partition_numel() each). Parameter p is split into equal pieces of
-        # partition_numel() elements, rank r holding piece r (_partition_param).
-        if getattr(opt, "swap_optimizer", False) or getattr(opt, "backup_optimizer", None) is not None:
-            return "ZeRO-3 NVMe or partial optimizer offload keeps part of the state out of reach"
-        units, pg = [], None
-        for s, params in enumerate(opt.fp16_groups):
-            key = opt.fp32_partitioned_groups_flat[s]
-            group = basic.param_groups[opt.sub_group_to_group_id[s]]
-            offset = 0
-            for p in params:
-                size = int(p.partition_numel())
-                p_group = internals.param_partition_group(opt, p)
-                if pg is None:
-                    pg = p_group
-                elif p_group is not pg:
-                    return "ZeRO-3 parameters are partitioned over different process groups"
-                units.append(_Unit(key, group, offset, size, [(p, 0)], True))
-                offset += size
-        return units, pg
+        return _zero3_units(opt, basic)
     if hasattr(opt, "single_partition_of_fp32_groups"):
-        # ZeRO 1-2 (stage_1_and_2.py DeepSpeedZeroOptimizer): group i's parameters are views into
-        # bit16_groups_flat[i] at round_robin_bit16_offsets[i] (round_robin_bit16_groups[i] order); rank r
-        # owns elements [r, r + 1) x partition_size[i], whose fp32 copy single_partition_of_fp32_groups[i]
-        # the inner optimizer steps.
-        units, pg = [], None
-        for i, key in enumerate(opt.single_partition_of_fp32_groups):
-            group = _group_of(basic, key)
-            p_group = opt.real_dp_process_group[i]
-            if group is None or (pg is not None and p_group is not pg):
-                return "ZeRO 1-2 groups differ from the optimizer's or span different process groups"
-            pg = p_group
-            members = list(zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]))
-            units.append(_Unit(key, group, 0, int(opt.partition_size[i]), members, True))
-        return units, pg
+        return _zero12_units(opt, basic)
     if hasattr(opt, "fp32_groups_flat_partition"):
-        # bf16_optimizer.py BF16_Optimizer (bf16 with fp32 gradient accumulation): group i's parameters
-        # lie back to back in bf16_groups_flat[i], partitioned like ZeRO 1.
-        units, pg = [], None
-        for i, key in enumerate(opt.fp32_groups_flat_partition):
-            group = _group_of(basic, key)
-            p_group = opt.real_dp_process_group[i]
-            if group is None or (pg is not None and p_group is not pg):
-                return "bf16 optimizer groups differ from the optimizer's or span different process groups"
-            pg = p_group
-            size = opt.bf16_groups_flat[i].numel() // _dp_group_world(p_group)
-            params = opt.bf16_groups[i]
-            units.append(_Unit(key, group, 0, size, list(zip(params, _offsets(params))), True))
-        return units, pg
+        return _bf16_units(opt, basic)
     if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
-        # fp16/fused_optimizer.py FP16_Optimizer: one unpartitioned fp32 flat per group, parameters back
-        # to back (torch's _flatten_dense_tensors).
-        units = []
-        for params, key in zip(opt.fp16_groups, opt.fp32_groups_flat):
-            group = _group_of(basic, key)
-            if group is None:
-                return "fp16 optimizer groups differ from the optimizer's"
-            units.append(_Unit(key, group, 0, key.numel(), list(zip(params, _offsets(params))), False))
-        return units, None
+        return _fp16_fused_units(opt, basic)
     if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
-        # fp16/unfused_optimizer.py FP16_UnfusedOptimizer (ZeRO 0 with fp16 or bf16): one fp32 master per
-        # parameter, fp32_groups[i][j] for fp16_groups[i][j].
-        units = []
-        for params, masters in zip(opt.fp16_groups, opt.fp32_groups):
-            for p, key in zip(params, masters):
-                group = _group_of(basic, key)
-                if group is None:
-                    return "fp16 optimizer groups differ from the optimizer's"
-                units.append(_Unit(key, group, 0, key.numel(), [(p, 0)], False))
-        return units, None
+        return _fp16_unfused_units(opt, basic)
     if opt is basic:
         # ZeRO 0 in fp32: the torch optimizer steps the model's own parameters.
         units = []
@@ -198,6 +136,88 @@ def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
                     units.append(_Unit(p, group, 0, p.numel(), [(p, 0)], False))
         return units, None
     return f"the optimizer wrapper {type(opt).__name__} is not one ds_adabatch can read second moments from"
+
+
+def _zero3_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    # ZeRO 3 (stage3.py DeepSpeedZeroOptimizer_Stage3): sub-group s keeps one fp32 flat,
+    # fp32_partitioned_groups_flat[s], the concatenation of its parameters' own partitions
+    # (fp16_groups[s] order, partition_numel() each). Parameter p is split into equal pieces of
+    # partition_numel() elements, rank r holding piece r (_partition_param).
+    if getattr(opt, "swap_optimizer", False) or getattr(opt, "backup_optimizer", None) is not None:
+        return "ZeRO-3 NVMe or partial optimizer offload keeps part of the state out of reach"
+    units, pg = [], None
+    for s, params in enumerate(opt.fp16_groups):
+        key = opt.fp32_partitioned_groups_flat[s]
+        group = basic.param_groups[opt.sub_group_to_group_id[s]]
+        offset = 0
+        for p in params:
+            size = int(p.partition_numel())
+            p_group = internals.param_partition_group(opt, p)
+            if pg is None:
+                pg = p_group
+            elif p_group is not pg:
+                return "ZeRO-3 parameters are partitioned over different process groups"
+            units.append(_Unit(key, group, offset, size, [(p, 0)], True))
+            offset += size
+    return units, pg
+
+
+def _zero12_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    # ZeRO 1-2 (stage_1_and_2.py DeepSpeedZeroOptimizer): group i's parameters are views into
+    # bit16_groups_flat[i] at round_robin_bit16_offsets[i] (round_robin_bit16_groups[i] order); rank r
+    # owns elements [r, r + 1) x partition_size[i], whose fp32 copy single_partition_of_fp32_groups[i]
+    # the inner optimizer steps.
+    units, pg = [], None
+    for i, key in enumerate(opt.single_partition_of_fp32_groups):
+        group = _group_of(basic, key)
+        p_group = opt.real_dp_process_group[i]
+        if group is None or (pg is not None and p_group is not pg):
+            return "ZeRO 1-2 groups differ from the optimizer's or span different process groups"
+        pg = p_group
+        members = list(zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]))
+        units.append(_Unit(key, group, 0, int(opt.partition_size[i]), members, True))
+    return units, pg
+
+
+def _bf16_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    # bf16_optimizer.py BF16_Optimizer (bf16 with fp32 gradient accumulation): group i's parameters
+    # lie back to back in bf16_groups_flat[i], partitioned like ZeRO 1.
+    units, pg = [], None
+    for i, key in enumerate(opt.fp32_groups_flat_partition):
+        group = _group_of(basic, key)
+        p_group = opt.real_dp_process_group[i]
+        if group is None or (pg is not None and p_group is not pg):
+            return "bf16 optimizer groups differ from the optimizer's or span different process groups"
+        pg = p_group
+        size = opt.bf16_groups_flat[i].numel() // _dp_group_world(p_group)
+        params = opt.bf16_groups[i]
+        units.append(_Unit(key, group, 0, size, list(zip(params, _offsets(params))), True))
+    return units, pg
+
+
+def _fp16_fused_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    # fp16/fused_optimizer.py FP16_Optimizer: one unpartitioned fp32 flat per group, parameters back
+    # to back (torch's _flatten_dense_tensors).
+    units = []
+    for params, key in zip(opt.fp16_groups, opt.fp32_groups_flat):
+        group = _group_of(basic, key)
+        if group is None:
+            return "fp16 optimizer groups differ from the optimizer's"
+        units.append(_Unit(key, group, 0, key.numel(), list(zip(params, _offsets(params))), False))
+    return units, None
+
+
+def _fp16_unfused_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+    # fp16/unfused_optimizer.py FP16_UnfusedOptimizer (ZeRO 0 with fp16 or bf16): one fp32 master per
+    # parameter, fp32_groups[i][j] for fp16_groups[i][j].
+    units = []
+    for params, masters in zip(opt.fp16_groups, opt.fp32_groups):
+        for p, key in zip(params, masters):
+            group = _group_of(basic, key)
+            if group is None:
+                return "fp16 optimizer groups differ from the optimizer's"
+            units.append(_Unit(key, group, 0, key.numel(), [(p, 0)], False))
+    return units, None
 
 
 def _own_slices(units: Sequence[_Unit], rank: int, world: int) -> list[tuple[_Unit, int, int, int]]:

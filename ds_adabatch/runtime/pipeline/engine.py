@@ -27,7 +27,7 @@ leaves its neighbours blocked in point-to-point transfers), an ``IterableDataset
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
 
     _plan_unit = "replica"  # plans count data-parallel replicas, each spread over the stages
 
-    def __init__(self, ds_engine: Any, *, loss_fn: Any, **kwargs: Any) -> None:
+    def __init__(self, ds_engine: Any, *, loss_fn: Callable[..., Any], **kwargs: Any) -> None:
         grid = ds_engine.grid
         last = ds_engine.is_last_stage()
         self._weighted_loss = WeightedPipelineLoss(
