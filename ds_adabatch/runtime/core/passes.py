@@ -23,15 +23,38 @@ the boundary: no boundary is set, and ``step()`` is called once, after the step'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..noise.probe import NoiseProbe
+    from .lr import BatchCoupledLR
+    from .sync import StepSync
 
 __all__ = ["StepPasses"]
 
 _FLOAT64 = torch.float64
 
 Measured = tuple[list[Any], Callable[[], float | None]]
+
+
+class PassHost(Protocol):
+    """What :class:`StepPasses` reads of the engine that runs the passes (both adaptive engines)."""
+
+    deepspeed: Any
+    """The DeepSpeed engine: ``backward``, ``step``, the accumulation boundary."""
+    world_size: int
+    global_samples: int
+    counts_tokens: bool
+    counts_here: bool
+    by_token: bool
+    step_sync: StepSync
+    lr_coupling: BatchCoupledLR
+
+    def count_tokens(self, batch: Any) -> int: ...
+
+    def start_noise_probe(self) -> NoiseProbe: ...
 
 
 class StepPasses:
@@ -50,15 +73,15 @@ class StepPasses:
     """
 
     def __init__(
-        self, engine: Any, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
+        self, engine: PassHost, micro: list[tuple[Any, int]], total_samples: int | None, measure: bool
     ) -> None:
         self.engine = engine
         self.ds = ds = engine.deepspeed
         samples = [n for _, n in micro]
         self.samples = samples
         # Tokens are counted on the loader's host tensors: no device read.
-        tokens = [engine._count_tokens(b) if n else 0 for b, n in micro] if engine.counts_tokens else []
-        self.counts = tokens if engine._by_token else samples
+        tokens = [engine.count_tokens(b) if n else 0 for b, n in micro] if engine.counts_tokens else []
+        self.counts = tokens if engine.by_token else samples
         if total_samples is not None and not engine.counts_tokens:
             # The sampler gave every rank the global batch's size: nothing to agree on.
             total, total_tokens = total_samples, 0
@@ -66,7 +89,7 @@ class StepPasses:
             # Per-rank counts: one collective, which also carries whatever StepSync has queued. Each
             # replica counts once (tensor ranks of a replica hold the same micro-batches).
             mine = [float(sum(samples)), float(sum(self.counts)), float(sum(tokens))]
-            totals = engine._sync.reduce(mine if engine.counts_here else [0.0, 0.0, 0.0])
+            totals = engine.step_sync.reduce(mine if engine.counts_here else [0.0, 0.0, 0.0])
             total_samples = int(totals[0]) if total_samples is None else total_samples
             total, total_tokens = int(totals[1]), int(totals[2])
         if total <= 0:
@@ -75,7 +98,7 @@ class StepPasses:
         # DeepSpeed steps the LR scheduler inside the boundary step(); in "samples" mode it must
         # already see the samples this step consumes.
         engine.lr_coupling.set_samples(engine.global_samples + total_samples)
-        self.probe = engine._noise_probe() if measure else None
+        self.probe = engine.start_noise_probe() if measure else None
         self.loss_sum = torch.zeros((), dtype=_FLOAT64, device=ds.device)
         self.last = len(micro) - 1
         self.scale = engine.world_size / total  # loss weight = count * W / total (weights.py)

@@ -136,7 +136,8 @@ class AdaptiveEngineBase:
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._every_steps = cfg.log.every_steps
-        self._sync = StepSync(ds_engine.device)
+        self.step_sync = StepSync(ds_engine.device)
+        """The step's one collective (counts, losses, step times; core/sync.py)."""
         # The goodput schedule's step times (step_times.py); a no-op object for every other schedule.
         self._step_times = step_times_for(
             controller.schedule, getattr(controller.schedule, "throughput", None), ds_engine.device
@@ -154,7 +155,7 @@ class AdaptiveEngineBase:
         # The decision of every step (step_core.py), with the features that ride on it attached.
         self.core = StepCore(
             controller,
-            sync=self._sync,
+            sync=self.step_sync,
             attach=StepAttachments(
                 memory=self.memory_recovery.memory, noise=self.noise, step_times=self._step_times
             ),
@@ -351,7 +352,7 @@ class AdaptiveEngineBase:
         Afterwards every :class:`StepLoss` returned so far reads without a collective, and the JSONL and
         monitor records of those steps are written.
         """
-        self._sync.reduce()
+        self.step_sync.reduce()
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (checkpoint/save_load.py writes and reads them; checkpoint/run_state.py the section)

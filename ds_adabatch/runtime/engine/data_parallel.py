@@ -56,7 +56,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         self._noise_cadence = NoiseCadence(self.config.schedule)
         self._probe: NoiseProbe | None = None
         self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
-        self._by_token = self.config.loss_normalization == "token"
+        self.by_token = self.config.loss_normalization == "token"
         # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps.
         self.loop = ForwardBackwardLoop(
             self,
@@ -206,7 +206,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
     def _complete_step(self, step: int, started: float, lr_used: float, results: tuple[Any, ...]) -> StepLoss:
         """Account a step whose passes ran (``StepPasses.result()``): counts, signals, its record, its loss."""
         loss_sum, tokens, total_samples, total, probe_sums = results
-        sync = self._sync
+        sync = self.step_sync
         # Throughput point: the step's time, with the shape it ran (before the next plan), is queued
         # for the step's collective and reaches the goodput schedule's model (step_times.py).
         split, self._unsplit_plan = self._unsplit_plan, None
@@ -293,7 +293,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
             raise TypeError("loss_fn must return a scalar tensor: the mean loss over the micro-batch")
         return out
 
-    def _count_tokens(self, batch: Any) -> int:
+    def count_tokens(self, batch: Any) -> int:
         if self.token_count_fn is None:
             raise ValueError(
                 'counting tokens (loss_normalization "token" or a tokens-keyed schedule) needs '
@@ -322,7 +322,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
 
     # ---------------------------------------------------------------------------------------------
     # Gradient-noise scale
-    def _noise_probe(self) -> NoiseProbe:
+    def start_noise_probe(self) -> NoiseProbe:
         """The run's probe, in the resolved geometry, started for one measured step (its hooks are
         registered once and stay, idle between measured steps)."""
         if self._probe is None:

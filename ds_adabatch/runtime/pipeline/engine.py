@@ -70,7 +70,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         )
         self._first, self._last = ds_engine.is_first_stage(), last
         self._feeds = self._first or self._last
-        self._by_token = self.config.loss_normalization == "token"
+        self.by_token = self.config.loss_normalization == "token"
         self._input_dtype = _compute_dtype(ds_engine)
         self._input_shapes: tuple | None = None
         self._pending: list[tuple[torch.Tensor, Any, Any]] = []  # (loss, grad norm, resolve)
@@ -134,10 +134,10 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         if self.counts_tokens:
             # Target tokens are counted on the last stage's labels (real rows only); one collective
             # sums the replicas.
-            mine = [self._count_tokens(m.batch) if m.num_samples else 0 for m in micro] if self._last else []
-            summed = self._sync.reduce([float(sum(mine)) if self.counts_here else 0.0])
+            mine = [self.count_tokens(m.batch) if m.num_samples else 0 for m in micro] if self._last else []
+            summed = self.step_sync.reduce([float(sum(mine)) if self.counts_here else 0.0])
             tokens = int(summed[0])
-            if self._by_token:
+            if self.by_token:
                 counts, total = mine, tokens
         if total <= 0:
             raise ValueError("the global batch has no samples (or no target tokens) to train on")
@@ -183,7 +183,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
                 "activation shapes with every micro-batch"
             )
 
-    def _count_tokens(self, batch: Any) -> int:
+    def count_tokens(self, batch: Any) -> int:
         check_pipeline_batch(batch)
         return int(self.token_count_fn(batch))
 
@@ -193,7 +193,7 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         Afterwards every :class:`StepLoss` returned so far reads without waiting, and the JSONL and
         monitor records of those steps are written. Call it on every rank, as with the other engine.
         """
-        self._sync.reduce()
+        self.step_sync.reduce()
         if not self._pending:
             return
         pending, self._pending = self._pending, []
