@@ -6,10 +6,12 @@ namespace cluster in tests/test_live_elastic.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -88,6 +90,31 @@ def test_peer_failures_are_told_by_what_failed_not_by_their_words():
         assert not is_peer_failure(user_error.value), text
     assert not is_peer_failure(ValueError("Connection reset by peer"))
     assert not is_peer_failure(ds_adabatch.LiveRecoveryFailed("timed out"))
+
+
+def _raised_from(tmp_path, module: str, statement: str) -> RuntimeError:
+    """The error of ``statement`` run in a function of a file whose module is ``module`` (``handle.wait``
+    there is a C call that raises, as torch's work object's wait does: no Python frame of its own)."""
+    path = tmp_path / f"{module.replace('.', '_')}_{abs(hash(statement))}.py"
+    path.write_text(f"def run(handle, torch):\n    {statement}\n")
+    scope = {"__name__": module}
+    exec(compile(path.read_text(), str(path), "exec"), scope)
+    handle = types.SimpleNamespace(wait=functools.partial(torch.empty, -1))
+    with pytest.raises(RuntimeError) as raised:
+        scope["run"](handle, torch)
+    return raised.value
+
+
+def test_a_wait_on_a_collective_handle_in_deepspeeds_zero_code_is_a_peer_failure(tmp_path):
+    # ZeRO 3's persistent parameters are gathered after the step by DeepSpeed's own handle.wait() on the
+    # work torch.distributed returned (partition_parameters.py, DeepSpeed 0.19.8): that statement failing
+    # is a collective's failure. The same error from another statement there, or from a user's own
+    # handle.wait(), is not.
+    zero = "deepspeed.runtime.zero.partition_parameters"
+    assert is_peer_failure(_raised_from(tmp_path, zero, "handle.wait()"))
+    assert not is_peer_failure(_raised_from(tmp_path, zero, "torch.empty(-1)"))
+    assert not is_peer_failure(_raised_from(tmp_path, "train", "handle.wait()"))
+    assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory"))
 
 
 def test_launcher_finds_the_script_after_torchrun_options():
