@@ -198,6 +198,37 @@ class GoodputSchedule:
 
     def __call__(self, ctx: ScheduleContext) -> float:
         current = int(ctx.global_batch)
+        ready = self._ready(ctx, current)
+        if not isinstance(ready, tuple):  # held: the current batch
+            return ready
+        noise, band, unsure, judged, tried = ready
+        now = self.rate(ctx, current, noise)
+        if now is None:
+            return self._hold(current, f"the current batch {current} cannot be rated")
+        reference, said = current, ""
+        if judged is not None and judged != current:
+            # A trial is judged as the move it was, now that its shape's cost is measured: it stays
+            # only where that move still pays; else the decision is taken from the batch it left.
+            before = self.rate(ctx, judged, noise)
+            kept = None if before is None else self._gain(current, now, judged, before, noise, band)
+            if kept is not None and kept <= 1.0 + self.hysteresis:
+                reference, now = judged, before
+                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, back; "
+        best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
+        if band:
+            said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
+        else:
+            said += f"B_noise {noise:.4g}; batch {reference}: {_rated(now)}"
+        if best == reference or best_gain <= 1.0 + self.hysteresis:
+            return self._stay(current, reference, now, best, best_rating, best_gain, band, said)
+        return self._move(ctx, reference, best, best_rating, best_gain, band, said)
+
+    def _ready(
+        self, ctx: ScheduleContext, current: int
+    ) -> float | tuple[float, tuple[float, ...] | None, str, int | None, tuple[int, int]]:
+        """The hold this step ends in (the current batch), or what a decision needs: ``(noise, band, the
+        not-yet-confident sentence, the batch a judged trial left, the largest micro-batch and samples
+        per rank tried)``. Judging a trial closes it."""
         if ctx.step < self.warmup_steps:
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
         judged = self._trial_judged(ctx)
@@ -223,35 +254,43 @@ class GoodputSchedule:
         if ctx.step % self.decide_every and judged is None:
             nxt = (ctx.step // self.decide_every + 1) * self.decide_every
             return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
-        model = self.throughput
-        tried_micro, tried_per_rank = model.largest_tried(ctx.world_size)
-        if tried_micro == 0:
+        tried = self.throughput.largest_tried(ctx.world_size)
+        if tried[0] == 0:
             return self._hold(current, "no step time measured yet")
-        now = self.rate(ctx, current, noise)
-        if now is None:
-            return self._hold(current, f"the current batch {current} cannot be rated")
+        return noise, band, unsure, judged, tried
+
+    def _gain(
+        self,
+        batch: int,
+        rating: tuple[float, float, Any],
+        ref: int,
+        ref_rating: tuple[float, float, Any],
+        noise: float,
+        band: tuple[float, ...] | None,
+    ) -> float:
+        """The goodput of ``batch`` over ``ref``'s: at the estimate, or, while it is not yet confident
+        and ``batch`` lies farther from ``start`` than ``ref``, the least across the estimate's interval
+        (leaving the configured start needs a move that pays wherever B_noise may be; coming back
+        toward it, after an exploration measured worse than predicted, needs only the estimate)."""
         start = self.reference_batch
+        away = abs(math.log(batch / start)) > abs(math.log(ref / start))
+        edges = band if band and away else (noise,)
+        speedup = rating[0] / ref_rating[0]
+        return min(speedup * _efficiency_gain(batch, ref, e, start) for e in edges)
 
-        def gain(batch: int, rating: tuple[float, float, Any], ref: int, ref_rating: tuple) -> float:
-            """The goodput of ``batch`` over ``ref``'s: at the estimate, or, while it is not yet
-            confident and ``batch`` lies farther from ``start`` than ``ref``, the least across the
-            estimate's interval (leaving the configured start needs a move that pays wherever B_noise
-            may be; coming back toward it, after an exploration measured worse than predicted, needs
-            only the estimate)."""
-            away = abs(math.log(batch / start)) > abs(math.log(ref / start))
-            edges = band if band and away else (noise,)
-            speedup = rating[0] / ref_rating[0]
-            return min(speedup * _efficiency_gain(batch, ref, e, start) for e in edges)
-
-        reference, said = current, ""
-        if judged is not None and judged != current:
-            # A trial is judged as the move it was, now that its shape's cost is measured: it stays
-            # only where that move still pays; else the decision is taken from the batch it left.
-            before = self.rate(ctx, judged, noise)
-            kept = None if before is None else gain(current, now, judged, before)
-            if kept is not None and kept <= 1.0 + self.hysteresis:
-                reference, now = judged, before
-                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, back; "
+    def _best(
+        self,
+        ctx: ScheduleContext,
+        current: int,
+        reference: int,
+        now: tuple[float, float, Any],
+        noise: float,
+        band: tuple[float, ...] | None,
+        tried: tuple[int, int],
+    ) -> tuple[int, tuple[float, float, Any], float]:
+        """The candidate of largest gain over ``reference`` (itself, gain 1, where none beats it); shapes
+        beyond ``explore_factor`` times the largest tried are left for later."""
+        tried_micro, tried_per_rank = tried
         best, best_rating, best_gain = reference, now, 1.0
         for batch in self._candidates(ctx.world_size, reference):
             rating = self.rate(ctx, batch, noise)
@@ -264,23 +303,45 @@ class GoodputSchedule:
             )
             if micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank:
                 continue  # beyond what the measured shapes can predict: explored in bounded steps
-            g = gain(batch, rating, reference, now)
+            g = self._gain(batch, rating, reference, now, noise, band)
             if g > best_gain * (1 + 1e-12):
                 best, best_rating, best_gain = batch, rating, g
-        if band:
-            said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
-        else:
-            said += f"B_noise {noise:.4g}; batch {reference}: {_rated(now)}"
-        if best == reference or best_gain <= 1.0 + self.hysteresis:
-            self._keep_rating(now)
-            if best != reference:
-                said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
-                said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
-            if reference == current:
-                return self._hold(current, f"goodput {said}")
-            self.moves += 1
-            self.last_reason = f"goodput {said} -> batch {reference}"
-            return float(reference)
+        return best, best_rating, best_gain
+
+    def _stay(
+        self,
+        current: int,
+        reference: int,
+        now: tuple[float, float, Any],
+        best: int,
+        best_rating: tuple[float, float, Any],
+        best_gain: float,
+        band: tuple[float, ...] | None,
+        said: str,
+    ) -> float:
+        """No candidate pays: hold ``current``, or return to the batch a judged trial left."""
+        self._keep_rating(now)
+        if best != reference:
+            said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
+            said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
+        if reference == current:
+            return self._hold(current, f"goodput {said}")
+        self.moves += 1
+        self.last_reason = f"goodput {said} -> batch {reference}"
+        return float(reference)
+
+    def _move(
+        self,
+        ctx: ScheduleContext,
+        reference: int,
+        best: int,
+        best_rating: tuple[float, float, Any],
+        best_gain: float,
+        band: tuple[float, ...] | None,
+        said: str,
+    ) -> float:
+        """Move to ``best``; a shape never measured is a trial, judged again on its own step times."""
+        start = self.reference_batch
         if band:
             back = abs(math.log(best / start)) <= abs(math.log(reference / start))
             said += f"; batch {best} gains {best_gain - 1:+.1%} " + (
@@ -290,7 +351,7 @@ class GoodputSchedule:
         self.moves += 1
         plan = best_rating[2]
         shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
-        if shape not in {(m, g) for m, g, _, _ in model.measured(ctx.world_size)}:
+        if shape not in {(m, g) for m, g, _, _ in self.throughput.measured(ctx.world_size)}:
             self.trial = (ctx.step, *shape, ctx.world_size, reference)
             said += f" (a trial: judged again after {self._trial_steps} step times of it)"
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
