@@ -33,9 +33,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "PRIVATE_NAMES",
@@ -100,7 +105,7 @@ def _require(owner: Any, name: str) -> Any:
 
 
 # -- the config ---------------------------------------------------------------------------------------
-def raw_config(ds_engine: Any) -> dict[str, Any] | None:
+def raw_config(ds_engine: DeepSpeedEngine) -> dict[str, Any] | None:
     """The config dict the engine was built with, unknown sections (``"adabatch"``) included.
 
     DeepSpeed 0.19.8 keeps it in ``engine._config._param_dict``; None where it is not a dict."""
@@ -109,7 +114,7 @@ def raw_config(ds_engine: Any) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def loading_universal_checkpoint(ds_engine: Any) -> Iterator[None]:
+def loading_universal_checkpoint(ds_engine: DeepSpeedEngine) -> Iterator[None]:
     """Make ``load_checkpoint`` read a universal checkpoint inside the block.
 
     DeepSpeed 0.19.8 reads ``_config.load_universal_checkpoint`` inside ``load_checkpoint`` (and the ZeRO
@@ -123,7 +128,7 @@ def loading_universal_checkpoint(ds_engine: Any) -> Iterator[None]:
 
 
 # -- discarding a step's partial accumulation ----------------------------------------------------------
-def reset_backward_depth(opt: Any) -> None:
+def reset_backward_depth(opt: DeepSpeedOptimizer | torch.optim.Optimizer) -> None:
     """An interrupted ``engine.backward`` leaves ZeRO's backward depth raised (0.19.8 base_optimizer.py
     ``ZeROOptimizer``: ``_backward_active_depth``, ``_epilogue_ran_this_backward``); the next backward
     would take itself for a nested one. Optimizers without it (no ZeRO) are left alone."""
@@ -134,7 +139,7 @@ def reset_backward_depth(opt: Any) -> None:
     opt.clear_backward_seen_flag()
 
 
-def discard_zero12_accumulation(opt: Any) -> None:
+def discard_zero12_accumulation(opt: ZeROOptimizer) -> None:
     """What ``DeepSpeedZeroOptimizer`` (stage_1_and_2.py, 0.19.8) accumulated in an unfinished step, gone.
 
     It accumulates into its partition buffers with "copy" semantics when ``micro_step_id`` is 0 and "add"
@@ -167,7 +172,7 @@ def discard_zero12_accumulation(opt: Any) -> None:
     opt.micro_step_id = INITIAL_MICRO_STEP_ID
 
 
-def discard_zero3_accumulation(ds_engine: Any, opt: Any) -> None:
+def discard_zero3_accumulation(ds_engine: DeepSpeedEngine, opt: ZeROOptimizer) -> None:
     """What ``DeepSpeedZeroOptimizer_Stage3`` (stage3.py, 0.19.8) accumulated in an unfinished step, gone.
 
     ``zero_grad`` resets ``micro_step_id`` to 0 (copy semantics on the next reduce) and drops
@@ -201,7 +206,9 @@ def discard_zero3_accumulation(ds_engine: Any, opt: Any) -> None:
 
 
 # -- the out-of-memory agreement's gates ---------------------------------------------------------------
-def gradient_collective_gates(ds_engine: Any, *, plain_data_parallel: bool) -> list[tuple[Any, str, Any]]:
+def gradient_collective_gates(
+    ds_engine: DeepSpeedEngine, *, plain_data_parallel: bool
+) -> list[tuple[Any, str, Any]]:
     """``(owner, method name, when)`` of the methods through which every gradient collective of a pass
     goes, for the out-of-memory agreement to wrap (``when``: a callable that says whether a call
     communicates, or None: always).
@@ -228,7 +235,7 @@ def gradient_collective_gates(ds_engine: Any, *, plain_data_parallel: bool) -> l
 
 
 # -- process groups -------------------------------------------------------------------------------------
-def seed_world_group(group: Any) -> None:
+def seed_world_group(group: ProcessGroup) -> None:
     """Put ``group`` where DeepSpeed looks for its data-parallel world group.
 
     DeepSpeed 0.19.8 ``utils/groups.py``: ``_clone_world_group`` returns ``_WORLD_GROUP`` when it is set,
@@ -247,7 +254,7 @@ def drop_failed_world_refs(param: torch.nn.Parameter) -> None:
             delattr(param, attr)
 
 
-def param_partition_group(opt: Any, param: torch.nn.Parameter) -> Any:
+def param_partition_group(opt: ZeROOptimizer, param: torch.nn.Parameter) -> ProcessGroup:
     """The process group a ZeRO 3 parameter is partitioned over (0.19.8 stage3.py
     ``DeepSpeedZeroOptimizer_Stage3._get_param_partition_group``)."""
     return _require(opt, "_get_param_partition_group")(param)
@@ -261,7 +268,7 @@ def hp_mapping(param: torch.nn.Parameter) -> Any:
     return getattr(param, "_hp_mapping", None)
 
 
-def mark_hp_states_linked(opt: Any) -> None:
+def mark_hp_states_linked(opt: ZeROOptimizer) -> None:
     """Tell ``DeepSpeedZeroOptimizer`` that its fragments are linked to the flat optimizer state already
     (0.19.8 stage_1_and_2.py links them lazily at the first step otherwise, undoing a restore)."""
     _require(opt, "_hp_optimizer_states_linked")
@@ -304,7 +311,7 @@ _ZERO3_MODULE_NAMES = (
 )
 
 
-def zero3_partitions(opt: Any) -> list[Zero3Group]:
+def zero3_partitions(opt: ZeROOptimizer) -> list[Zero3Group]:
     """Where this rank's partition of each parameter sits in ``DeepSpeedZeroOptimizer_Stage3``'s flat fp32
     sub-groups (0.19.8 stage3.py, as ``_get_fp32_opt_state_partition`` reads it): sub-group ``i`` is
     ``fp32_partitioned_groups_flat[i]``, its parameters ``fp16_groups[i]``, and ``grad_position[id]``
@@ -356,7 +363,7 @@ def unpartition_zero3_model(model: torch.nn.Module, full: dict[str, torch.Tensor
 
 
 # -- the contract ----------------------------------------------------------------------------------------
-def contract_problems(ds_engine: Any) -> list[str]:
+def contract_problems(ds_engine: DeepSpeedEngine) -> list[str]:
     """The names this engine's stage needs that it lacks (an empty list: the contract holds).
 
     Run by the tests on a real engine of each ZeRO stage; a DeepSpeed upgrade that breaks one fails there

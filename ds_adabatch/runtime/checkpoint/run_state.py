@@ -18,6 +18,10 @@ import torch
 from ..core.metrics import PlanChange
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ...data.loader import ElasticDataLoader
+    from ...data.token_loader import TokenBudgetLoader
     from ...plan import BatchPlan
     from ...schedules import BatchSizeController
     from ..core.lr import BatchCoupledLR
@@ -35,7 +39,7 @@ STATE_KEY = "ds_adabatch"
 class CheckpointedEngine(Protocol):
     """What the checkpoint layer reads from and writes into an adaptive engine (its public state)."""
 
-    deepspeed: Any
+    deepspeed: DeepSpeedEngine
     """The DeepSpeed engine (its ``save_checkpoint`` / ``load_checkpoint``, ``global_samples``)."""
     rank: int
     world_size: int
@@ -44,7 +48,7 @@ class CheckpointedEngine(Protocol):
     controller: BatchSizeController
     lr_coupling: BatchCoupledLR
     memory_recovery: OomRecovery
-    dataloader: Any
+    dataloader: ElasticDataLoader | TokenBudgetLoader | None
     history: list[PlanChange]
     global_steps: int
     global_samples: int

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import comm
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["HostAgreement", "host_group"]
 
@@ -47,7 +50,7 @@ class HostAgreement:
         group: a gloo process group over every rank (:func:`host_group`); None with one rank.
     """
 
-    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, group: ProcessGroup | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -146,7 +149,7 @@ def _combiner(ops: tuple[str, ...]) -> Callable[[torch.Tensor, torch.Tensor], to
     return combine
 
 
-def host_group() -> Any:
+def host_group() -> ProcessGroup | None:
     """The process's gloo group over every rank, for host-side agreements (None in a world of one).
 
     Created on first use, by every rank at the same point (``new_group`` is a collective), and shared by

@@ -65,7 +65,7 @@ class RestartSafeNamespace:
         """The store prefix every key of this incarnation lives under (ends without a slash)."""
         return f"{_PREFIX}/{self.token}" if self.token else f"{_PREFIX}/own"
 
-    def client(self, timeout: timedelta) -> Any:
+    def client(self, timeout: timedelta) -> torch.distributed.TCPStore:
         """A new client of the agent's store (one per thread that uses it)."""
         return torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
 
@@ -196,7 +196,7 @@ def init_process_group_restart_safe(backend: str, timeout: timedelta, **kwargs: 
     return True
 
 
-def _fresh_namespace(store: Any, rank: int, world: int, timeout: timedelta) -> str:
+def _fresh_namespace(store: torch.distributed.Store, rank: int, world: int, timeout: timedelta) -> str:
     """A token every rank of this incarnation agrees on and no earlier incarnation used (see above)."""
     leader = f"{_PREFIX}/leader"
     if rank == 0:

@@ -15,14 +15,22 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from ...config import ConfigError
 
-__all__ = ["InitializeCall", "resolve_call"]
+__all__ = ["InitializeCall", "ModelParameters", "OptimizerArgument", "SchedulerArgument", "resolve_call"]
+
+# What ``deepspeed.initialize`` 0.19.8 accepts for these arguments (its own annotations, spelled in torch's
+# names): an object, or a callable DeepSpeed calls with the parameters / the optimizer.
+OptimizerArgument = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
+SchedulerArgument = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler]
+ModelParameters = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
 
 # deepspeed.initialize's positional order (0.19.8).
 _DEEPSPEED_ORDER = (
@@ -48,15 +56,15 @@ _OWN_ORDER = ("model", "config", "training_data")
 class InitializeCall:
     """What ``initialize`` was asked for, with the config resolved."""
 
-    model: Any
-    config: Any
-    training_data: Any = None
-    model_parameters: Any = None
-    optimizer: Any = None
-    lr_scheduler: Any = None
-    collate_fn: Any = None
-    args: Any = None
-    deepspeed_args: Any = None  # what DeepSpeed is given: ``args`` without its config
+    model: torch.nn.Module
+    config: str | os.PathLike | dict[str, Any]
+    training_data: torch.utils.data.Dataset | None = None
+    model_parameters: ModelParameters | None = None
+    optimizer: OptimizerArgument | None = None
+    lr_scheduler: SchedulerArgument | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    args: argparse.Namespace | None = None
+    deepspeed_args: argparse.Namespace | None = None  # what DeepSpeed is given: ``args`` without its config
     deepspeed_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def report_local_rank(self, local_rank: int) -> None:

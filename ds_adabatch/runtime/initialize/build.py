@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +24,13 @@ from ..engine.data_parallel import AdaptiveBatchEngine
 from ..engine.loop import LoopDataLoader
 from ..live.recovery import CurrentOptimizer, attach_live_recovery, prepare_live_world
 from ..pipeline.engine import AdaptivePipelineEngine
-from .arguments import InitializeCall, resolve_call
+from .arguments import InitializeCall, ModelParameters, OptimizerArgument, SchedulerArgument, resolve_call
 from .layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
 from .tokens import token_budget_sampler
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ...config import AdaBatchConfig
     from ...config.loader import LoadedConfig
     from ...config.parallel import ParallelLayout
@@ -47,17 +50,27 @@ _REPLACED = (
     "itself, replace accelerator.prepare(...) with "
     "ds_adabatch.integrations.accelerate.prepare(accelerator, ...) (docs/accelerate.md)"
 )
+# What ``initialize`` returns: the engine, the optimizer (a handle on the current one under live recovery),
+# the loader (the forward / backward / step loop's view of it; None without training data) and the LR
+# scheduler coupled to the batch.
+Initialized = tuple[
+    "AdaptiveBatchEngine | AdaptivePipelineEngine",
+    "torch.optim.Optimizer | CurrentOptimizer",
+    "LoopDataLoader | ElasticDataLoader | TokenBudgetLoader | None",
+    BatchCoupledLR,
+]
+
 _calling_deepspeed = False  # inside initialize's own deepspeed.initialize call (a re-entry is a swap)
 
 
 def initialize(
     *positional: Any,
-    args: Any = None,
+    args: argparse.Namespace | None = None,
     model: torch.nn.Module | None = None,
-    optimizer: Any = None,
-    model_parameters: Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
+    optimizer: OptimizerArgument | None = None,
+    model_parameters: ModelParameters | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: SchedulerArgument | None = None,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable | None = None,
@@ -65,10 +78,10 @@ def initialize(
     config_params: str | os.PathLike | dict | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     token_count_fn: Callable[[Any], int] | None = None,
-    lengths: Any = None,
+    lengths: Sequence[int] | np.ndarray | None = None,
     length_fn: Callable[[Any], int] | None = None,
     **deepspeed_kwargs: Any,
-) -> tuple[AdaptiveBatchEngine | AdaptivePipelineEngine, Any, Any, Any]:
+) -> Initialized:
     """Build a DeepSpeed engine whose global batch follows the config's ``"adabatch"`` section.
 
     Drop-in for ``deepspeed.initialize``: the same keywords, the config found where DeepSpeed finds it,
@@ -165,7 +178,7 @@ class _EngineBuilder:
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         token_count_fn: Callable[[Any], int] | None,
-        lengths: Any,
+        lengths: Sequence[int] | np.ndarray | None,
         length_fn: Callable[[Any], int] | None,
         deepspeed_kwargs: dict[str, Any],
     ) -> None:
@@ -207,7 +220,7 @@ class _EngineBuilder:
             lr_scheduler=self.lr_scheduler,
         )
 
-    def initialize(self) -> tuple[AdaptiveBatchEngine | AdaptivePipelineEngine, Any, Any, Any]:
+    def initialize(self) -> Initialized:
         """The engine, its live recovery armed, and what ``initialize`` returns with it."""
         engine = self.build()
         attach_live_recovery(

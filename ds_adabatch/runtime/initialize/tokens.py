@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,11 +11,17 @@ from ...config import AdaBatchConfig
 from ...data.lengths import SampleLengths
 from ...data.tokens import TokenBudgetSampler
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["sampler_for_config", "token_budget_sampler"]
 
 
 def token_budget_sampler(
-    cfg: AdaBatchConfig, training_data: Any, lengths: Any, length_fn: Callable[[Any], int] | None
+    cfg: AdaBatchConfig,
+    training_data: torch.utils.data.Dataset | None,
+    lengths: Sequence[int] | np.ndarray | None,
+    length_fn: Callable[[Any], int] | None,
 ) -> TokenBudgetSampler | None:
     """The :class:`TokenBudgetSampler` of a ``micro_batch_tokens`` config (None without one).
 

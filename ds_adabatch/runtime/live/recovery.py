@@ -50,6 +50,9 @@ from .world import LeftOut, LiveWorld, StoreLost, teardown_process_groups
 from .zero3 import full_shapes, unpartition_model
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
+
     from ...config.live import LiveElasticConfig
     from ...plan import BatchPlan
     from ..core.loss import StepLoss
@@ -203,7 +206,7 @@ class SnapshotCadence:
     def due(self, step: int) -> bool:
         return step - self.last >= (self.every or 3)
 
-    def snapshot_taken(self, step: int, seconds: float, group: Any) -> None:
+    def snapshot_taken(self, step: int, seconds: float, group: ProcessGroup | None) -> None:
         self.last = step
         if self.every is not None:
             return
@@ -227,7 +230,7 @@ class SnapshotCadence:
         )
 
 
-def _remove_module_hooks(ds: Any) -> None:
+def _remove_module_hooks(ds: DeepSpeedEngine) -> None:
     """DeepSpeed 0.19.8 puts a forward pre- and post-hook on the model (``_create_module_forward_*_hook``)
     that ``destroy()`` leaves: on the model, which outlives the engine, they would keep the failed engine
     (and its process groups) alive and run in every later forward."""
@@ -262,7 +265,7 @@ class LiveRecovery:
         self.events: list[dict[str, Any]] = []
         self.restored_step: int | None = None
         self.snapshots: Snapshots | None = None
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._cadence = SnapshotCadence(live.snapshot_every)
         self._first_step_after: tuple[float, dict[str, Any]] | None = None
 
@@ -293,7 +296,7 @@ class LiveRecovery:
     def _family(self) -> str:
         return f"{self.world.incarnation[:12]}g{self.world.generation}"
 
-    def _host_group(self) -> Any:
+    def _host_group(self) -> ProcessGroup | None:
         """A gloo group of the whole world for what moves host memory (the assembly, the buddy copies,
         the cadence's agreement), whatever the backend of the default group."""
         return torch.distributed.new_group(

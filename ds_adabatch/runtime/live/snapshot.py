@@ -42,7 +42,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,10 @@ from .. import deepspeed_internals as internals
 from ..distributed import comm
 from .units import Assembled, Piece, Unit
 from .zero3 import restore_zero3, zero3_problem, zero3_units
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "Assembled",
@@ -83,7 +87,7 @@ def snapshot_root(configured: str | None) -> str:
     return os.path.join(tempfile.gettempdir(), "ds_adabatch_snapshots")
 
 
-def coverage_problem(ds_engine: Any) -> str | None:
+def coverage_problem(ds_engine: DeepSpeedEngine) -> str | None:
     """Why snapshots cannot capture this engine's state (None: they can)."""
     stage = int(ds_engine.zero_optimization_stage())
     if ds_engine.fp16_enabled():
@@ -101,12 +105,12 @@ def coverage_problem(ds_engine: Any) -> str | None:
     return None
 
 
-def _base_optimizer(ds_engine: Any) -> Any:
+def _base_optimizer(ds_engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     opt = ds_engine.optimizer
     return opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
 
 
-def _owned_units(ds_engine: Any, names: dict[torch.Tensor, str]) -> tuple[list[Unit], int, int]:
+def _owned_units(ds_engine: DeepSpeedEngine, names: dict[torch.Tensor, str]) -> tuple[list[Unit], int, int]:
     """(units, partition id, partitions) of this rank for the engine's ZeRO stage."""
     stage = int(ds_engine.zero_optimization_stage())
     if stage == 0:
@@ -202,7 +206,9 @@ class Snapshots:
         group: a gloo group of this world for the buddy exchange (None: no exchange).
     """
 
-    def __init__(self, ds_engine: Any, *, root: str, job_id: str, family: str, group: Any) -> None:
+    def __init__(
+        self, ds_engine: DeepSpeedEngine, *, root: str, job_id: str, family: str, group: ProcessGroup
+    ) -> None:
         dist = torch.distributed
         self.ds_engine = ds_engine
         self.names = {p: n for n, p in ds_engine.module.named_parameters()}
@@ -346,7 +352,7 @@ def _inventory(root: str, job_id: str) -> list[tuple[str, int, int, int, str]]:
     return held
 
 
-def assemble(root: str, job_id: str, shapes: dict[str, torch.Size], group: Any) -> Assembled:
+def assemble(root: str, job_id: str, shapes: dict[str, torch.Size], group: ProcessGroup) -> Assembled:
     """On the new world (call on every rank): agree on the newest complete snapshot and rebuild it, in
     host memory, over ``group`` (a gloo group of the whole world: NCCL moves no host tensors).
 
@@ -409,7 +415,7 @@ def assemble(root: str, job_id: str, shapes: dict[str, torch.Size], group: Any) 
     return Assembled(step, family, full, meta)
 
 
-def restore(ds_engine: Any, state: Assembled) -> None:
+def restore(ds_engine: DeepSpeedEngine, state: Assembled) -> None:
     """Load an assembled snapshot into a freshly built engine (ZeRO 0-3, any data-parallel size)."""
     meta = state.meta
     keys = meta["keys"]
@@ -458,7 +464,7 @@ def restore(ds_engine: Any, state: Assembled) -> None:
     _restore_hyperparameters(base, meta)
 
 
-def _restore_hyperparameters(base: Any, meta: dict[str, Any]) -> None:
+def _restore_hyperparameters(base: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
     for group, saved in zip(base.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if not isinstance(v, torch.Tensor):

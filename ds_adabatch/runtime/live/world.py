@@ -48,8 +48,8 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -77,7 +77,13 @@ class _Heartbeat:
     """A thread that adds 1 to ``key`` every ``period`` seconds, on a store client of its own, and then
     calls ``watch(store)`` (the watchdog)."""
 
-    def __init__(self, namespace: RestartSafeNamespace, key: str, period: float, watch: Any = None) -> None:
+    def __init__(
+        self,
+        namespace: RestartSafeNamespace,
+        key: str,
+        period: float,
+        watch: Callable[[torch.distributed.Store], None] | None = None,
+    ) -> None:
         self._namespace, self._key, self._period, self._watch = namespace, key, period, watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds_adabatch-heartbeat", daemon=True)
@@ -296,7 +302,7 @@ class LiveWorld:
         if seconds is not None:
             self._step_times.append(seconds)
 
-    def _watch(self, store: Any) -> None:
+    def _watch(self, store: torch.distributed.Store) -> None:
         """The watchdog (heartbeat thread): in an overdue step, a member silent for ``dead_after_s``
         breaks this generation's collectives."""
         began = self._step_began

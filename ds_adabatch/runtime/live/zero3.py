@@ -19,12 +19,16 @@ sub-groups, the optimizer state and the ``ds_tensor`` partitions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import deepspeed_internals as internals
 from .units import Assembled, Piece, Unit
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 __all__ = ["full_shapes", "restore_zero3", "unpartition_model", "zero3_problem", "zero3_units"]
 
@@ -36,7 +40,7 @@ def full_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     return {n: getattr(p, "ds_shape", p.shape) for n, p in model.named_parameters()}
 
 
-def zero3_problem(ds_engine: Any) -> str | None:
+def zero3_problem(ds_engine: DeepSpeedEngine) -> str | None:
     """Why snapshots cannot capture this ZeRO 3 engine (None: they can)."""
     opt = ds_engine.optimizer
     if not hasattr(opt, "fp32_partitioned_groups_flat"):
@@ -58,7 +62,7 @@ def zero3_problem(ds_engine: Any) -> str | None:
     return None
 
 
-def _slices(opt: Any) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int, int, int]]]]:
+def _slices(opt: ZeROOptimizer) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int, int, int]]]]:
     """Per flat sub-group: (parameter, start in the flattened parameter, elements, start in the flat)
     of this rank's partition, padding left out."""
     out = []
@@ -74,7 +78,7 @@ def _slices(opt: Any) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter,
     return out
 
 
-def zero3_units(ds_engine: Any, names: dict[torch.Tensor, str]) -> tuple[list[Unit], int, int]:
+def zero3_units(ds_engine: DeepSpeedEngine, names: dict[torch.Tensor, str]) -> tuple[list[Unit], int, int]:
     """(units, partition id, partitions) of this rank under ZeRO 3 (see the module docstring)."""
     opt = ds_engine.optimizer
     units = []
@@ -89,7 +93,7 @@ def unpartition_model(model: torch.nn.Module, state: Assembled) -> None:
     internals.unpartition_zero3_model(model, {name: entry[_WEIGHTS] for name, entry in state.full.items()})
 
 
-def restore_zero3(ds_engine: Any, state: Assembled, keys: list[str], step_value: Any) -> None:
+def restore_zero3(ds_engine: DeepSpeedEngine, state: Assembled, keys: list[str], step_value: Any) -> None:
     """Write an assembled snapshot into a freshly built ZeRO 3 engine of any data-parallel size: this
     rank's slices of the fp32 master weights, of the optimizer state and of the ``ds_tensor``s."""
     opt = ds_engine.optimizer

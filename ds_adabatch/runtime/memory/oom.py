@@ -38,13 +38,17 @@ step stays free of collectives, unless a stand-in that raises them is installed 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import deepspeed_internals as internals
 from ..distributed.agreement import HostAgreement, host_group
 from .stand_ins import oom_stand_in_installed
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 NO_VERDICT = 1 << 62
 """The predictor verdict of a rank that predicts nothing (the neutral value of the minimum)."""
@@ -102,7 +106,9 @@ class OomAgreement:
     """Agree when a pass begins rather than at its first DeepSpeed collective: for models whose forward
     and backward communicate themselves (tensor parallelism; see OomRecovery)."""
 
-    def __init__(self, ds_engine: Any, *, rank: int, world_size: int, device: Any) -> None:
+    def __init__(
+        self, ds_engine: DeepSpeedEngine, *, rank: int, world_size: int, device: torch.device
+    ) -> None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             # Every rank takes part (with model parallelism too: any rank's collective can hang).
@@ -206,13 +212,13 @@ class OomAgreement:
         return self._exchange(True, pass_index)
 
     # -- wiring into DeepSpeed ----------------------------------------------------------------------
-    def _install(self, ds: Any) -> None:
+    def _install(self, ds: DeepSpeedEngine) -> None:
         plain = _bf16_zero1(ds.optimizer, int(ds.zero_optimization_stage()))
         for owner, name, when in internals.gradient_collective_gates(ds, plain_data_parallel=plain):
             internals.wrap_method(owner, name, self._before_collective, when)
 
 
-def discard_partial_step(ds: Any) -> None:
+def discard_partial_step(ds: DeepSpeedEngine) -> None:
     """Drop every gradient the current (unfinished) optimizer step accumulated, on this rank.
 
     Nothing is stepped: the optimizer, LR scheduler and counters are left alone. After it, the next
@@ -235,7 +241,7 @@ def discard_partial_step(ds: Any) -> None:
     internals.reset_backward_depth(opt)
 
 
-def _bf16_zero1(opt: Any, stage: int) -> bool:
+def _bf16_zero1(opt: DeepSpeedOptimizer | torch.optim.Optimizer, stage: int) -> bool:
     """ZeRO-1 with bf16 and fp32 gradient accumulation (``data_types.grad_accum_dtype: "fp32"``):
     DeepSpeed 0.19.8 runs it on its BF16_Optimizer, which reduces gradients like plain data parallel
     (``allreduce_gradients``) and keeps fp32 accumulators (``clear_hp_grads``), not ZeRO-1's buckets."""

@@ -39,7 +39,7 @@ instead; ``memory.predict_peak: false`` leaves the counter alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -106,11 +106,11 @@ class PeakPredictor:
         self,
         module: torch.nn.Module,
         *,
-        device: Any,
+        device: torch.device | str,
         unit: str,
         margin: float,
         device_memory_bytes: int | None,
-        key: Any,
+        key: Callable[[], Hashable],
         measure: bool = True,
     ) -> None:
         self.model = PeakMemoryModel()
@@ -130,7 +130,7 @@ class PeakPredictor:
         # with_kwargs: model(**batch) passes its tensors as keyword arguments.
         self._hook = module.register_forward_pre_hook(self._record_size, with_kwargs=True)
 
-    def _record_size(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _record_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._size is None:
             first = first_batched(list(args) + list(kwargs.values()))
             if first is not None:

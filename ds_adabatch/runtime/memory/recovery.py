@@ -44,6 +44,8 @@ from .oom import (
 from .predictor import PeakPredictor
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     from ...config import AdaBatchConfig
 
 __all__ = [
@@ -64,8 +66,8 @@ class OomRecovery:
 
     def __init__(
         self,
-        ds_engine: Any,
-        config: Any,
+        ds_engine: DeepSpeedEngine,
+        config: AdaBatchConfig,
         *,
         rank: int,
         world_size: int,
@@ -225,7 +227,7 @@ class OomRecovery:
             torch.cuda.set_rng_state(state["cuda"])
 
 
-def optimizer_step_oom(ds_engine: Any, rank: int, where: str) -> UnrecoverableOutOfMemory:
+def optimizer_step_oom(ds_engine: DeepSpeedEngine, rank: int, where: str) -> UnrecoverableOutOfMemory:
     """The error for an out-of-memory error inside DeepSpeed's optimizer step: exit code 1, no record.
 
     The optimizer step allocates the optimizer state, the fp32 master weights and the step's buffers,
@@ -373,7 +375,7 @@ def _slice(batch: Any, lo: int, hi: int) -> Any:
     return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
 
 
-def memory_for(config: Any) -> MicroBatchMemory:
+def memory_for(config: AdaBatchConfig) -> MicroBatchMemory:
     """The learned micro-batch limit an ``"adabatch"`` section (:class:`AdaBatchConfig`) asks for: in
     samples per pass, or with ``micro_batch_tokens`` in tokens per pass (that budget is its ceiling)."""
     if config.token_budget:
@@ -402,7 +404,7 @@ def _empty_cache() -> None:
 
 
 def engine_oom_recovery(
-    ds_engine: Any,
+    ds_engine: DeepSpeedEngine,
     cfg: AdaBatchConfig,
     *,
     rank: int,

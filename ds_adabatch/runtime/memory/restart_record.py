@@ -33,9 +33,13 @@ import os
 import time
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .limit import parse_key
+
+if TYPE_CHECKING:
+    from .limit import MicroBatchMemory
+    from .oom import UnrecoverableOutOfMemory
 
 __all__ = [
     "DEFAULT_RECORD_DIR",
@@ -152,7 +156,7 @@ class RestartRecords:
         self._imposed: set[tuple[int, float]] = set()  # (rank, written_at) of records imposed
         self._read: list[str] = []  # paths this rank read records from (deleted once a checkpoint holds them)
 
-    def record(self, error: Any, key: Hashable, failed: int, *, where: str) -> None:
+    def record(self, error: UnrecoverableOutOfMemory, key: Hashable, failed: int, *, where: str) -> None:
         """Write this rank's record and say so in ``error`` (an ``UnrecoverableOutOfMemory``, whose
         ``exit_code`` becomes :data:`OOM_RESTART_EXIT_CODE`)."""
         folder = self.record_dir or self.folder or self.default_dir
@@ -171,7 +175,7 @@ class RestartRecords:
             f"plans below {failed}",
         )
 
-    def start(self, memory: Any, unit: str) -> None:
+    def start(self, memory: MicroBatchMemory, unit: str) -> None:
         """At engine construction, on every rank: impose the records in ``record_dir``, or, on a
         restart, those this launch left in the default folder before it knew a checkpoint folder."""
         if self.record_dir is not None:
@@ -185,13 +189,15 @@ class RestartRecords:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         self._impose(self.default_dir, memory, unit, same_run=True, read=restarted)
 
-    def impose(self, folder: str, memory: Any, unit: str) -> None:
+    def impose(self, folder: str, memory: MicroBatchMemory, unit: str) -> None:
         """Impose every record in ``folder`` not imposed yet on ``memory`` (a ``MicroBatchMemory``), and
         record there from now on (unless ``record_dir`` is set). On every rank."""
         self.folder = folder
         self._impose(folder, memory, unit, same_run=False)
 
-    def _impose(self, folder: str, memory: Any, unit: str, *, same_run: bool, read: bool = True) -> None:
+    def _impose(
+        self, folder: str, memory: MicroBatchMemory, unit: str, *, same_run: bool, read: bool = True
+    ) -> None:
         run = _run_id()
         found = [(p, r) for p, r in read_records(folder) if not same_run or r.run == run] if read else []
         self._read += [p for p, _ in found if p not in self._read]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,11 @@ from ds_adabatch.config import ConfigError
 from ds_adabatch.config.schedules import DEFAULT_NOISE_SCALES, GradientNoiseScheduleConfig
 
 from .. import deepspeed_internals as internals
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "AdamPreconditioner",
@@ -81,12 +86,12 @@ def _bias_correction(state: dict[str, Any], group: dict[str, Any]) -> float:
     return 1.0 - float(group["betas"][1]) ** t if group.get("bias_correction", True) and t > 0 else 1.0
 
 
-def _is_adam_like(optimizer: Any) -> bool:
+def _is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
     groups = getattr(optimizer, "param_groups", None)
     return bool(groups) and all("betas" in g and "eps" in g for g in groups)
 
 
-def _group_of(optimizer: Any, key: torch.Tensor) -> dict[str, Any] | None:
+def _group_of(optimizer: torch.optim.Optimizer, key: torch.Tensor) -> dict[str, Any] | None:
     for group in optimizer.param_groups:
         if any(p is key for p in group["params"]):
             return group
@@ -106,12 +111,14 @@ def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
     return out
 
 
-def _dp_group_world(group: Any) -> int:
+def _dp_group_world(group: ProcessGroup | None) -> int:
     dist = torch.distributed
     return dist.get_world_size(group=group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _units_for(
+    ds_engine: DeepSpeedEngine, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     """The units of the engine's optimizer and the process group its partitions span, or why not.
 
     Read from DeepSpeed 0.19.8's optimizer wrappers; each reader names the fields it relies on.
@@ -138,7 +145,9 @@ def _units_for(ds_engine: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return f"the optimizer wrapper {type(opt).__name__} is not one ds_adabatch can read second moments from"
 
 
-def _zero3_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _zero3_units(
+    opt: ZeROOptimizer, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     # ZeRO 3 (stage3.py DeepSpeedZeroOptimizer_Stage3): sub-group s keeps one fp32 flat,
     # fp32_partitioned_groups_flat[s], the concatenation of its parameters' own partitions
     # (fp16_groups[s] order, partition_numel() each). Parameter p is split into equal pieces of
@@ -162,7 +171,9 @@ def _zero3_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return units, pg
 
 
-def _zero12_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _zero12_units(
+    opt: ZeROOptimizer, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     # ZeRO 1-2 (stage_1_and_2.py DeepSpeedZeroOptimizer): group i's parameters are views into
     # bit16_groups_flat[i] at round_robin_bit16_offsets[i] (round_robin_bit16_groups[i] order); rank r
     # owns elements [r, r + 1) x partition_size[i], whose fp32 copy single_partition_of_fp32_groups[i]
@@ -179,7 +190,9 @@ def _zero12_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return units, pg
 
 
-def _bf16_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _bf16_units(
+    opt: ZeROOptimizer, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     # bf16_optimizer.py BF16_Optimizer (bf16 with fp32 gradient accumulation): group i's parameters
     # lie back to back in bf16_groups_flat[i], partitioned like ZeRO 1.
     units, pg = [], None
@@ -195,7 +208,9 @@ def _bf16_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return units, pg
 
 
-def _fp16_fused_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _fp16_fused_units(
+    opt: DeepSpeedOptimizer, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     # fp16/fused_optimizer.py FP16_Optimizer: one unpartitioned fp32 flat per group, parameters back
     # to back (torch's _flatten_dense_tensors).
     units = []
@@ -207,7 +222,9 @@ def _fp16_fused_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
     return units, None
 
 
-def _fp16_unfused_units(opt: Any, basic: Any) -> tuple[list[_Unit], Any] | str:
+def _fp16_unfused_units(
+    opt: DeepSpeedOptimizer, basic: torch.optim.Optimizer
+) -> tuple[list[_Unit], ProcessGroup | None] | str:
     # fp16/unfused_optimizer.py FP16_UnfusedOptimizer (ZeRO 0 with fp16 or bf16): one fp32 master per
     # parameter, fp32_groups[i][j] for fp16_groups[i][j].
     units = []
@@ -280,8 +297,8 @@ class AdamPreconditioner:
     def __init__(
         self,
         units: list[_Unit],
-        optimizer: Any,
-        process_group: Any,
+        optimizer: torch.optim.Optimizer,
+        process_group: ProcessGroup | None,
         device: torch.device | str,
         *,
         rank: int | None = None,
@@ -321,7 +338,7 @@ class AdamPreconditioner:
         (:data:`SETTLED_STEPS`); the probe then reports its step as not measured."""
 
     @classmethod
-    def for_deepspeed(cls, ds_engine: Any) -> AdamPreconditioner | None:
+    def for_deepspeed(cls, ds_engine: DeepSpeedEngine) -> AdamPreconditioner | None:
         """The preconditioner of ``ds_engine``'s optimizer; None (with a warning) where its second
         moments cannot be read.
 
@@ -376,7 +393,7 @@ class AdamPreconditioner:
             x = flat[first:end]
             buffer[at : at + end - first].addcmul_(x, x, value=factor)
 
-    def after_step(self, optimizer: Any, out: torch.Tensor) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer, out: torch.Tensor) -> None:
         """A post-step hook on the inner optimizer: add, over this rank's share, the weighted squared
         norms of its micro-batches (into ``out[0]``) and the reduced gradient's weighted and plain
         squared norms (``out[1:3]``)."""
@@ -423,7 +440,7 @@ class AdamPreconditioner:
         self._buffer = None
 
 
-def check_noise_geometry(optimizer: Any, geometry: str) -> None:
+def check_noise_geometry(optimizer: torch.optim.Optimizer, geometry: str) -> None:
     """Refuse ``geometry: "adam"`` for an optimizer without Adam's second moment.
 
     Raises:
@@ -440,7 +457,7 @@ def check_noise_geometry(optimizer: Any, geometry: str) -> None:
         )
 
 
-def measured_geometry(ds_engine: Any, geometry: str, *, caller_resolves: bool = True) -> str:
+def measured_geometry(ds_engine: DeepSpeedEngine, geometry: str, *, caller_resolves: bool = True) -> str:
     """The geometry a probe on ``ds_engine`` measures in for the configured ``geometry``.
 
     ``"auto"`` is ``"adam"`` for an optimizer that keeps Adam's second moment, else ``"sgd"``;
@@ -469,7 +486,7 @@ def measured_geometry(ds_engine: Any, geometry: str, *, caller_resolves: bool = 
     return "adam" if noise_preconditioner(ds_engine) is not None else "sgd"
 
 
-def _inner_optimizer(ds_engine: Any) -> Any:
+def _inner_optimizer(ds_engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     # DeepSpeed 0.19.8 keeps the torch optimizer it wraps in engine.basic_optimizer (a ZeRO or
     # fp16/bf16 wrapper holds the same object as .optimizer).
     basic = getattr(ds_engine, "basic_optimizer", None) or getattr(ds_engine.optimizer, "optimizer", None)
@@ -479,7 +496,7 @@ def _inner_optimizer(ds_engine: Any) -> Any:
 _AUTO_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def configured_geometry(ds_engine: Any) -> str:
+def configured_geometry(ds_engine: DeepSpeedEngine) -> str:
     """The ``geometry`` of the ``gradient_noise`` schedule in the engine's DeepSpeed config (its
     ``"adabatch"`` section), ``"sgd"`` without one."""
     # The config dict the engine was built with, unknown sections such as "adabatch" included. The
@@ -495,7 +512,7 @@ def configured_geometry(ds_engine: Any) -> str:
 _PRECONDITIONERS: weakref.WeakKeyDictionary[Any, AdamPreconditioner | None] = weakref.WeakKeyDictionary()
 
 
-def noise_preconditioner(ds_engine: Any) -> AdamPreconditioner | None:
+def noise_preconditioner(ds_engine: DeepSpeedEngine) -> AdamPreconditioner | None:
     """The engine's :class:`AdamPreconditioner`, built once (None where the second moments cannot be
     read: the noise scale is then measured in the SGD geometry, with one warning).
 

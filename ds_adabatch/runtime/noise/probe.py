@@ -25,7 +25,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,12 +34,15 @@ from ds_adabatch.signals import GradientNoiseEstimator
 
 from .adam_geometry import AdamPreconditioner, configured_geometry, measured_geometry, noise_preconditioner
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
 __all__ = ["SPLIT_EVERY", "NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
 
 logger = logging.getLogger("ds_adabatch")
 
 
-def loss_scale(ds_engine: Any) -> float:
+def loss_scale(ds_engine: DeepSpeedEngine) -> float:
     """fp16 multiplies the loss by a dynamic scale before backward; bf16 and fp32 use 1."""
     if not ds_engine.fp16_enabled():
         return 1.0
@@ -134,7 +137,7 @@ class NoiseProbe:
             self.preconditioner.after_step(optimizer, self._step_sums)
 
     @classmethod
-    def for_deepspeed(cls, ds_engine: Any, geometry: str | None = None) -> NoiseProbe:
+    def for_deepspeed(cls, ds_engine: DeepSpeedEngine, geometry: str | None = None) -> NoiseProbe:
         """Hooks on the engine's module; the big batch from DeepSpeed's global gradient norm (ZeRO 1-3,
         bf16) or, under plain ZeRO 0, from the all-reduced ``.grad`` tensors.
 
