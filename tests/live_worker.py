@@ -222,7 +222,7 @@ def run(out: str, stage: int) -> None:
             "resumed_from": path,
             "first_step": first_step,
             "snapshot_bytes": snapshot_bytes,
-            "snapshot_every": engine._live_recovery._cadence.every if engine.live_elastic == "on" else None,
+            "snapshot_every": engine.live_snapshot_every,
             "history": [h.reason for h in engine.history],
         },
     )
@@ -268,6 +268,7 @@ def checks(out: str) -> None:
         torch.distributed.barrier()  # every rank has deleted its own files
         result[name] = {
             "live_elastic": engine.live_elastic,
+            "snapshot_every": engine.live_snapshot_every,
             "files": files,
             "files_after_close": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
         }

@@ -162,8 +162,10 @@ def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
     assert got["optimizer_instance"]["live_elastic"].startswith("off:an optimizer or LR scheduler instance")
     warning = "adabatch.live_elastic is enabled but not available with an optimizer or LR scheduler instance"
     assert proc.stderr.count(warning) == 1
+    assert got["optimizer_instance"]["snapshot_every"] is None  # live recovery off: no snapshots
     for stage in ("zero1", "zero3"):
         assert got[stage]["live_elastic"] == "on", got[stage]
+        assert got[stage]["snapshot_every"] == 1, got[stage]  # live_elastic.snapshot_every, in force
         # Two ranks, each its own partition in two alternating slots (data + metadata); no buddy copy
         # on one node (a node's loss takes both ranks).
         files = got[stage]["files"]

@@ -61,6 +61,9 @@ class LiveStepRecovery(HostSnapshots, Protocol):
     events: list[dict[str, Any]]
     """The recoveries of this process so far (``engine.live_events``)."""
 
+    @property
+    def snapshot_every(self) -> int | None: ...
+
     def run_step(self, step: Callable[[], StepLoss]) -> StepLoss: ...
 
     def close(self) -> None: ...
@@ -296,6 +299,14 @@ class AdaptiveEngineBase:
         first_step)."""
         live = self._live_recovery
         return list(live.events) if live is not None else []
+
+    @property
+    def live_snapshot_every(self) -> int | None:
+        """Steps between host-memory snapshots with live recovery on: ``live_elastic.snapshot_every``, or
+        the interval ``"auto"`` chose in this world (None while it is still measuring, or when live
+        recovery is off). A lost peer rolls training back by at most this many steps."""
+        live = self._live_recovery
+        return live.snapshot_every if live is not None else None
 
     def max_memory_allocated(self) -> int:
         """This process's peak allocated accelerator memory since it started, in bytes.

@@ -303,6 +303,12 @@ class LiveRecovery:
             ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
         )
 
+    @property
+    def snapshot_every(self) -> int | None:
+        """Steps between snapshots in this world: ``snapshot_every``, or the interval ``"auto"`` chose
+        (None while it is still measuring)."""
+        return self._cadence.every
+
     def _new_snapshots(self) -> None:
         """Snapshots of this world (after :meth:`_host_group`), the first one taken now."""
         self._cadence = SnapshotCadence(self.cfg.snapshot_every)
