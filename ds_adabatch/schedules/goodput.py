@@ -213,7 +213,7 @@ class GoodputSchedule:
             kept = None if before is None else self._gain(current, now, judged, before, noise, band)
             if kept is not None and kept <= 1.0 + self.hysteresis:
                 reference, now = judged, before
-                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, back; "
+                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, not kept; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
         if band:
             said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
@@ -326,8 +326,8 @@ class GoodputSchedule:
             said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
         if reference == current:
             return self._hold(current, f"goodput {said}")
-        self.moves += 1
-        self.last_reason = f"goodput {said} -> batch {reference}"
+        self.moves += 1  # a trial undone: back to the batch it left
+        self.last_reason = f"goodput {said} -> back to batch {reference}"
         return float(reference)
 
     def _move(
