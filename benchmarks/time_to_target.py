@@ -25,6 +25,17 @@ training seconds). Usage::
     python benchmarks/time_to_target.py --device cuda --seconds 35          # the GPU measurement
     python benchmarks/time_to_target.py                                     # the CPU one (smaller model)
     python benchmarks/time_to_target.py --smoke                             # a tiny run, for CI
+    python benchmarks/time_to_target.py --simulate-step-time fixed=0.04 --seconds 20 --seed 1
+
+``--simulate-step-time CURVE`` stands in a device whose step costs what CURVE says (the syntax of
+``DS_ADABATCH_SIMULATED_STEP_TIME`` and ``ds-adabatch simulate --step-time``; ``fixed=0.04`` is a
+host-bound GPU, where a step costs 40 ms whatever its batch): the training clock of every policy is the
+sum of its steps' simulated times (each pass the step ran, a noise split's two included), and the goodput
+schedule is given the same curve instead of its measurements. The training itself is real (the same
+model, data, LR and exact steps), so the loss against samples is what the device would see; what the
+figures then say is what the schedule makes of that device's costs. They do not depend on this
+machine's speed or load, and a run is deterministic: ``--seed`` varies the data order and the initial
+weights between runs.
 
 The goal it measures (issue: goodput): on one GPU ``goodput`` reaches every target no later than the
 best fixed batch of the sweep and at most 0.6x the median fixed batch's time; on the CPU within 1.05x the
@@ -60,7 +71,7 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {f"fixed-{b}": {"type": "constant", "value": b} for b in args.sweep}
     out["linear"] = {"type": "linear", "start": args.start, "end": top, "ramp_samples": args.ramp_samples}
     out["gradient_noise"] = {"type": "gradient_noise", "start": args.start}
-    out["goodput"] = {"type": "goodput", "start": args.start}
+    out["goodput"] = {"type": "goodput", "start": args.start, **dict(args.goodput_set)}
     return out
 
 
@@ -81,7 +92,7 @@ def ds_config(schedule: dict[str, Any], args: argparse.Namespace) -> dict[str, A
             "max_micro_batch_per_gpu": max(args.sweep),
             "max_global_batch": max(args.sweep),
             "lr_scaling": {"rule": "sqrt", "reference_batch": args.start},
-            "data": {"shuffle": True, "seed": 0, "num_workers": 0},
+            "data": {"shuffle": True, "seed": args.seed, "num_workers": 0},
         },
     }
 
@@ -97,7 +108,7 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     corpus = ByteCorpus(max_bytes=args.corpus_bytes)
     train = ByteWindows(corpus.train, spec.context)
     held = ByteWindows(corpus.validation, spec.context)
-    model = build_model(spec, seed=0)
+    model = build_model(spec, seed=args.seed)
     cfg = ds_config(policies(args)[name], args)
     engine, *_ = ds_adabatch.initialize(model, cfg, train)
     module = engine.module
@@ -134,13 +145,19 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     trained = cpu = 0.0
     next_eval = args.eval_every
+    simulated = _step_cost(args.simulate_step_time)
     while trained < args.seconds:
         sync()
         started, cpu_started = time.perf_counter(), time.process_time()
-        while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
-            engine.train_batch()
-        sync()
-        trained += time.perf_counter() - started
+        if simulated is not None:  # the simulated device's clock: each step's simulated time
+            while trained < min(next_eval, args.seconds):
+                engine.train_batch()
+                trained += simulated(engine.last_step_batch)
+        else:
+            while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
+                engine.train_batch()
+            sync()
+            trained += time.perf_counter() - started
         # The process's CPU time in training: on a loaded machine wall-clock figures mean little, CPU
         # seconds per sample still compare the policies' own costs (the schedule's measurement included).
         cpu += time.process_time() - cpu_started
@@ -157,7 +174,30 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         )
     engine.close()
     changes = [event.to_dict() for event in engine.history]
-    return {"policy": name, "curve": curve, "batch_changes": changes, "config": cfg}
+    return {
+        "policy": name,
+        "curve": curve,
+        "batch_changes": changes,
+        "config": cfg,
+        "simulated": args.simulate_step_time,
+    }
+
+
+def _step_cost(text: str | None) -> Any:
+    """The simulated seconds of a step (``engine.last_step_batch``: the passes it ran) on the curve
+    ``text``, or None to time steps by the clock."""
+    if text is None:
+        return None
+    from ds_adabatch.signals.throughput import parse_step_time_curve
+
+    curve = parse_step_time_curve(text)
+
+    def cost(step_batch: Any) -> float:
+        # A pad pass (no real sample) still runs one sample, weighted 0.
+        passes = [max(m.num_samples, 1) for m in step_batch.micro_batches]
+        return curve.fixed + sum(curve.per_pass + curve.per_sample * m for m in passes)
+
+    return cost
 
 
 def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
@@ -208,11 +248,21 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         ys = [p["val"] for p in r["curve"]]
         ax.plot(xs, ys, label=name, lw=2.2 if not name.startswith("fixed-") else 1.2)
     ax.set_xlabel("training seconds (validation excluded)")
+    settings = next(iter(results.values()), {}).get("simulated")
+    if settings:
+        ax.set_xlabel(f"simulated training seconds ({settings})")
     ax.set_ylabel("validation loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: write KEY=VALUE")
+    return key, json.loads(value)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,6 +281,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", type=float, nargs="+", default=None)
     p.add_argument("--corpus-bytes", type=int, default=None)
     p.add_argument("--only", nargs="+", default=None, help="run only these policies")
+    p.add_argument(
+        "--simulate-step-time",
+        default=None,
+        metavar="CURVE",
+        help="time steps on this simulated step-time curve instead of the clock (see the docstring)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    p.add_argument(
+        "--goodput-set",
+        nargs="+",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="goodput schedule keys other than their defaults (VALUE in JSON), e.g. warmup_steps=10",
+    )
     p.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # a child: train this one policy
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
@@ -255,6 +320,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    if args.simulate_step_time is not None:  # the goodput schedule sees the simulated device's costs
+        from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV
+
+        os.environ[SIMULATED_STEP_TIME_ENV] = args.simulate_step_time
     os.makedirs(args.out, exist_ok=True)
     if args.policy is not None:
         result = train_policy(args.policy, args)

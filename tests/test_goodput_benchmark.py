@@ -64,3 +64,21 @@ def test_time_to_a_target_is_interpolated_between_validations():
     assert time_to(curve, 1.8) == pytest.approx(8.0)
     assert time_to(curve, 6.0) == 0.0
     assert time_to(curve, 1.7) is None
+
+
+def test_a_simulated_device_charges_each_pass_a_step_ran():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import _key_value, _step_cost
+
+    from ds_adabatch.data.step_batch import MicroBatch, StepBatch
+
+    def step(*sizes: int) -> StepBatch:
+        micro = tuple(MicroBatch(batch=None, indices=tuple(range(n)), num_samples=n) for n in sizes)
+        return StepBatch(micro_batches=micro, plan=None, rank=0, epoch=0, global_batch=None)
+
+    cost = _step_cost("fixed=0.04,per_pass=0.01,per_sample=0.001")
+    assert cost(step(8)) == pytest.approx(0.04 + 0.01 + 0.008)
+    # A noise split runs the same 8 samples as two passes: one more pass's cost, as the device pays it.
+    assert cost(step(4, 4)) == pytest.approx(0.04 + 2 * 0.01 + 0.008)
+    assert _step_cost(None) is None  # the clock times the steps
+    assert _key_value("warmup_steps=10") == ("warmup_steps", 10)
