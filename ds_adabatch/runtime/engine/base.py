@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ...config.schedules import measures_noise
+from ...data.step_batch import StepBatch
 from ...plan import BatchPlan, PlanError, plan_batch
 from ...schedules import BatchSizeController
 from ...signals import EmaLoss, GradientNoiseEstimator
@@ -47,7 +48,7 @@ from ..noise.adam_geometry import measured_geometry
 
 if TYPE_CHECKING:
     from ...config.loader import LoadedConfig
-    from ...data.loader import ElasticDataLoader, StepBatch
+    from ...data.loader import ElasticDataLoader
     from ...data.token_loader import TokenBudgetLoader
 
 __all__ = ["AdaptiveEngineBase", "LiveStepRecovery"]
@@ -131,7 +132,6 @@ class AdaptiveEngineBase:
         self.global_tokens = 0
         self.history: list[PlanChange] = []
         self._decided_step: int | None = None  # the step whose plan next_plan() already applied
-        self.last_step_batch: StepBatch | None = None
         self.last_metrics: StepMetrics | None = None
         self.noise = GradientNoiseEstimator(**self._noise_kwargs())
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
@@ -261,6 +261,9 @@ class AdaptiveEngineBase:
         "The gradient norm of the latest resolved step (None where none was computed)."
     )
     loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
+    last_step_batch = in_core[StepBatch | None](
+        "This rank's micro-batches of the latest step drawn (``StepCore.draw``).", name="last_step"
+    )
 
     @property
     def oom_recovery(self) -> str:

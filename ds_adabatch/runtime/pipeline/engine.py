@@ -1,12 +1,13 @@
 """``AdaptivePipelineEngine``: DeepSpeed's ``PipelineEngine.train_batch`` at whatever batch the schedule wants.
 
 One ``train_batch()`` is one optimizer step of the plan's global batch, planned on the data-parallel
-size (world / (stages x tensor ranks)). Deciding, applying and accounting a step is shared with the
-data-parallel engine (:mod:`.step`); this class feeds the pipeline::
+size (world / (stages x tensor ranks)). Deciding, drawing and accounting a step is the step core's
+(``runtime/core/step_core.py``), applying its plans is shared with the data-parallel engine
+(``runtime/engine/base.py``); this class feeds the pipeline::
 
-    fetch     the sampler's next global batch, cut for this replica's data-parallel rank; the first
-              and the last stage (every tensor rank of them) load the same micro-batches, the stages
-              between only advance their sampler
+    draw      StepCore.draw: the sampler's next global batch, cut for this replica's data-parallel
+              rank; the first and the last stage (every tensor rank of them) load the same
+              micro-batches, the stages between only advance their sampler
     shape     a new micro-batch size -> reset_activation_shape() on every rank, before the same step
               (nothing with PipelineModule(dynamic_shape=True), which sends shapes per micro-batch)
     weights   each pass's (real rows, count x GAS x dp / total) queued for the wrapped loss_fn
@@ -120,11 +121,11 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         started = time.perf_counter()
         self.next_plan()
         lr_used = self.lr_coupling.get_lr()[0]
-        step_batch = self.dataloader.next_step(self.plan, load=self._feeds)
-        self.last_step_batch = step_batch
-        if step_batch.plan != self.plan:
-            self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+        drawn = self.core.draw(self.dataloader, self.plan, load=self._feeds)  # the stages between: no load
+        if drawn.tail is not None:  # the epoch's smaller last batch: its LR multiplier applies
+            self._apply_plan(drawn.tail, reason="last batch of the epoch", record=True)
             lr_used = self.lr_coupling.get_lr()[0]
+        step_batch = drawn.step
         plan = self.plan
         total_samples = plan.global_batch_size
         micro = step_batch.micro_batches
