@@ -55,15 +55,20 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
     def __init__(self, ds_engine: Any, **kwargs: Any) -> None:
         kwargs.setdefault("world_size", ds_engine.dp_world_size)
         super().__init__(ds_engine, **kwargs)
-        self._noise_cadence = NoiseCadence(self.config.schedule)
-        self._probe: NoiseProbe | None = None
-        self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
-        self.by_token = self.config.loss_normalization == "token"
-        # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps.
+        # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps. It
+        # lasts the run (the loader initialize returned hands out its micro-batches).
         self.loop = ForwardBackwardLoop(
             self,
             LoopStepHooks(open=self._open_loop_step, passes=self._loop_passes, complete=self._complete_step),
         )
+
+    def _bind(self, ds_engine: Any, **world: Any) -> None:
+        """The base's binding (``AdaptiveEngineBase._bind``), and the noise probe of this DeepSpeed engine."""
+        super()._bind(ds_engine, **world)
+        self._noise_cadence = NoiseCadence(self.config.schedule)
+        self._probe: NoiseProbe | None = None  # its hooks go on this DeepSpeed engine's parameters
+        self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
+        self.by_token = self.config.loss_normalization == "token"
 
     # ---------------------------------------------------------------------------------------------
     # The forward / backward / step loop (loop.py runs it; these are DeepSpeed's names for it)

@@ -51,23 +51,27 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
     _plan_unit = "replica"  # plans count data-parallel replicas, each spread over the stages
 
     def __init__(self, ds_engine: Any, *, loss_fn: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(ds_engine, loss_fn=loss_fn, **kwargs)
+
+    def _bind(self, ds_engine: Any, **world: Any) -> None:
+        """The base's binding (``AdaptiveEngineBase._bind``) for the pipeline's data-parallel size, with
+        the user's loss wrapped on the last stage and the shapes the stages exchange."""
         grid = ds_engine.grid
         last = ds_engine.is_last_stage()
         self._weighted_loss = WeightedPipelineLoss(
-            loss_fn, by_token=kwargs["loaded_config"].adabatch.loss_normalization == "token"
+            self.loss_fn, by_token=world["loaded_config"].adabatch.loss_normalization == "token"
         )
         # DeepSpeed 0.19.8 calls module.loss_fn(outputs, labels) in _exec_forward_pass on the last stage.
         ds_engine.module.loss_fn = self._weighted_loss
         self._rows: int | None = None  # the micro-batch DeepSpeed's cached activation shapes hold
         self._dynamic = bool(ds_engine.dynamic_shape)
-        super().__init__(
+        super()._bind(
             ds_engine,
-            loss_fn=loss_fn,
             world_size=grid.data_parallel_size,
             # One rank per replica counts: the last stage (it has the labels), tensor rank 0.
             counts_here=last and grid.get_slice_parallel_rank() == 0,
             recovers_from_oom=False,
-            **kwargs,
+            **world,
         )
         self._first, self._last = ds_engine.is_first_stage(), last
         self._feeds = self._first or self._last
