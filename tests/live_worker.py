@@ -287,6 +287,8 @@ def _transient_fault(stage: int, steps: int = 8) -> dict:
     engine, optimizer, loader, scheduler = ds_adabatch.initialize(
         make_model(), config(stage, persist=True), Regression(), loss_fn=mse
     )
+    # What lasts the run is not made again when the DeepSpeed engine is swapped (AdaptiveEngineBase._bind).
+    lasting, first_deepspeed = (engine.loop, engine.checkpoints, engine.lr_coupling), engine.deepspeed
     for step in range(1, steps + 1):
         if step == 4 and engine.rank == 1:
             threading.Timer(0.002, engine._live_recovery.world.break_connections).start()
@@ -303,6 +305,10 @@ def _transient_fault(stage: int, steps: int = 8) -> dict:
         "optimizer_state_keys": sorted(optimizer.state_dict())[:3],
         "loader_samples": loader.state_dict()["sampler"]["samples_consumed"],
         "engine_samples": engine.global_samples,
+        "lasting_parts_kept": all(
+            a is b for a, b in zip(lasting, (engine.loop, engine.checkpoints, engine.lr_coupling))
+        ),
+        "deepspeed_swapped": engine.deepspeed is not first_deepspeed,
     }
     events = [{k: e[k] for k in ("kind", "lost", "world_size", "steps_redone")} for e in engine.live_events]
     history = [h.reason for h in engine.history]

@@ -193,3 +193,5 @@ def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
     assert handles["optimizer_lr"] == handles["scheduler_lr"] == handles["engine_lr"] > 0, handles
     assert handles["loader_samples"] == handles["engine_samples"] > 0, handles
     assert handles["optimizer_state_keys"], handles
+    # The engine swapped the DeepSpeed engine inside; its loop, checkpoints and LR wrapper are the same.
+    assert handles["deepspeed_swapped"] is True and handles["lasting_parts_kept"] is True, handles

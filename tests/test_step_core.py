@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.data import ElasticDataLoader, ElasticSampler
 from ds_adabatch.plan import plan_batch
 from ds_adabatch.runtime.core.step_core import Progress, StepAttachments, StepCore, plan_change
 from ds_adabatch.runtime.core.sync import StepSync
@@ -100,6 +101,95 @@ def test_an_override_is_agreed_once_and_a_user_function_at_every_evaluation():
         decision = user.decide(step)
     assert CALLS == [1, 2, 3] and decision.batch == 20
     assert user.sync.collectives == 3, "a user function's answer is agreed at each evaluation"
+
+
+def loaders(n: int, world: int) -> list[ElasticDataLoader]:
+    """Every rank's loader over ``dataset[i] == i`` (in order), in one process."""
+    return [
+        ElasticDataLoader(list(range(n)), ElasticSampler(n, shuffle=False), rank=r, world_size=world)
+        for r in range(world)
+    ]
+
+
+def served(step) -> list[int]:
+    """The samples a rank's step holds, pass by pass (pads left out)."""
+    return [i for m in step.micro_batches for i in m.indices]
+
+
+def test_the_core_draws_each_step_and_replans_the_epoch_tail():
+    cores = [core_for({"type": "constant", "value": 8}, rank=r)[0] for r in range(2)]
+    ranks = loaders(10, 2)
+    plan = cores[0].decide(0).plan
+    first = [core.draw(loader, plan) for core, loader in zip(cores, ranks)]
+    assert all(d.tail is None and d.split is None and d.plan == plan for d in first)
+    assert all(core.last_step is d.step for core, d in zip(cores, first)), "the core holds the step it drew"
+    tail = [core.draw(loader, plan) for core, loader in zip(cores, ranks)]
+    assert tail[0].tail == plan_batch(2, 2, 4) and tail[0].plan == tail[0].tail, (
+        "the epoch's last 2 samples must come re-planned, for the holder to apply with a record"
+    )
+    assert sorted(i for d in first + tail for i in served(d.step)) == list(range(10))
+
+
+def test_a_noise_measured_single_pass_is_drawn_as_two_half_passes():
+    core, _ = core_for({"type": "constant", "value": 6}, world=1, max_micro_batch_per_gpu=8)
+    plan = core.decide(0).plan
+    assert plan.gradient_accumulation_steps == 1
+    (loader,) = loaders(10, 1)
+    drawn = core.draw(loader, plan, split=True)
+    assert drawn.split == plan_batch(6, 1, 3, allow_uneven=True) and drawn.restore == plan
+    assert drawn.plan == drawn.split and [len(m.indices) for m in drawn.step.micro_batches] == [3, 3]
+    assert served(drawn.step) == list(range(6)) and core.last_step is drawn.step
+    # The epoch's tail of 4 samples, split too: back to the tail's plan after the step.
+    tail = core.draw(loader, plan, split=True)
+    assert tail.tail == plan_batch(4, 1, 8) and tail.restore == tail.tail
+    assert tail.split == plan_batch(4, 1, 2) and served(tail.step) == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    ("world", "batch", "max_micro", "n"),
+    [(2, 8, 4, 16), (1, 8, 4, 16), (1, 1, 4, 4)],
+    ids=["two ranks", "two accumulation steps", "one sample"],
+)
+def test_a_step_of_more_than_one_pass_or_one_sample_is_not_split(world, batch, max_micro, n):
+    core, _ = core_for({"type": "constant", "value": batch}, world=world, max_micro_batch_per_gpu=max_micro)
+    plan = core.decide(0).plan
+    drawn = core.draw(loaders(n, world)[0], plan, split=True)
+    assert (drawn.split, drawn.restore, drawn.tail) == (None, None, None) and drawn.plan == plan
+
+
+def test_a_recut_runs_the_same_samples_at_another_plan_and_consumes_nothing():
+    core, _ = core_for({"type": "constant", "value": 8}, world=1, max_micro_batch_per_gpu=8)
+    (loader,) = loaders(16, 1)
+    drawn = core.draw(loader, core.decide(0).plan)
+    smaller = plan_batch(8, 1, 2)
+    again = core.recut(loader, drawn.step, smaller)
+    assert again.plan == smaller and len(again.micro_batches) == 4 and served(again) == served(drawn.step)
+    assert core.last_step is again, "the core holds the step as cut for its latest attempt"
+    assert served(core.draw(loader, core.decide(1).plan).step) == list(range(8, 16)), (
+        "a recut consumed samples"
+    )
+
+
+def test_a_stage_that_feeds_nothing_draws_without_loading():
+    core, _ = core_for({"type": "constant", "value": 4}, world=1)
+    (loader,) = loaders(8, 1)
+    drawn = core.draw(loader, core.decide(0).plan, load=False)
+    assert [m.batch for m in drawn.step.micro_batches] == [None] and served(drawn.step) == [0, 1, 2, 3]
+
+
+def test_every_entry_point_draws_through_the_core():
+    """The loader's step is drawn and re-cut in the core only (train_batch, the loop, the pipeline, the
+    Trainer)."""
+    for name in (".next_step(", ".reload("):
+        users = sorted(
+            p.relative_to(ROOT).as_posix()
+            for folder in ("runtime", "integrations")
+            for p in (ROOT / folder).rglob("*.py")
+            if name in p.read_text(encoding="utf-8")
+        )
+        assert set(users) <= {"runtime/core/draw.py", "runtime/core/step_core.py"}, (
+            f"{name} is called outside the step core: {users}"
+        )
 
 
 def test_plan_changes_are_built_in_one_place():

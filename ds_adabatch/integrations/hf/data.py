@@ -84,6 +84,6 @@ class StepLoader:
                 raise RuntimeError(
                     f"the Trainer started epoch {epoch} but the sample stream is still in epoch {upcoming}"
                 )
-            batch = state.loader.next_step(state.plan_for_step(step))
-            state.last_step = batch
-            yield StepInputs(batch)
+            # The core draws the step (state.last_step); an epoch's smaller tail needs nothing here:
+            # the Trainer's step applies each step's own plan as it starts (hf/step.py, apply_plan).
+            yield StepInputs(state.core.draw(state.loader, state.plan_for_step(step)).step)

@@ -144,8 +144,6 @@ class AdaptiveBatchState(StreamProgress):
         self.initial_plan = self.plan_for(self.scheduled_batch)
         self.plan: BatchPlan = self.initial_plan
         """The plan of the latest step run (an epoch's smaller tail batch included)."""
-        self.last_step: StepBatch | None = None
-        """This rank's micro-batches of the latest step (indices, sizes, pads)."""
         self._decided: tuple[int, BatchPlan] | None = None
         self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
@@ -167,6 +165,9 @@ class AdaptiveBatchState(StreamProgress):
     )
     last_loss = in_core[float | None]("The global mean loss of the latest logged step.")
     loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
+    last_step = in_core[StepBatch | None](
+        "This rank's micro-batches of the latest step drawn (indices, sizes, pads; ``StepCore.draw``)."
+    )
 
     def _progress(self) -> Progress:
         return Progress(

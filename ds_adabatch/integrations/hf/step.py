@@ -5,8 +5,9 @@
 ``Trainer._run_epoch`` for one update step. The step was decided when the Trainer's loop drew it
 from the step loader: ``hf.data.StepLoader`` asks ``AdaptiveBatchState.plan_for_step``, which asks
 the run's step core (``StepCore.decide``, ``ds_adabatch.runtime.core.step_core``, the same core the
-DeepSpeed entry points hold). :meth:`TrainerStep.run` logs what that decision said, runs the passes
-(retried with smaller ones after an out-of-memory error) and accounts a clean step to the core
+DeepSpeed entry points hold), and the core draws the step (``StepCore.draw``). :meth:`TrainerStep.run`
+logs what that decision said, runs the passes (retried with smaller ones after an out-of-memory error,
+the same samples cut anew by ``StepCore.recut``) and accounts a clean step to the core
 (``StepCore.clean_step``, through ``AdaptiveBatchState.after_clean_step``); the step's loss reaches
 the core's signals when the step sync resolves it (``hf.metrics``). The micro-batches run with the
 accumulation boundary (DeepSpeed) or
@@ -105,8 +106,7 @@ class TrainerStep:
                 plan = state.recut_after_oom(inputs.step, recovery.failed_passes(ranks), number)
             else:
                 plan = state.replan_after_oom(inputs.step.plan, ranks, number)
-            inputs.step = state.loader.reload(inputs.step, plan)
-            state.last_step = inputs.step
+            inputs.step = state.core.recut(state.loader, inputs.step, plan)  # the same samples
 
         logged = recovery.run(lambda: self.attempt(model, inputs), replan)
         state.after_clean_step(inputs.step)

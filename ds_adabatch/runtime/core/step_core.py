@@ -1,16 +1,21 @@
-"""The decision of an optimizer step, written once: decide -> plan -> account.
+"""The cycle of an optimizer step, written once: decide -> plan -> draw -> account -> state.
 
 Every entry point holds one :class:`StepCore`: the DeepSpeed engines (``train_batch``, the forward /
 backward / step loop, the pipeline engine, through :class:`~ds_adabatch.runtime.engine.base.AdaptiveEngineBase`)
 and the Hugging Face Trainer (through ``integrations.hf.state.AdaptiveBatchState``). It imports neither
-DeepSpeed nor transformers; the holder runs the passes and applies the plan its own way::
+DeepSpeed nor transformers; the holder runs the passes and applies the plans its own way::
 
     decide    decide(step): an override (agreed once) or the schedule's answer for ScheduleContext,
               losses resolved first where the rule reads them, a user function's answer agreed
     plan      plan_for(batch): the plan of a global batch under the learned micro-batch limit (a token
               target: the step the loader lays out); the steady case is answered from a cache
+    draw      draw(loader, plan): the step's global batch from the holder's loader, with the plans the
+              holder applies around it (an epoch's smaller tail, two half passes for a noise
+              measurement; draw.py); recut(loader, step, plan): the same samples cut anew (an
+              out-of-memory retry); last_step is this rank's share of the latest step
     account   clean_step(largest): the learned limit may grow back; signals_resolved(loss, norm): the
               step's global loss reaches the signals the next decision reads
+    state     state_dict() / load_state_dict(): what the next decisions depend on, in checkpoints
 
 What rides on a step attaches at named points (:class:`StepAttachments`), each a no-op object when off:
 ``memory`` (out-of-memory recovery and the memory predictor read and lower it), ``noise`` (the noise
@@ -26,15 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ...plan import BatchPlan, plan_batch
 from ...schedules import BatchSizeController, ScheduleContext
 from ...signals import EmaLoss, GradientNoiseEstimator
 from ..memory.limit import MicroBatchMemory
+from .draw import Drawn, StepSource, draw_step
 from .metrics import PlanChange
 from .step_times import NoStepTimes
 from .sync import StepSync
+
+if TYPE_CHECKING:
+    from ...data.step_batch import StepBatch
 
 __all__ = [
     "CoreHolder",
@@ -108,7 +117,7 @@ class StepAttachments:
 
 
 class StepCore:
-    """Decides, plans and accounts optimizer steps for one holder (see the module docstring).
+    """Decides, plans, draws and accounts optimizer steps for one holder (see the module docstring).
 
     Args:
         controller: the batch-size controller (schedule, bounds, granularity).
@@ -155,6 +164,8 @@ class StepCore:
         self.override: tuple[int, str] | None = None
         """``set_global_batch_size``'s batch and reason (None: the schedule decides)."""
         self.override_agreed = False
+        self.last_step: StepBatch | None = None
+        """This rank's micro-batches of the latest step drawn (as cut for its latest attempt)."""
         self.memory_reason: str | None = None
         """Why the learned limit moved at the latest clean step (said with the plan change it causes)."""
         # Signals the next decision reads, completed as each step's loss is resolved.
@@ -257,6 +268,21 @@ class StepCore:
         self._planned = (batch, limit, plan)
         return plan
 
+    # -- draw ----------------------------------------------------------------------------------------
+    def draw(self, source: StepSource, plan: BatchPlan, *, split: bool = False, load: bool = True) -> Drawn:
+        """Draw the step of the decided ``plan`` from the holder's loader (``draw.draw_step``): this
+        rank's micro-batches, and the plans to apply around them (an epoch's tail, a noise
+        measurement's two half passes when ``split``). ``load=False``: advance without reading."""
+        drawn = draw_step(source, plan, world_size=self.world_size, split=split, load=load)
+        self.last_step = drawn.step
+        return drawn
+
+    def recut(self, source: StepSource, step: StepBatch, plan: BatchPlan) -> StepBatch:
+        """``step``'s samples cut anew for ``plan`` by the loader that drew them (an out-of-memory
+        retry at smaller passes: the same global batch; nothing is consumed)."""
+        self.last_step = source.reload(step, plan)
+        return self.last_step
+
     # -- account -------------------------------------------------------------------------------------
     def clean_step(self, largest_pass: int) -> None:
         """A step ran without an out-of-memory error at passes of at most ``largest_pass`` (samples, or
@@ -335,14 +361,15 @@ class CoreHolder(Protocol):
 
 class in_core(Generic[T]):  # noqa: N801 - used like ``property``
     """An attribute of a step core's holder that lives in its core (``holder.core.<same name>``):
-    ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``."""
+    ``last_loss = in_core[float | None]("The global mean loss of the latest resolved step.")``;
+    ``name``: the core's attribute where the holder calls it otherwise."""
 
-    def __init__(self, doc: str) -> None:
+    def __init__(self, doc: str, *, name: str = "") -> None:
         self.__doc__ = doc
-        self.name = ""
+        self.name = name
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        self.name = self.name or name
 
     def __get__(self, holder: CoreHolder | None, owner: type | None = None) -> T:
         if holder is None:

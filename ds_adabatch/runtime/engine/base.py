@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ...config.schedules import measures_noise
+from ...data.step_batch import StepBatch
 from ...plan import BatchPlan, PlanError, plan_batch
 from ...schedules import BatchSizeController
-from ...signals import EmaLoss, GradientNoiseEstimator
+from ...signals import EmaLoss
 from ..checkpoint.save_load import EngineCheckpoints, HostSnapshots
 from ..core.batch_shape import apply_plan_to_engine
 from ..core.loss import StepLoss
@@ -43,11 +43,11 @@ from ..core.step_core import Progress, StepAttachments, StepCore, in_core, plan_
 from ..core.step_times import step_times_for
 from ..core.sync import StepSync
 from ..memory.recovery import engine_oom_recovery
-from ..noise.adam_geometry import measured_geometry
+from ..noise.probe import noise_estimator
 
 if TYPE_CHECKING:
     from ...config.loader import LoadedConfig
-    from ...data.loader import ElasticDataLoader, StepBatch
+    from ...data.loader import ElasticDataLoader
     from ...data.token_loader import TokenBudgetLoader
 
 __all__ = ["AdaptiveEngineBase", "LiveStepRecovery"]
@@ -72,15 +72,19 @@ class LiveStepRecovery(HostSnapshots, Protocol):
 class AdaptiveEngineBase:
     """The state and step machinery of an adaptive-batch engine (see the module docstring).
 
-    Subclasses run the passes of a step (``train_batch``) and may override :meth:`_apply_shape`.
+    Subclasses run the passes of a step (``train_batch``), extend :meth:`_bind` (what is derived from the
+    DeepSpeed engine and the world; :meth:`rebind` swaps it after a live recovery) and may override
+    :meth:`_apply_shape`.
     Checkpoints are written and read by the engine's :class:`EngineCheckpoints` (``checkpoints``).
 
     Args:
         ds_engine: the DeepSpeed engine to drive.
+        lr, loss_fn: the LR coupling installed on ``ds_engine`` (a rebuild rebinds it) and the loss
+            function of :func:`ds_adabatch.initialize`; they last the run. The rest is :meth:`_bind`'s:
         loaded_config: the validated config, planned for ``world_size``.
-        controller, lr: the batch-size controller and the LR coupling installed on ``ds_engine``.
+        controller: the batch-size controller.
         dataloader: the loader of this rank's data-parallel replica (None: no training data).
-        loss_fn, token_count_fn: as given to :func:`ds_adabatch.initialize`.
+        token_count_fn: as given to :func:`ds_adabatch.initialize` (or the default counter).
         world_size: data-parallel ranks (replicas); plans are made for this many.
         counts_here: whether this rank's per-rank sums count (one rank per replica).
         agreement_world: processes joining the out-of-memory agreement (every process).
@@ -99,11 +103,31 @@ class AdaptiveEngineBase:
         self,
         ds_engine: Any,
         *,
+        lr: BatchCoupledLR,
+        loss_fn: Callable[..., Any] | None = None,
+        **world: Any,
+    ) -> None:
+        # What lasts the run, whatever DeepSpeed engine drives it: this object (the script holds it),
+        # the LR wrapper (the script's scheduler; a rebuild rebinds it in place), the loss function, the
+        # counts and the history (a live recovery loads them from its snapshot), the checkpoints.
+        self.lr_coupling = lr
+        self.loss_fn = loss_fn
+        self.global_steps = 0
+        self.global_samples = 0
+        self.global_tokens = 0
+        self.history: list[PlanChange] = []
+        self.last_metrics: StepMetrics | None = None
+        self.checkpoints = EngineCheckpoints(self, data_state=self._data_state)
+        """save_checkpoint / load_checkpoint and the adabatch section they carry (checkpoint/)."""
+        self._bind(ds_engine, **world)
+
+    def _bind(
+        self,
+        ds_engine: Any,
+        *,
         loaded_config: LoadedConfig,
         controller: BatchSizeController,
-        lr: BatchCoupledLR,
         dataloader: ElasticDataLoader | TokenBudgetLoader | None = None,
-        loss_fn: Callable[..., Any] | None = None,
         token_count_fn: Callable[[Any], int] | None = None,
         world_size: int,
         counts_here: bool = True,
@@ -111,14 +135,16 @@ class AdaptiveEngineBase:
         recovers_from_oom: bool = True,
         model_communicates: bool = False,
     ) -> None:
+        """Drive ``ds_engine`` in its world: everything derived from the DeepSpeed engine and the world
+        (the config planned for it, the controller, the loader, the step core and what rides on it),
+        from the world's initial plan. Called by ``__init__`` and by :meth:`rebind`; the subclasses
+        extend it with their own."""
         cfg = loaded_config.adabatch
         self.deepspeed = ds_engine
         self.config = cfg
         self.loaded_config = loaded_config
         self.controller = controller
-        self.lr_coupling = lr
         self.dataloader = dataloader
-        self.loss_fn = loss_fn
         self.token_count_fn = token_count_fn
         # Tokens are counted when the loss is normalised by them or a schedule is keyed on them. With
         # token-budget steps (micro_batch_tokens) every rank knows the step's tokens from the lengths.
@@ -129,14 +155,9 @@ class AdaptiveEngineBase:
         self.rank = ds_engine.global_rank
         self.counts_here = counts_here
         self.plan: BatchPlan = loaded_config.plan
-        self.global_steps = 0
-        self.global_samples = 0
-        self.global_tokens = 0
-        self.history: list[PlanChange] = []
         self._decided_step: int | None = None  # the step whose plan next_plan() already applied
-        self.last_step_batch: StepBatch | None = None
-        self.last_metrics: StepMetrics | None = None
-        self.noise = GradientNoiseEstimator(**self._noise_kwargs())
+        # The noise-scale estimate, in the geometry resolved against this engine's optimizer.
+        self.noise, self._noise_geometry = noise_estimator(ds_engine, cfg.schedule, controller.schedule)
         self.metrics = MetricsWriter(cfg.log.jsonl, ds_engine.monitor, is_rank0=self.rank == 0)
         self._every_steps = cfg.log.every_steps
         self.step_sync = StepSync(ds_engine.device)
@@ -172,8 +193,6 @@ class AdaptiveEngineBase:
             resolve_losses=self.resolve_losses,  # overridden by the pipeline engine (its own losses)
         )
         self._step_ooms = 0
-        # save_checkpoint / load_checkpoint and the adabatch section they carry (checkpoint/).
-        self.checkpoints = EngineCheckpoints(self, data_state=self._data_state)
         self._apply_plan(self.plan, reason="initial plan", record=False)
 
     # ---------------------------------------------------------------------------------------------
@@ -220,17 +239,16 @@ class AdaptiveEngineBase:
         self.deepspeed = None
         self.memory_recovery = None
 
-    def rebind(self, ds_engine: Any, **parts: Any) -> None:
+    def rebind(self, ds_engine: Any, **world: Any) -> None:
         """Drive ``ds_engine``, a DeepSpeed engine rebuilt on another world (a live recovery).
 
-        This object stays the one the script holds. Everything the constructor derives from the DeepSpeed
-        engine and the world (``parts``: the constructor's keywords for the new world) is derived again,
-        as in a new engine; the run's state — counts, schedule, sampler cursor, LR, signals — is then
-        loaded from the snapshot by the caller. Live recovery stays attached.
+        The engine is not built again over itself: :meth:`_bind` swaps in what is derived from the
+        DeepSpeed engine and the world (``world``: its keywords for the new world), and what lasts the
+        run stays — this object, which the script holds, its LR wrapper (rebound by the builder), the
+        loss function, the checkpoints, the forward / backward / step loop and live recovery. The run's
+        counts, schedule, sampler cursor, LR and signals are then loaded from the snapshot by the caller.
         """
-        live, off = self._live_recovery, self._live_off
-        type(self).__init__(self, ds_engine, **parts)
-        self.attach_live(live, off)
+        self._bind(ds_engine, **world)
 
     # ---------------------------------------------------------------------------------------------
     # Public state
@@ -264,6 +282,9 @@ class AdaptiveEngineBase:
         "The gradient norm of the latest resolved step (None where none was computed)."
     )
     loss_ema = in_core[EmaLoss]("The smoothed loss the schedule reads (an ``EmaLoss``).")
+    last_step_batch = in_core[StepBatch | None](
+        "This rank's micro-batches of the latest step drawn (``StepCore.draw``).", name="last_step"
+    )
 
     @property
     def oom_recovery(self) -> str:
@@ -500,18 +521,6 @@ class AdaptiveEngineBase:
     def _apply_shape(self, plan: BatchPlan) -> None:
         """DeepSpeed's batch keys and what caches them (the pipeline engine adds its activation shapes)."""
         apply_plan_to_engine(self.deepspeed, plan)
-
-    def _noise_kwargs(self) -> dict[str, Any]:
-        schedule = self.config.schedule
-        if not measures_noise(schedule):  # gradient_noise and goodput read the noise scale
-            return {}
-        # The geometry is resolved against the optimizer now (a ConfigError for "adam" without a second
-        # moment), and an unset scale takes that geometry's default.
-        self._noise_geometry = measured_geometry(self.deepspeed, schedule.geometry)
-        use_geometry = getattr(self.controller.schedule, "use_geometry", None)
-        if use_geometry is not None:
-            use_geometry(self._noise_geometry)
-        return schedule.estimator_settings()
 
     # ---------------------------------------------------------------------------------------------
     # Bookkeeping

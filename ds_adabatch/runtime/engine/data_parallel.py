@@ -1,10 +1,12 @@
 """``AdaptiveBatchEngine``: one ``train_batch()`` = one optimizer step, at whatever batch the schedule wants.
 
 The data-parallel engine (ZeRO 0-3; with DeepSpeed's ``mpu``, tensor parallelism inside each replica).
-Deciding, applying and accounting a step is shared with the pipeline engine (:mod:`.step`); this
-class runs the passes (every rank in lockstep)::
+Deciding, drawing and accounting a step is the step core's (``runtime/core/step_core.py``), applying
+its plans is shared with the pipeline engine (:mod:`.base`); this class runs the passes (every rank in
+lockstep)::
 
-    fetch     the sampler's next global batch, cut for this rank (pads where a rank has nothing)
+    draw      StepCore.draw: the sampler's next global batch, cut for this rank (pads where a rank has
+              nothing); an epoch's tail re-planned, a noise-measured single pass split in two
     totals    the global batch's samples come from the sampler; token counts (or a user iterator's
               sizes) are summed over replicas in the step's one collective
     for each micro-batch:
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...plan import BatchPlan, plan_batch
+from ...plan import BatchPlan
 from ..core.loss import StepLoss
 from ..core.passes import StepPasses
 from ..memory.recovery import replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
@@ -53,15 +55,20 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
     def __init__(self, ds_engine: Any, **kwargs: Any) -> None:
         kwargs.setdefault("world_size", ds_engine.dp_world_size)
         super().__init__(ds_engine, **kwargs)
-        self._noise_cadence = NoiseCadence(self.config.schedule)
-        self._probe: NoiseProbe | None = None
-        self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
-        self.by_token = self.config.loss_normalization == "token"
-        # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps.
+        # The forward / backward / step loop (loop.py): its step in progress; our parts of its steps. It
+        # lasts the run (the loader initialize returned hands out its micro-batches).
         self.loop = ForwardBackwardLoop(
             self,
             LoopStepHooks(open=self._open_loop_step, passes=self._loop_passes, complete=self._complete_step),
         )
+
+    def _bind(self, ds_engine: Any, **world: Any) -> None:
+        """The base's binding (``AdaptiveEngineBase._bind``), and the noise probe of this DeepSpeed engine."""
+        super()._bind(ds_engine, **world)
+        self._noise_cadence = NoiseCadence(self.config.schedule)
+        self._probe: NoiseProbe | None = None  # its hooks go on this DeepSpeed engine's parameters
+        self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
+        self.by_token = self.config.loss_normalization == "token"
 
     # ---------------------------------------------------------------------------------------------
     # The forward / backward / step loop (loop.py runs it; these are DeepSpeed's names for it)
@@ -185,23 +192,17 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         return self._complete_step(step, started, lr_used, results)
 
     def _take_step_batch(self, split: bool = False) -> StepBatch:
-        """The sampler's next global batch for the plan, cut for this rank (the epoch tail re-planned).
-
-        ``split``: a noise measurement is due; where the step is one pass in total it is cut into two
-        half passes (the same samples and update) so a micro-batch's gradient can be compared with the
-        batch's (noise_probe.NoiseCadence); the plan is restored after the step."""
-        step_batch = self.dataloader.next_step(self.plan)
-        self.last_step_batch = step_batch
-        if step_batch.plan != self.plan:
-            self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
-        size = step_batch.global_batch.size if step_batch.global_batch is not None else 0
-        if split and self.world_size * self.plan.gradient_accumulation_steps == 1 and size >= 2:
-            halves = plan_batch(size, self.world_size, -(-size // 2), allow_uneven=True)
-            self._unsplit_plan = self.plan
-            self._apply_plan(halves, reason="noise measurement", record=False)
-            step_batch = self.dataloader.reload(step_batch, halves)
-            self.last_step_batch = step_batch
-        return step_batch
+        """The core's draw of the step (``StepCore.draw``), its plans applied: an epoch's tail re-planned;
+        with ``split`` (a noise measurement is due) a step of one pass in total runs as two half passes
+        (the same samples and update) so a pass's gradient can be compared with the step's
+        (noise/probe.py, NoiseCadence); the plan is restored after the step (_complete_step)."""
+        drawn = self.core.draw(self.dataloader, self.plan, split=split)
+        if drawn.tail is not None:
+            self._apply_plan(drawn.tail, reason="last batch of the epoch", record=True)
+        if drawn.split is not None:
+            self._unsplit_plan = drawn.restore
+            self._apply_plan(drawn.split, reason="noise measurement", record=False)
+        return drawn.step
 
     def _complete_step(self, step: int, started: float, lr_used: float, results: tuple[Any, ...]) -> StepLoss:
         """Account a step whose passes ran (``StepPasses.result()``): counts, signals, its record, its loss."""
@@ -245,9 +246,8 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
 
         def replan(ranks: list[int]) -> None:
             plan = self._replan_after_oom(ranks)
-            if current["step"] is not None:
-                batch = self.dataloader.reload(current["step"], plan)
-                self.last_step_batch = current["step"] = batch
+            if current["step"] is not None:  # the same samples, cut anew by the core
+                batch = current["step"] = self.core.recut(self.dataloader, current["step"], plan)
                 current["micro"] = [(m.batch, m.num_samples) for m in batch.micro_batches]
             else:
                 current["micro"] = resplit_micro_batches(current["micro"], plan.gradient_accumulation_steps)

@@ -251,19 +251,18 @@ class _EngineBuilder:
         dataloader = _build_loader(cfg, self.training_data, sampler, rank, world, self.collate_fn)
         ds_engine, ds_scheduler = self._deepspeed_engine(planned)
         coupled = _couple_lr(ds_engine, ds_scheduler, planned, controller, into)
+        # What the engine derives from the DeepSpeed engine and this world (AdaptiveEngineBase._bind).
         common = {
             "loaded_config": planned,
             "controller": controller,
-            "lr": coupled,
             "dataloader": dataloader,
             "token_count_fn": self._token_count_fn(cfg, controller),
             "agreement_world": self.dist.get_world_size(),
         }
         if self.pipelined:
             loss_fn = self.loss_fn if self.loss_fn is not None else self.model.loss_fn
-            return AdaptivePipelineEngine(ds_engine, loss_fn=loss_fn, **common)
+            return AdaptivePipelineEngine(ds_engine, lr=coupled, loss_fn=loss_fn, **common)
         data_parallel = {
-            "loss_fn": self.loss_fn,
             "world_size": world,
             # Tensor ranks of a replica hold the same micro-batches: the replica's sums count once.
             "counts_here": layout.tensor_parallel_rank == 0,
@@ -272,9 +271,9 @@ class _EngineBuilder:
             **common,
         }
         if into is not None:  # live recovery covers data parallelism only (prepare_live_world)
-            into.rebind(ds_engine, **data_parallel)
+            into.rebind(ds_engine, **data_parallel)  # its LR wrapper was rebound above (_couple_lr)
             return into
-        return AdaptiveBatchEngine(ds_engine, **data_parallel)
+        return AdaptiveBatchEngine(ds_engine, lr=coupled, loss_fn=self.loss_fn, **data_parallel)
 
     def _plan_world(self) -> tuple[ParallelLayout, LoadedConfig]:
         """The parallel layout of this world (checked) and the config planned for its data-parallel size."""

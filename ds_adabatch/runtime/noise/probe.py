@@ -37,7 +37,9 @@ from .adam_geometry import AdamPreconditioner, configured_geometry, measured_geo
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-__all__ = ["SPLIT_EVERY", "NoiseCadence", "NoiseProbe", "loss_scale", "update_estimator"]
+    from ds_adabatch.config.schedules import ScheduleConfig
+
+__all__ = ["SPLIT_EVERY", "NoiseCadence", "NoiseProbe", "loss_scale", "noise_estimator", "update_estimator"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -241,6 +243,22 @@ class NoiseProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def noise_estimator(
+    ds_engine: Any, config: ScheduleConfig, schedule: object
+) -> tuple[GradientNoiseEstimator, str | None]:
+    """The run's noise-scale estimate and the geometry it is measured in (None where no schedule reads
+    the noise scale). The geometry is resolved against ``ds_engine``'s optimizer now (a ConfigError for
+    "adam" without a second moment), an unset scale takes that geometry's default, and a schedule that
+    reads the geometry (goodput) is told it."""
+    if not measures_noise(config):  # gradient_noise and goodput read the noise scale
+        return GradientNoiseEstimator(), None
+    geometry = measured_geometry(ds_engine, config.geometry)
+    use_geometry = getattr(schedule, "use_geometry", None)
+    if use_geometry is not None:
+        use_geometry(geometry)
+    return GradientNoiseEstimator(**config.estimator_settings()), geometry
 
 
 def update_estimator(

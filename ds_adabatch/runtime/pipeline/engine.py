@@ -1,12 +1,13 @@
 """``AdaptivePipelineEngine``: DeepSpeed's ``PipelineEngine.train_batch`` at whatever batch the schedule wants.
 
 One ``train_batch()`` is one optimizer step of the plan's global batch, planned on the data-parallel
-size (world / (stages x tensor ranks)). Deciding, applying and accounting a step is shared with the
-data-parallel engine (:mod:`.step`); this class feeds the pipeline::
+size (world / (stages x tensor ranks)). Deciding, drawing and accounting a step is the step core's
+(``runtime/core/step_core.py``), applying its plans is shared with the data-parallel engine
+(``runtime/engine/base.py``); this class feeds the pipeline::
 
-    fetch     the sampler's next global batch, cut for this replica's data-parallel rank; the first
-              and the last stage (every tensor rank of them) load the same micro-batches, the stages
-              between only advance their sampler
+    draw      StepCore.draw: the sampler's next global batch, cut for this replica's data-parallel
+              rank; the first and the last stage (every tensor rank of them) load the same
+              micro-batches, the stages between only advance their sampler
     shape     a new micro-batch size -> reset_activation_shape() on every rank, before the same step
               (nothing with PipelineModule(dynamic_shape=True), which sends shapes per micro-batch)
     weights   each pass's (real rows, count x GAS x dp / total) queued for the wrapped loss_fn
@@ -50,23 +51,27 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
     _plan_unit = "replica"  # plans count data-parallel replicas, each spread over the stages
 
     def __init__(self, ds_engine: Any, *, loss_fn: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(ds_engine, loss_fn=loss_fn, **kwargs)
+
+    def _bind(self, ds_engine: Any, **world: Any) -> None:
+        """The base's binding (``AdaptiveEngineBase._bind``) for the pipeline's data-parallel size, with
+        the user's loss wrapped on the last stage and the shapes the stages exchange."""
         grid = ds_engine.grid
         last = ds_engine.is_last_stage()
         self._weighted_loss = WeightedPipelineLoss(
-            loss_fn, by_token=kwargs["loaded_config"].adabatch.loss_normalization == "token"
+            self.loss_fn, by_token=world["loaded_config"].adabatch.loss_normalization == "token"
         )
         # DeepSpeed 0.19.8 calls module.loss_fn(outputs, labels) in _exec_forward_pass on the last stage.
         ds_engine.module.loss_fn = self._weighted_loss
         self._rows: int | None = None  # the micro-batch DeepSpeed's cached activation shapes hold
         self._dynamic = bool(ds_engine.dynamic_shape)
-        super().__init__(
+        super()._bind(
             ds_engine,
-            loss_fn=loss_fn,
             world_size=grid.data_parallel_size,
             # One rank per replica counts: the last stage (it has the labels), tensor rank 0.
             counts_here=last and grid.get_slice_parallel_rank() == 0,
             recovers_from_oom=False,
-            **kwargs,
+            **world,
         )
         self._first, self._last = ds_engine.is_first_stage(), last
         self._feeds = self._first or self._last
@@ -120,11 +125,11 @@ class AdaptivePipelineEngine(AdaptiveEngineBase):
         started = time.perf_counter()
         self.next_plan()
         lr_used = self.lr_coupling.get_lr()[0]
-        step_batch = self.dataloader.next_step(self.plan, load=self._feeds)
-        self.last_step_batch = step_batch
-        if step_batch.plan != self.plan:
-            self._apply_plan(step_batch.plan, reason="last batch of the epoch", record=True)
+        drawn = self.core.draw(self.dataloader, self.plan, load=self._feeds)  # the stages between: no load
+        if drawn.tail is not None:  # the epoch's smaller last batch: its LR multiplier applies
+            self._apply_plan(drawn.tail, reason="last batch of the epoch", record=True)
             lr_used = self.lr_coupling.get_lr()[0]
+        step_batch = drawn.step
         plan = self.plan
         total_samples = plan.global_batch_size
         micro = step_batch.micro_batches
