@@ -298,12 +298,7 @@ class AdaptiveEngineBase:
         raise one here (DeepSpeed's CPU accelerator allocates host memory, whose exhaustion ends the
         process instead of raising).
         """
-        if self._oom_off is not None:
-            return f"off:{self._oom_off}"
-        recovery = self.memory_recovery
-        if not recovery.armed:
-            return "off:no_accelerator"
-        return "restart" if recovery.agreement.agree_at_pass_start else "in_step"
+        return self.memory_recovery.mode(self._oom_off)
 
     @property
     def live_elastic(self) -> str:
@@ -337,13 +332,7 @@ class AdaptiveEngineBase:
         peak) and folds every reading into this value; see :mod:`ds_adabatch.runtime.memory.predictor`.
         Each step's own peak is ``peak_memory_bytes`` in its metrics record.
         """
-        predictor = self.memory_recovery.predictor
-        measured = predictor.max_memory_allocated() if predictor is not None else None
-        if measured is not None:
-            return measured
-        from deepspeed.accelerator import get_accelerator
-
-        return int(get_accelerator().max_memory_allocated())
+        return self.memory_recovery.max_memory_allocated()
 
     @property
     def micro_batch_limit(self) -> int:

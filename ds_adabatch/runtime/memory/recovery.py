@@ -119,6 +119,25 @@ class OomRecovery:
     def armed(self) -> bool:
         return self.agreement is not None and self.agreement.armed
 
+    def mode(self, off: str | None) -> str:
+        """What an out-of-memory error leads to (``engine.oom_recovery``): ``off:<why>`` given ``off``,
+        ``off:no_accelerator`` where nothing can raise one, ``restart`` or ``in_step``."""
+        if off is not None:
+            return f"off:{off}"
+        if not self.armed:
+            return "off:no_accelerator"
+        return "restart" if self.agreement.agree_at_pass_start else "in_step"
+
+    def max_memory_allocated(self) -> int:
+        """The process's peak allocated accelerator memory (bytes): the predictor's, which folds in every
+        per-pass reading it reset, else the accelerator's own counter."""
+        measured = self.predictor.max_memory_allocated() if self.predictor is not None else None
+        if measured is not None:
+            return measured
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+
     def begin_pass(self, where: str, index: int | None = None) -> None:
         """Called before each micro-batch (``index``: its position in the step): a new pass, with its
         own agreement point."""
