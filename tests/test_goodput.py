@@ -476,7 +476,8 @@ def _trial_section(decide_every: int = 10) -> AdaBatchConfig:
 
 
 def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
-    """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step."""
+    """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step (``error``: the
+    noise estimate's relative error, or a function of the step)."""
     controller = BatchSizeController(_trial_section(decide_every), 1)
     schedule = controller.schedule
     batch, batches, decided, reasons = controller.initial_global_batch(), [], [], []
@@ -488,7 +489,7 @@ def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
             global_batch=batch,
             world_size=1,
             noise_scale=noise,
-            noise_scale_error=error,
+            noise_scale_error=error(step) if callable(error) else error,
             micro_batch_limit=256,
         )
         decision = controller.next_global_batch(ctx)
@@ -550,3 +551,21 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
         assert stuck.schedule.trial is not None, step
     stuck.next_global_batch(ScheduleContext(step=24, micro_batch_limit=256, **ctx))
     assert stuck.schedule.trial is None
+
+
+def test_a_trial_measured_as_predicted_stays_when_the_noise_interval_widens_meanwhile():
+    # A host-bound step (flat): B_noise 20, confident enough at step 10 for batch 16 to pay at worst;
+    # while the trial runs the estimate's error grows to 2 (B_noise within 0.37-400), where 16 would no
+    # longer pay at worst. The trial tested its cost, which came out as predicted: it stays, and going
+    # back to 8 would lose at the estimate (goodput 0.64x).
+    def flat(m, g):
+        return 0.04
+
+    batches, _, reasons, controller = _trial_loop(
+        flat, error=lambda step: 0.45 if step < 11 else 2.0, noise=20.0, steps=80
+    )
+    moved = batches.index(16)
+    assert moved == 10, batches[:30]
+    assert set(batches[moved:]) == {16}, batches[moved:]  # no return to 8, no move on while unsure
+    assert controller.schedule.trial is None
+    assert not any("not kept" in r for r in reasons), [r for r in reasons if "not kept" in r]

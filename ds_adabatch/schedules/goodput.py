@@ -26,10 +26,12 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     else:                                                                   hold
 
 A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
-shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the next ``decide_every`` step) judges it as the
-move it was, from the batch it left: where that move no longer pays across the interval, the decision
-is taken from the batch it left (usually a return to it), else from the trial's batch (on a flat cost,
-the next doubling at once).
+shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the
+next ``decide_every`` step) judges it: where going back to the batch it left gains more than the
+hysteresis (as any move must; toward start at the estimate), the decision is taken from the batch it
+left (usually a return to it), else from the trial's batch (on a flat cost, the next doubling at once).
+A trial whose cost was measured as predicted is kept even where the estimate's interval has widened
+meanwhile: what it tested was its cost.
 
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
 the step's collective), the limit is agreed; so every rank takes the same decision without a collective
@@ -207,13 +209,15 @@ class GoodputSchedule:
             return self._hold(current, f"the current batch {current} cannot be rated")
         reference, said = current, ""
         if judged is not None and judged != current:
-            # A trial is judged as the move it was, now that its shape's cost is measured: it stays
-            # only where that move still pays; else the decision is taken from the batch it left.
+            # A trial is judged now that its shape's cost is measured: it is undone where going back
+            # to the batch it left pays, as any move must (by more than the hysteresis; toward start
+            # at the estimate), and the decision is then taken from that batch. A cost measured as
+            # predicted keeps it, however the noise estimate's interval moved meanwhile.
             before = self.rate(ctx, judged, noise)
-            kept = None if before is None else self._gain(current, now, judged, before, noise, band)
-            if kept is not None and kept <= 1.0 + self.hysteresis:
+            back = None if before is None else self._gain(judged, before, current, now, noise, band)
+            if back is not None and back > 1.0 + self.hysteresis:
                 reference, now = judged, before
-                said = f"trial of batch {current} gains {kept - 1:+.1%} over batch {judged}, not kept; "
+                said = f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
         if band:
             said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
