@@ -439,9 +439,9 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         description="The noise estimate counts as confident once its relative standard error (as for "
         "gradient_noise) is at most this (unitless); a decision then rates every batch at the estimate. "
         "Before that, B_noise lies within B_noise / exp(2 x error) to B_noise x exp(2 x error) (about "
-        "95%), and a move away from start must gain more than hysteresis at both ends: where a larger "
-        "batch is nearly free that holds from the first measurements, where the cost grows with the batch "
-        "it waits for the estimate; a move back toward start needs only the estimate (an exploration "
+        "95%), and a move away from start must lose nowhere in it and gain more than hysteresis at the "
+        "estimate: a nearly free larger batch never loses and moves from the first measurements, where the "
+        "cost grows with the batch it waits for the estimate; a move back toward start needs only the estimate (an exploration "
         "measured slower than predicted is undone at once). An error above 5 (or none yet) holds. null: the estimate is always taken as is.",
     )
     measure_every: int = GradientNoiseScheduleConfig.model_fields["measure_every"]

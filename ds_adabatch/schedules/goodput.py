@@ -18,8 +18,9 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
                  in bounded steps), and never a micro-batch above the limit (the planner's)
     gain(B) = goodput(B) / goodput(current) at B_noise, or, while the estimate is not yet
               confident (relative error e > max_relative_error) and B is farther from start than
-              the current batch, the smaller of the gains at B_noise / exp(2e) and B_noise x exp(2e):
-              leaving start must pay wherever B_noise may be; a move back toward it (after an
+              the current batch, the smaller of the gains at B_noise / exp(2e) and B_noise x exp(2e)
+              where that is below 1: leaving start must lose nowhere B_noise may be and pay at the
+              estimate (a nearly free larger batch never loses); a move back toward it (after an
               exploration that measured worse than its flat prediction) needs only the estimate
     best = the candidate of largest gain (the smaller batch on a tie)
     if gain(best) > 1 + hysteresis:                                          best
@@ -272,15 +273,18 @@ class GoodputSchedule:
         noise: float,
         band: tuple[float, ...] | None,
     ) -> float:
-        """The goodput of ``batch`` over ``ref``'s: at the estimate, or, while it is not yet confident
-        and ``batch`` lies farther from ``start`` than ``ref``, the least across the estimate's interval
-        (leaving the configured start needs a move that pays wherever B_noise may be; coming back
-        toward it, after an exploration measured worse than predicted, needs only the estimate)."""
+        """The goodput of ``batch`` over ``ref``'s at the estimate; while it is not yet confident and
+        ``batch`` lies farther from ``start`` than ``ref``, the least across the estimate's interval
+        where that is below 1 (leaving the configured start needs a move that loses nowhere B_noise may
+        be, and pays at the estimate; coming back toward it, after an exploration measured worse than
+        predicted, needs only the estimate)."""
         start = self.reference_batch
-        away = abs(math.log(batch / start)) > abs(math.log(ref / start))
-        edges = band if band and away else (noise,)
         speedup = rating[0] / ref_rating[0]
-        return min(speedup * _efficiency_gain(batch, ref, e, start) for e in edges)
+        at_estimate = speedup * _efficiency_gain(batch, ref, noise, start)
+        if not (band and abs(math.log(batch / start)) > abs(math.log(ref / start))):
+            return at_estimate
+        worst = min(speedup * _efficiency_gain(batch, ref, e, start) for e in band)
+        return at_estimate if worst >= 1.0 else worst
 
     def _best(
         self,
@@ -349,7 +353,9 @@ class GoodputSchedule:
         if band:
             back = abs(math.log(best / start)) <= abs(math.log(reference / start))
             said += f"; batch {best} gains {best_gain - 1:+.1%} " + (
-                "at the estimate (back toward start)" if back else "across that interval"
+                "at the estimate (back toward start)"
+                if back
+                else "at the estimate, losing nowhere across that interval"
             )
         self._keep_rating(best_rating)
         self.moves += 1
