@@ -2,9 +2,10 @@
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
-# tests/test_loop.py (one 2-rank launch and its 1-rank resume), the JIT-build-lock launch of
-# tests/test_op_builds.py and the import checks on torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0
-# (docs/versions.md). Fails when a test fails and when no test ran.
+# tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
+# and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
+# import checks on torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0 (docs/versions.md). Fails when a test fails
+# and when no test ran.
 #
 # Each release's environment is layered on the project's: a virtual environment (.venv-torch-VERSION, no
 # packages of its own) whose .pth file puts that torch (with the CUDA packages PyPI's builds depend on; they
