@@ -42,9 +42,10 @@ main_stamp="$(basename "$stamp")"
 main_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cd "$ROOT"
 
-# The floor's suite: the multi-rank checks run on the ZeRO-2 launches only (-k leaves out the tests of
-# the ZeRO-3 and DDP launches, by parameter or by the fixture's test); the newest release runs all of
-# them (scripts/test.sh).
+# The floor's suite: the Trainer's multi-rank checks run on the ZeRO-2 launches only (-k leaves out the
+# tests of the ZeRO-3 and DDP launches, by parameter or by the fixture's test), and accelerate's example
+# on its two-rank launches (-k leaves out its one-process ZeRO-3 comparison and the refusals); the newest
+# release runs all of them (scripts/test.sh).
 FLOOR_SKIP="zero3 or ddp or two_rank_checkpoint_resumes_on_one_process or quiet_log_level or micro_batches_of_one \
 or constant_batch_matches_accelerate or refusals_are_sentences"
 FLOOR_SUITE=(tests/test_hf_versions.py tests/test_hf_compat.py tests/test_hf_config.py tests/test_hf_trainer.py
