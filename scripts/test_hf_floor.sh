@@ -5,8 +5,11 @@
 # DEFAULT_RELEASES (docs/versions.md says why these), or on the releases given:
 # - 4.57.6, the floor (the last 4.x; ds_adabatch/integrations/hf/compat.py plugs into its one-function
 #   training loop): the version checks, the single-process Trainer tests, the ZeRO-2 launch's
-#   exactness, resume and JSONL checks, the run_clm.py-shaped script under ZeRO-2, and TRL's trainers
-#   composed with it;
+#   exactness, resume and JSONL checks, the run_clm.py-shaped script under ZeRO-2, TRL's trainers
+#   composed with it, and two clients' own scripts: accelerate's deepspeed_with_config_support.py on two
+#   ranks against a big-batch reference and its checkpoint resumed on one process, and DeepSpeed-Chat's
+#   step-1 main.py on two ranks (tests/test_accelerate.py; its one-process ZeRO-3 comparison with
+#   accelerate's own prepare and its refusals run on the newest release);
 # - 5.0.0 and 5.2.0 (the first and last release of 5.x's one-function loop) and 5.3.0 and 5.17.0 (the
 #   first and last release of the split loop that still needs the plain Trainer's two fixes,
 #   hf/compat.py's PlainTrainerFixes): the version checks, the loop and fix checks and the Trainer's
@@ -39,12 +42,14 @@ main_stamp="$(basename "$stamp")"
 main_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cd "$ROOT"
 
-# The floor's suite: the multi-rank checks run on the ZeRO-2 launches only (-k leaves out the tests of
-# the ZeRO-3 and DDP launches, by parameter or by the fixture's test); the newest release runs all of
-# them (scripts/test.sh).
-FLOOR_SKIP="zero3 or ddp or two_rank_checkpoint_resumes_on_one_process or quiet_log_level or micro_batches_of_one"
+# The floor's suite: the Trainer's multi-rank checks run on the ZeRO-2 launches only (-k leaves out the
+# tests of the ZeRO-3 and DDP launches, by parameter or by the fixture's test), and accelerate's example
+# on its two-rank launches (-k leaves out its one-process ZeRO-3 comparison and the refusals); the newest
+# release runs all of them (scripts/test.sh).
+FLOOR_SKIP="zero3 or ddp or two_rank_checkpoint_resumes_on_one_process or quiet_log_level or micro_batches_of_one \
+or constant_batch_matches_accelerate or refusals_are_sentences"
 FLOOR_SUITE=(tests/test_hf_versions.py tests/test_hf_compat.py tests/test_hf_config.py tests/test_hf_trainer.py
-  tests/test_hf_clm_script.py tests/test_trl.py -k "not ($FLOOR_SKIP)")
+  tests/test_hf_clm_script.py tests/test_trl.py tests/test_accelerate.py -k "not ($FLOOR_SKIP)")
 # The other releases' suite: the DDP launches and the one-process checks.
 RELEASE_KEEP="test_hf_versions or test_hf_compat or ddp or two_rank_checkpoint or micro_batches_of_one or \
 single_process or max_steps or drop_last or fractional or tokens_seen or resume_at_an_epoch or resume_needs"

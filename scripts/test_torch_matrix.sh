@@ -2,9 +2,10 @@
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
-# tests/test_loop.py (one 2-rank launch and its 1-rank resume), the JIT-build-lock launch of
-# tests/test_op_builds.py and the import checks on torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0
-# (docs/versions.md). Fails when a test fails and when no test ran.
+# tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
+# and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
+# import checks on torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0 (docs/versions.md). Fails when a test fails
+# and when no test ran.
 #
 # Each release's environment is layered on the project's: a virtual environment (.venv-torch-VERSION, no
 # packages of its own) whose .pth file puts that torch (with the CUDA packages PyPI's builds depend on; they
@@ -17,6 +18,8 @@
 #   torch_extensions-VERSION/  DeepSpeed's JIT-built ops for it (TORCH_EXTENSIONS_DIR; torch's default
 #                              directory is shared by every CUDA 13.0 build, which would rebuild each time)
 # TORCH_MATRIX_KEEP=0 removes each release's torch after its run (one release on disk at a time).
+# While one release's tests run, the next release's torch is installed beside them (its download waits on
+# the network, the tests on the CPU); with TORCH_MATRIX_KEEP=0 each install waits for the previous run.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
@@ -35,20 +38,45 @@ main_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_
 mkdir -p "$CACHE"
 cd "$ROOT"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# PIP_CONSTRAINT: a machine-wide pip constraint capping torch (some images carry one) would refuse the
+# newer releases; this install is about exactly the release named.
+pip_install=(env PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir
+  --disable-pip-version-check --no-warn-conflicts --no-compile)
+pending=""  # the pid of pip installing a release's torch in the background, if one runs
+start_install() {  # starts installing torch $1 into its layer (pid in $pending), unless it is there
+  local layer="$CACHE/torch-$1"
+  pending=""
+  [ -f "$layer/.installed" ] && return 0
+  echo "[matrix] installing torch $1 into $layer"
+  rm -rf "$layer"
+  "${pip_install[@]}" --target "$layer" "torch==$1" &
+  pending=$!
+}
+trap '[ -z "$pending" ] || kill "$pending" 2>/dev/null || true' EXIT
 summary=()
-for version in "${versions[@]}"; do
+prefetched=0
+for i in "${!versions[@]}"; do
+  version="${versions[$i]}"
   layer="$CACHE/torch-$version"
   began=$SECONDS
-  if [ ! -f "$layer/.installed" ]; then
-    echo "[matrix] installing torch $version into $layer"
-    rm -rf "$layer"
-    # PIP_CONSTRAINT: a machine-wide pip constraint capping torch (some images carry one) would refuse
-    # the newer releases; this install is about exactly the release named.
-    PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir \
-      --disable-pip-version-check --no-warn-conflicts --no-compile --target "$layer" "torch==$version"
+  [ "$prefetched" = 1 ] || start_install "$version"
+  if [ -n "$pending" ]; then
+    if ! wait "$pending"; then
+      pending=""
+      echo "error: pip could not install torch $version into $layer" >&2
+      exit 1
+    fi
     touch "$layer/.installed"
   fi
   installed=$((SECONDS - began))
+  # The next release's install runs beside this release's tests.
+  following="${versions[$((i + 1))]:-}"
+  prefetched=0
+  pending=""
+  if [ -n "$following" ] && [ "${TORCH_MATRIX_KEEP:-1}" != 0 ]; then
+    start_install "$following"
+    prefetched=1
+  fi
   venv="$ROOT/.venv-torch-$version"
   [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --without-pip "$venv"
   site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -23,9 +23,14 @@ def write_inputs(folder: Path, lines: int = 120) -> dict[str, str]:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     model_dir = folder / "tiny_gpt2"
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", model_max_length=64).save_pretrained(
-        model_dir
-    )
+    # GPT-2's own tokenizer returns no token_type_ids; transformers 4.x's fast tokenizer would by default,
+    # and GPT-2 adds the embedding of those zeros to every position (5.x's tokenizer returns none).
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        model_max_length=64,
+        model_input_names=["input_ids", "attention_mask"],
+    ).save_pretrained(model_dir)
     GPT2Config(
         vocab_size=len(vocab),
         n_positions=64,

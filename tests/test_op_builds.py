@@ -139,26 +139,26 @@ WORKER = textwrap.dedent(
 
 def test_a_launch_starts_although_a_killed_process_left_the_shm_op_lock(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # The op built (or found) once in the usual place, then copied with its timestamps: no rebuild.
-    probe = "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder')"
-    probe += (
-        "\nimport deepspeed.ops as o; print(int(b is not None and o.__compatible_ops__.get(b.NAME, False)))"
+    # The op built (or found) once in the usual place, then copied with its timestamps: no rebuild. One
+    # process checks that DeepSpeed's CPU accelerator offers the op here and loads it.
+    build = textwrap.dedent(
+        """
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from ds_adabatch.runtime.distributed.op_builds import build_directory, guard_jit_builds
+        guard_jit_builds()
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            raise SystemExit(3)
+        builder.load()
+        print(build_directory(builder.NAME))
+        """
     )
-    if (
-        subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()[
-            -1:
-        ]
-        != "1"
-    ):
+    done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode == 3:
         pytest.fail(
             "DeepSpeed's CPU shared-memory op is not compatible here: the launch below would not load it"
         )
-    build = (
-        "from ds_adabatch.runtime.distributed.op_builds import guard_jit_builds as g; g()\n"
-        + probe.split("\n")[0]
-    )
-    build += "\nb.load(); from ds_adabatch.runtime.distributed.op_builds import build_directory; print(build_directory(b.NAME))"
-    done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     built = Path(done.stdout.strip().splitlines()[-1])
     extensions = tmp_path / "extensions"  # TORCH_EXTENSIONS_DIR holds the ops' directories directly
