@@ -330,8 +330,9 @@ class GoodputSchedule:
         """No candidate pays: hold ``current``, or return to the batch a judged trial left."""
         self._keep_rating(now)
         if best != reference:
+            # A best other than the reference gains more than 1: it was rated at the estimate (_gain).
             said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
-            said += f"{' at worst' if band else ''}, within {self.hysteresis:g}"
+            said += f"{' at the estimate' if band else ''}, within {self.hysteresis:g}"
         if reference == current:
             return self._hold(current, f"goodput {said}")
         self.moves += 1  # a trial undone: back to the batch it left
