@@ -1,8 +1,9 @@
 """The goodput schedule on real ranks with a simulated step-time curve, run by tests/test_goodput_engine.py.
 
 Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR [resume]
-On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, an
-affine one (compute-bound) through DeepSpeed's forward / backward / step loop. On 1 rank: micro = batch
+On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, with a
+fixed warm-up and with the default one, and an affine one (compute-bound) through DeepSpeed's forward /
+backward / step loop. On 1 rank: micro = batch
 (one pass per step), where the noise scale is measured by splitting a step in two; with ``resume``, the
 2-rank flat run's step-20 checkpoint continued on one rank. Each case writes its
 batches, the samples of every step, the noise estimate and the exactness error into OUT_DIR/<case>.json
@@ -30,7 +31,16 @@ FLAT = "fixed=0.05"
 AFFINE = "fixed=0.02,per_sample=0.002"
 
 
-def config(stage: int, *, max_micro: int, start: int, max_batch: int, lr: float, jsonl: str) -> dict:
+def config(
+    stage: int,
+    *,
+    max_micro: int,
+    start: int,
+    max_batch: int,
+    lr: float,
+    jsonl: str,
+    schedule: dict | None = None,
+) -> dict:
     return {
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
         "gradient_clipping": 0.0,
@@ -46,6 +56,7 @@ def config(stage: int, *, max_micro: int, start: int, max_batch: int, lr: float,
                 "ema_beta": 0.8,
                 "max_relative_error": None,
                 "geometry": "sgd",
+                **(schedule or {}),
             },
             "max_micro_batch_per_gpu": max_micro,
             "max_global_batch": max_batch,
@@ -91,12 +102,13 @@ def run_case(
     lr: float = LR,
     save_at: int | None = None,
     resume_from: str | None = None,
+    schedule: dict | None = None,
     **shape: int,
 ) -> None:
     os.environ[SIMULATED_STEP_TIME_ENV] = curve
     data = GaussianRegression()
     jsonl = os.path.join(out_dir, f"{name}.jsonl")
-    cfg = config(0, lr=lr, jsonl=jsonl, **shape)
+    cfg = config(0, lr=lr, jsonl=jsonl, schedule=schedule, **shape)
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=half_mse)
     batches, plans, noise = [], [], []
     resumed = None
@@ -170,6 +182,19 @@ def main() -> None:
         run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
         return
     run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)
+    # The default warm-up (20 steps at ema_beta 0.95): a free larger batch is taken on its cost alone.
+    default_warmup = {"warmup_steps": None, "ema_beta": 0.95}
+    run_case(
+        out_dir,
+        "flat_warmup",
+        FLAT,
+        24,
+        loop=False,
+        max_micro=8,
+        start=8,
+        max_batch=64,
+        schedule=default_warmup,
+    )
     # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
     run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
 

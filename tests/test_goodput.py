@@ -472,16 +472,17 @@ def test_noise_measuring_steps_price_the_measurement_and_are_not_fitted():
     assert again.predict_measuring(4, 2, 1) == pytest.approx(again.predict(4, 2, 1))
 
 
-def _trial_section(decide_every: int = 10) -> AdaBatchConfig:
+def _trial_section(decide_every: int = 10, warmup: int | None = 0) -> AdaBatchConfig:
     return _section(
-        schedule={"decide_every": decide_every, "max_relative_error": 0.35}, max_micro_batch_per_gpu=256
+        schedule={"decide_every": decide_every, "max_relative_error": 0.35, "warmup_steps": warmup},
+        max_micro_batch_per_gpu=256,
     )
 
 
-def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
-    """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step (``error``: the
-    noise estimate's relative error, or a function of the step)."""
-    controller = BatchSizeController(_trial_section(decide_every), 1)
+def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10, warmup=0):
+    """World 1, one pass per step, as the CPU and GPU benchmarks: the batch of every step (``error`` and
+    ``noise``: the noise estimate's relative error and value, or functions of the step)."""
+    controller = BatchSizeController(_trial_section(decide_every, warmup), 1)
     schedule = controller.schedule
     batch, batches, decided, reasons = controller.initial_global_batch(), [], [], []
     for step in range(steps):
@@ -491,7 +492,7 @@ def _trial_loop(curve, *, error, steps, noise=10.0, decide_every=10):
             samples=0,
             global_batch=batch,
             world_size=1,
-            noise_scale=noise,
+            noise_scale=noise(step) if callable(noise) else noise,
             noise_scale_error=error(step) if callable(error) else error,
             micro_batch_limit=256,
         )
@@ -573,3 +574,47 @@ def test_a_trial_measured_as_predicted_stays_when_the_noise_interval_widens_mean
     assert min(batches[moved:]) == 16 and batches[-1] == 256, batches
     assert batches == sorted(batches), batches
     assert not any("not kept" in r for r in reasons), [r for r in reasons if "not kept" in r]
+
+
+def test_the_default_warm_up_moves_on_step_cost_alone_where_a_larger_batch_is_free():
+    # A host-bound step (flat) and no noise estimate yet. Whatever B_noise turns out to be, a batch whose
+    # step costs no more loses nothing, so the default warm-up (warmup_steps null: 20 steps here) does
+    # not wait for the estimate: start's first 3 kept step times (steps 1-3), then a trial of each
+    # doubling, judged after 3 of its own.
+    def flat(m, g):
+        return 0.04
+
+    batches, decided, reasons, controller = _trial_loop(
+        flat, error=None, noise=lambda step: None, steps=20, warmup=None
+    )
+    assert controller.schedule.warmup_steps == 20
+    assert [batches.index(b) for b in (16, 32, 64, 128)] == [4, 8, 12, 16], batches
+    assert decided[4] and not any(decided[:4]), decided
+    assert "warm-up (step 4 < 20), by step cost alone" in reasons[4], reasons[4]
+    assert "batch 16 costs +0.0% a step (at most 0.05 more: it loses at no noise scale)" in reasons[4]
+    assert "+100.0% samples/s (a trial" in reasons[4], reasons[4]
+    assert controller.schedule.last_rating == {"predicted_samples_per_s": pytest.approx(128 / 0.04)}
+    # A warmup_steps given holds start until then, whatever the cost.
+    held, decided, reasons, _ = _trial_loop(flat, error=None, noise=lambda step: None, steps=20, warmup=20)
+    assert set(held) == {8} and not any(decided), held
+    assert reasons[-1].endswith("goodput warm-up (step 19 < 20): hold"), reasons[-1]
+
+
+def test_the_default_warm_up_undoes_a_trial_whose_step_costs_more_and_leaves_the_rest_to_the_estimate():
+    # The CPU: a step's time grows with the batch. The warm-up's trial of 16 (step 4) measures 88% more a
+    # step, so it is undone at its judgement (step 8) and nothing else is tried by cost. After the
+    # warm-up the estimate (B_noise 10, not yet confident) decides: with 16's cost known, no batch
+    # above 8 loses nowhere in its interval, so the trial that the noise would otherwise have started at
+    # step 20 never comes.
+    def cpu(m, g):
+        return 0.0033 + g * 0.003 * m
+
+    batches, decided, reasons, controller = _trial_loop(
+        cpu, error=0.6, noise=lambda step: None if step < 20 else 10.0, steps=60, warmup=None
+    )
+    assert batches[:4] == [8] * 4 and batches[4:8] == [16] * 4, batches[:12]
+    assert set(batches[8:]) == {8}, batches
+    assert decided[8] and "trial of batch 16 costs +87.9% a step, not kept" in reasons[8], reasons[8]
+    assert reasons[8].endswith("-> back to batch 8"), reasons[8]
+    assert "by step cost alone: batch 8:" in reasons[12] and reasons[12].endswith(": hold"), reasons[12]
+    assert controller.schedule.trial is None and controller.schedule.moves == 2

@@ -67,6 +67,21 @@ def test_flat_cost_moves_to_the_large_end(launches):
     assert last["predicted_samples_per_s"] == pytest.approx(64 / 0.05, rel=1e-6)
 
 
+def test_the_default_warm_up_climbs_a_flat_cost_before_the_noise_estimate(launches):
+    r = read_result(outcome(launches, "two"), "flat_warmup")
+    _exact_and_once(r, "flat curve, default warm-up")
+    batches = [p[0] for p in r["plans"]]
+    # Warm-up 20 steps: 8 -> 16 -> 32 -> 64 in trials on the step times alone, each judged once 3 of its
+    # times are kept (they reach the schedule a step or two late), all before the warm-up ends.
+    assert batches[-1] == 64 and batches.index(64) < 20, batches
+    assert batches == sorted(batches), batches
+    moves = [m for m in r["history"] if m["step"] < 20]
+    assert [m["new_global_batch"] for m in moves] == [16, 32, 64], moves
+    assert all(
+        "by step cost alone" in m["reason"] and "loses at no noise scale" in m["reason"] for m in moves
+    )
+
+
 def test_affine_cost_follows_the_noise_scale(launches):
     r = read_result(outcome(launches, "two"), "affine")
     _exact_and_once(r, "affine curve, forward/backward/step loop")

@@ -390,7 +390,9 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     and moves to the best one when its predicted goodput beats the current batch's by more than
     ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one
     did (the model is flat until it knows better), are tried at most ``explore_factor`` beyond the
-    largest measured, and a move to one is a trial, judged again after 3 of its step times. Where a larger batch is nearly free (a host-bound step) it grows to the large end;
+    largest measured, and a move to one is a trial, judged again after 3 of its step times. During the
+    default warm-up, before the noise estimate is usable, it moves only to a batch that loses at no
+    noise scale (its step costs at most ``hysteresis`` more). Where a larger batch is nearly free (a host-bound step) it grows to the large end;
     where the step time grows with the batch it settles near the noise scale. The LR follows
     ``lr_scaling`` as for every schedule. See docs/schedules.md.
     """
@@ -427,9 +429,14 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     warmup_steps: int | None = Field(
         default=None,
         ge=0,
-        description="Optimizer steps held at start before the first decision. null: one EMA time "
-        "constant of noise measurements, ceil(measure_every / (1 - ema_beta)) steps (20 at the "
-        "defaults), as for gradient_noise.",
+        description="Optimizer steps before the first decision that reads the noise scale. null: one "
+        "EMA time constant of noise measurements, ceil(measure_every / (1 - ema_beta)) steps (20 at the "
+        "defaults), as for gradient_noise; before it the batch moves only where that needs no noise "
+        "estimate: to a batch whose step costs at most hysteresis more than the current one's (so it "
+        "loses at no noise scale) and that gives more than hysteresis more samples/s, tried and judged "
+        "on its step times as any untried shape (a free larger batch on a host-bound GPU is reached in "
+        "the first steps; on a CPU one trial of 2x start is measured slower and undone). A number: "
+        "start is held that many steps, whatever the cost (for example the LR warm-up's length).",
     )
     ema_beta: float = GradientNoiseScheduleConfig.model_fields["ema_beta"]
     ema_reference_batch: int | None = GradientNoiseScheduleConfig.model_fields["ema_reference_batch"]

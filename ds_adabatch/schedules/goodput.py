@@ -11,7 +11,8 @@ samples per second times the statistical efficiency relative to ``M0`` = the sch
 :class:`~ds_adabatch.signals.ThroughputModel` the rule holds (:attr:`GoodputSchedule.throughput`, fed by
 the runtime with every step's agreed time, and checkpointed with the rule). Per evaluation::
 
-    if step < warmup, no noise estimate, or its error is unknown or > 5:     hold
+    if step < warmup:                                        the warm-up's rule (below)
+    if no noise estimate, or its error is unknown or > 5:                    hold
     if step is not a multiple of decide_every, or no step time measured:    hold
     candidates = plannable batches whose micro-batch and micro x GAS are at most
                  explore_factor x the largest measured (untried shapes are predicted, and explored
@@ -25,6 +26,17 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     best = the candidate of largest gain (the smaller batch on a tie)
     if gain(best) > 1 + hysteresis:                                          best
     else:                                                                   hold
+
+The warm-up waits for the noise estimate, but only the decisions that need it. Whatever ``B_noise`` is,
+``goodput(B) / goodput(current)`` lies between the two batches' steps/s ratio (``B_noise`` near 0: a
+step's progress no longer grows with its samples) and their samples/s ratio (``B_noise`` far above both).
+So with the default ``warmup_steps`` (null), from the step at which ``start`` has :data:`TRIAL_STEPS` kept
+step times, each warm-up step moves to the candidate of most samples/s (if any) whose step costs at most
+``hysteresis`` more than the current one's and that gives more than ``hysteresis`` more samples/s: it
+loses at no noise scale. Untried shapes are predicted flat, so on a host-bound device this climbs in
+trials from the first steps; where the step's cost grows with the batch, the one trial (2x ``start``)
+is measured slower and undone, and the decisions that need the estimate come after the warm-up, with
+that cost known. A ``warmup_steps`` given holds ``start`` until it ends.
 
 A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
 shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the
@@ -44,6 +56,7 @@ changed its mind by more than the band (a new measurement), not the jitter of on
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
@@ -100,6 +113,10 @@ class GoodputSchedule:
             if config.warmup_steps is not None
             else auto_warmup_steps(int(config.measure_every), float(config.ema_beta))
         )
+        self.by_cost_in_warmup = config.warmup_steps is None
+        """The default warm-up (``warmup_steps`` null) waits for the noise estimate only where a move
+        needs it: before it ends, a move that loses at no noise scale is taken on the step times alone
+        (:meth:`_by_cost`). A ``warmup_steps`` given holds ``start`` until then, whatever the cost."""
         self.granularity = int(granularity)
         self.min_global_batch = self.reference_batch if min_global_batch is None else min_global_batch
         """The smallest batch considered: the section's ``min_global_batch`` where it is set, else
@@ -123,7 +140,9 @@ class GoodputSchedule:
         every ``decide_every`` steps, and every step from the earliest a trial can be judged."""
         if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + self._trial_steps:
             return True
-        return step >= self.warmup_steps and step % self.decide_every == 0
+        if step < self.warmup_steps:  # by cost alone, from the first kept step times of start
+            return self.by_cost_in_warmup and step >= self.throughput.skip_first + self._trial_steps
+        return step % self.decide_every == 0
 
     @property
     def _trial_steps(self) -> int:
@@ -147,13 +166,17 @@ class GoodputSchedule:
         ):
             self.trial = None
             return None
-        kept = next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == (micro, gas)), 0)
+        kept = self._kept((micro, gas), world)
         # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
         overdue = ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
         if ctx.step <= step or (kept < self._trial_steps and not overdue):
             return None
         self.trial = None
         return left
+
+    def _kept(self, shape: tuple[int, int], world: int) -> int:
+        """Step times kept of ``shape`` (micro, GAS) at ``world`` ranks."""
+        return next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == shape), 0)
 
     def _plan(self, ctx: ScheduleContext, batch: int) -> Any:
         try:
@@ -182,9 +205,8 @@ class GoodputSchedule:
                 values.add(min(highest, max(lowest, round(lowest * ratio**i / multiple) * multiple)))
         return sorted({*values, current})
 
-    def rate(self, ctx: ScheduleContext, batch: int, noise: float) -> tuple[float, float, Any] | None:
-        """``(predicted samples/s, efficiency, plan)`` of ``batch``; None if it cannot be planned or
-        predicted."""
+    def speed(self, ctx: ScheduleContext, batch: int) -> tuple[float, Any] | None:
+        """``(predicted samples/s, plan)`` of ``batch``; None if it cannot be planned or predicted."""
         plan = self._plan(ctx, batch)
         if plan is None:
             return None
@@ -193,7 +215,15 @@ class GoodputSchedule:
         )
         if seconds is None or not seconds > 0:
             return None
-        return batch / seconds, statistical_efficiency(batch, noise, self.reference_batch), plan
+        return batch / seconds, plan
+
+    def rate(self, ctx: ScheduleContext, batch: int, noise: float) -> tuple[float, float, Any] | None:
+        """``(predicted samples/s, efficiency, plan)`` of ``batch``; None if it cannot be planned or
+        predicted."""
+        speed = self.speed(ctx, batch)
+        if speed is None:
+            return None
+        return speed[0], statistical_efficiency(batch, noise, self.reference_batch), speed[1]
 
     def _hold(self, current: float, why: str) -> float:
         self.last_reason = f"{why}: hold"
@@ -235,6 +265,8 @@ class GoodputSchedule:
         not-yet-confident sentence, the batch a judged trial left, the largest micro-batch and samples
         per rank tried)``. Judging a trial closes it."""
         if ctx.step < self.warmup_steps:
+            if self.by_cost_in_warmup:
+                return self._by_cost(ctx, current)
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
         judged = self._trial_judged(ctx)
         if self.trial is not None:  # still open: judged on its own step times, not before
@@ -298,23 +330,31 @@ class GoodputSchedule:
     ) -> tuple[int, tuple[float, float, Any], float]:
         """The candidate of largest gain over ``reference`` (itself, gain 1, where none beats it); shapes
         beyond ``explore_factor`` times the largest tried are left for later."""
-        tried_micro, tried_per_rank = tried
         best, best_rating, best_gain = reference, now, 1.0
-        for batch in self._candidates(ctx.world_size, reference):
-            rating = self.rate(ctx, batch, noise)
-            if rating is None or batch == reference or (batch == current and reference != current):
-                continue
-            plan = rating[2]
-            micro, per_rank = (
-                plan.micro_batch_per_gpu,
-                plan.micro_batch_per_gpu * plan.gradient_accumulation_steps,
-            )
-            if micro > self.explore_factor * tried_micro or per_rank > self.explore_factor * tried_per_rank:
-                continue  # beyond what the measured shapes can predict: explored in bounded steps
+        for batch, (samples_per_s, plan) in self._reachable(ctx, current, reference, tried):
+            rating = (samples_per_s, statistical_efficiency(batch, noise, self.reference_batch), plan)
             g = self._gain(batch, rating, reference, now, noise, band)
             if g > best_gain * (1 + 1e-12):
                 best, best_rating, best_gain = batch, rating, g
         return best, best_rating, best_gain
+
+    def _reachable(
+        self, ctx: ScheduleContext, current: int, reference: int, tried: tuple[int, int]
+    ) -> Iterator[tuple[int, tuple[float, Any]]]:
+        """``(batch, speed)`` of every candidate a decision from ``reference`` may move to: predicted,
+        not ``reference`` (nor ``current`` where a judged trial is undone), and no shape beyond
+        ``explore_factor`` times the largest tried (``tried``: its micro-batch and samples per rank),
+        which is left for later."""
+        for batch in self._candidates(ctx.world_size, reference):
+            if batch == reference or (batch == current and reference != current):
+                continue
+            speed = self.speed(ctx, batch)
+            if speed is None:
+                continue
+            micro, gas = _shape(speed[1])
+            if micro > self.explore_factor * tried[0] or micro * gas > self.explore_factor * tried[1]:
+                continue  # beyond what the measured shapes can predict: explored in bounded steps
+            yield batch, speed
 
     def _stay(
         self,
@@ -359,14 +399,61 @@ class GoodputSchedule:
                 else "at the estimate, losing nowhere across that interval"
             )
         self._keep_rating(best_rating)
-        self.moves += 1
-        plan = best_rating[2]
-        shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
-        if shape not in {(m, g) for m, g, _, _ in self.throughput.measured(ctx.world_size)}:
-            self.trial = (ctx.step, *shape, ctx.world_size, reference)
-            said += f" (a trial: judged again after {self._trial_steps} step times of it)"
+        said += self._moved(ctx, best_rating[2], reference)
         self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
         return float(best)
+
+    def _moved(self, ctx: ScheduleContext, plan: Any, reference: int) -> str:
+        """Count a move from ``reference`` to ``plan``; a shape never measured opens a trial (what the
+        reason then adds)."""
+        self.moves += 1
+        shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
+        if shape in {(m, g) for m, g, _, _ in self.throughput.measured(ctx.world_size)}:
+            return ""
+        self.trial = (ctx.step, *shape, ctx.world_size, reference)
+        return f" (a trial: judged again after {self._trial_steps} step times of it)"
+
+    def _by_cost(self, ctx: ScheduleContext, current: int) -> float:
+        """A decision of the default warm-up, before the noise estimate is expected: on the step times
+        alone. Whatever B_noise is, a batch's goodput over another's lies between their steps/s ratio
+        (B_noise near 0: a step's progress then does not grow with its samples) and their samples/s
+        ratio (B_noise far above both). A move must lose at most ``hysteresis`` at the first (its step
+        costs at most that much more) and gain more than it at the second; a trial is undone where
+        its step, once measured, costs more than that (going back then gains somewhere)."""
+        why = f"goodput warm-up (step {ctx.step} < {self.warmup_steps})"
+        judged = self._trial_judged(ctx)
+        if self.trial is not None:
+            trial = f"trial of batch {current} (judged after {self._trial_steps} step times)"
+            return self._hold(current, f"{why}: {trial}")
+        now = self.speed(ctx, current)
+        if now is None or (judged is None and self._kept(_shape(now[1]), ctx.world_size) < self._trial_steps):
+            return self._hold(current, f"{why}: measuring batch {current}'s step time")
+        reference, said, limit = current, f"{why}, by step cost alone: ", 1.0 + self.hysteresis
+        before = self.speed(ctx, judged) if judged is not None and judged != current else None
+        if before is not None and max(_cost_gains(judged, before, current, now)) > limit:
+            said += f"trial of batch {current} costs {_step_cost(current, now, judged, before)} a step, not kept; "
+            reference, now = judged, before
+        best, best_speed, best_gain = reference, now, 1.0
+        tried = self.throughput.largest_tried(ctx.world_size)
+        for batch, speed in self._reachable(ctx, current, reference, tried):
+            steps_gain, samples_gain = _cost_gains(batch, speed, reference, now)
+            if steps_gain * limit >= 1.0 and samples_gain > max(limit, best_gain * (1 + 1e-12)):
+                best, best_speed, best_gain = batch, speed, samples_gain
+        said += f"batch {reference}: {_sped(now)}"
+        self.last_rating = {"predicted_samples_per_s": best_speed[0]}
+        if best != reference:
+            said += (
+                f"; batch {best} costs {_step_cost(best, best_speed, reference, now)} a step (at most "
+                f"{self.hysteresis:g} more: it loses at no noise scale) for {best_gain - 1:+.1%} samples/s"
+            )
+            said += self._moved(ctx, best_speed[1], reference)
+            self.last_reason = f"{said} -> batch {best}: {_sped(best_speed)}"
+            return float(best)
+        if reference == current:
+            return self._hold(current, said)
+        self.moves += 1  # a trial undone: back to the batch it left
+        self.last_reason = f"{said} -> back to batch {reference}"
+        return float(reference)
 
     def _uncertainty_band(self, noise: float, error: float | None) -> tuple[float, ...] | None:
         """None for a confident estimate (relative error at most ``max_relative_error``, no test, or no
@@ -406,6 +493,29 @@ class GoodputSchedule:
 def _efficiency_gain(batch: int, current: int, noise: float, reference: int) -> float:
     """Efficiency of ``batch`` over that of ``current`` at ``noise`` (the reference cancels out)."""
     return statistical_efficiency(batch, noise, reference) / statistical_efficiency(current, noise, reference)
+
+
+def _shape(plan: Any) -> tuple[int, int]:
+    return plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
+
+
+def _cost_gains(
+    batch: int, speed: tuple[float, Any], ref: int, ref_speed: tuple[float, Any]
+) -> tuple[float, float]:
+    """``batch``'s goodput over ``ref``'s at the two ends of B_noise: near 0 (their steps/s ratio) and
+    far above both (their samples/s ratio)."""
+    samples = speed[0] / ref_speed[0]
+    return samples * ref / batch, samples
+
+
+def _step_cost(batch: int, speed: tuple[float, Any], ref: int, ref_speed: tuple[float, Any]) -> str:
+    """How much more (or less) a step of ``batch`` costs than one of ``ref``, as a signed percentage."""
+    return f"{1.0 / _cost_gains(batch, speed, ref, ref_speed)[0] - 1:+.1%}"
+
+
+def _sped(speed: tuple[float, Any]) -> str:
+    samples_per_s, plan = speed
+    return f"{samples_per_s:.4g} samples/s (micro {plan.micro_batch_per_gpu} x gas {plan.gradient_accumulation_steps})"
 
 
 def _rated(rating: tuple[float, float, Any]) -> str:
