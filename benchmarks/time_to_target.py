@@ -26,6 +26,14 @@ training seconds). Usage::
     python benchmarks/time_to_target.py                                     # the CPU one (smaller model)
     python benchmarks/time_to_target.py --smoke                             # a tiny run, for CI
     python benchmarks/time_to_target.py --simulate-step-time fixed=0.04 --seconds 20 --seed 1
+    python benchmarks/time_to_target.py --interleave                        # policies in turns
+
+``--interleave`` starts every policy's process at once and lets them train in turns, one slice (up to the
+next validation) each while the others wait, the first of each round rotating. Run one after the other,
+a policy that happens to train while the machine is slower (a neighbour on shared hardware, a clock that
+drops) loses time the others do not; the 2-core CPU ran fixed batch 8 at 205-251 samples/s from one
+sequential run to the next and within one. In turns, such a drift falls on every policy alike. The
+validation curves carry ``ended_at`` (the wall-clock time each slice ended), which shows the order.
 
 ``--simulate-step-time CURVE`` stands in a device whose step costs what CURVE says (the syntax of
 ``DS_ADABATCH_SIMULATED_STEP_TIME`` and ``ds-adabatch simulate --step-time``; ``fixed=0.04`` is a
@@ -45,6 +53,7 @@ best fixed batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -97,8 +106,16 @@ def ds_config(schedule: dict[str, Any], args: argparse.Namespace) -> dict[str, A
     }
 
 
+def _wait_turn() -> None:
+    """A child of an interleaved run: say that this process waits, and wait for the parent's go."""
+    print(TURN, flush=True)
+    if not sys.stdin.readline():
+        raise SystemExit("the interleaving parent went away")
+
+
 def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One policy in this process: its validation curve against training seconds."""
+    """One policy in this process: its validation curve against training seconds (with ``--turns``,
+    each slice between two validations waits for the parent's go: ``--interleave``)."""
     import torch
 
     import ds_adabatch
@@ -147,6 +164,8 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     next_eval = args.eval_every
     simulated = _step_cost(args.simulate_step_time)
     while trained < args.seconds:
+        if args.turns:
+            _wait_turn()
         sync()
         started, cpu_started = time.perf_counter(), time.process_time()
         if simulated is not None:  # the simulated device's clock: each step's simulated time
@@ -170,6 +189,7 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "steps": engine.global_steps,
                 "batch": engine.plan.global_batch_size,
                 "val": evaluate(),
+                "ended_at": time.time(),  # when the slice ended: the order of an interleaved run
             }
         )
     engine.close()
@@ -296,7 +316,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="goodput schedule keys other than their defaults (VALUE in JSON), e.g. warmup_steps=10",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every policy's process at once and let them train in turns, one slice of "
+        "--eval-every training seconds each, so that a machine whose speed drifts slows every policy alike",
+    )
     p.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # a child: train this one policy
+    p.add_argument("--turns", action="store_true", help=argparse.SUPPRESS)  # a child that waits for its turns
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     args.model = "smoke" if args.smoke else "gpu" if gpu else "cpu"
@@ -317,6 +344,81 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+TURN = "@@time_to_target: waiting for my turn"
+
+
+def _one_by_one(child: list[str], names: list[str]) -> tuple[str, int, str] | None:
+    """One process per policy, one after the other: its own allocator, caches and clock. The first
+    failure as ``(policy, exit code, output)``, else None."""
+    for name in names:
+        proc = subprocess.run([*child, "--policy", name], cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return name, proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return None
+
+
+def _interleaved(child: list[str], names: list[str]) -> tuple[str, int, str] | None:
+    """Every policy's process at once (start-up and validation overlap, neither is timed); training in
+    turns: each process trains one slice (up to its next validation) while the others wait, in rounds
+    whose first policy rotates. A drift of the machine's speed over the run then falls on every policy
+    alike instead of on whichever ran during it. The first failure as ``(policy, exit code, output)``."""
+    import collections
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        errors = {name: stack.enter_context(tempfile.TemporaryFile("w+")) for name in names}
+        said: dict[str, collections.deque[str]] = {name: collections.deque(maxlen=200) for name in names}
+        procs = {
+            name: subprocess.Popen(
+                [*child, "--policy", name, "--turns"],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=errors[name],
+                text=True,
+            )
+            for name in names
+        }
+        for proc in procs.values():
+            stack.callback(_reap, proc)
+
+        def until_turn(name: str) -> bool:
+            """Read ``name``'s output up to its next wait (True) or its end (False)."""
+            for line in procs[name].stdout:
+                if line.rstrip("\n") == TURN:
+                    return True
+                said[name].append(line)
+            return False
+
+        waiting = [name for name in names if until_turn(name)]  # started up, validated once
+        rounds = 0
+        while waiting:
+            order = waiting[rounds % len(waiting) :] + waiting[: rounds % len(waiting)]
+            for name in order:
+                procs[name].stdin.write("go\n")
+                procs[name].stdin.flush()
+                if not until_turn(name):  # its last slice: it wrote its curve and exits
+                    waiting.remove(name)
+            rounds += 1
+        for name in names:
+            code = procs[name].wait()
+            if code != 0:
+                errors[name].seek(0)
+                return name, code, "".join(said[name]) + errors[name].read()
+    return None
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill a child still running (the parent failed or was interrupted) and collect it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
@@ -332,20 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = args.only or list(policies(args))
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    child = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
+    failed = (_interleaved if args.interleave else _one_by_one)(child, names)
+    if failed:
+        name, code, output = failed
+        sys.stderr.write(output[-6000:])
+        print(f"policy {name} failed (exit {code})", file=sys.stderr)
+        return 1
     results = {}
-    for name in names:  # one process per policy: its own allocator, caches and clock
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            *(argv if argv is not None else sys.argv[1:]),
-            "--policy",
-            name,
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-            print(f"policy {name} failed (exit {proc.returncode})", file=sys.stderr)
-            return 1
+    for name in names:
         with open(os.path.join(args.out, f"{name}.json")) as f:
             results[name] = json.load(f)
         last = results[name]["curve"][-1]

@@ -1,5 +1,5 @@
 """``benchmarks/time_to_target.py --smoke`` end to end: each policy trains in its own process and every
-output exists and is well formed. Three of the five policies run (a fixed batch and the two that measure
+output exists and is well formed, one policy after another and in turns (``--interleave``). Three of the five policies run (a fixed batch and the two that measure
 the noise scale, on one rank at GAS 1): each costs a process start, and linear differs from fixed only
 in its schedule config. Only structure is checked, never a timing or a ratio: those
 depend on the machine and its load (the measurement itself is run by hand, on an idle machine)."""
@@ -18,22 +18,26 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["fixed-16", "gradient_noise", "goodput"]
 
 
-def test_time_to_target_smoke(tmp_path):
-    out = tmp_path / "ttt"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "time_to_target.py"),
-        "--smoke",
-        "--seconds",
-        "2",
-        "--only",
-        *POLICIES,
-    ]
+def _smoke(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "time_to_target.py"), "--smoke", "--seconds", "2", *args]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, f"the smoke run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_time_to_target_smoke_one_policy_after_another(tmp_path):
+    out = tmp_path / "ttt"
+    _smoke(out, "--only", "fixed-4")
+    curve = json.loads((out / "results.json").read_text())["results"]["fixed-4"]["curve"]
+    assert len(curve) >= 2 and curve[-1]["train_s"] >= 2.0 and curve[-1]["steps"] > 0, curve
+
+
+def test_time_to_target_smoke_in_turns(tmp_path):
+    out = tmp_path / "ttt"
+    proc = _smoke(out, "--interleave", "--only", *POLICIES)
     results = json.loads((out / "results.json").read_text())
     assert list(results["results"]) == POLICIES
     for name, run in results["results"].items():
@@ -48,6 +52,15 @@ def test_time_to_target_smoke(tmp_path):
         assert set(row["times"]) == set(POLICIES), target
     assert (out / "time_to_target.png").stat().st_size > 0
     assert "to val" in proc.stdout
+    # In turns: round k holds every policy's k-th slice, so each ends before any (k+1)-th (the order
+    # within a round rotates).
+    ends = {name: [p["ended_at"] for p in run["curve"][1:]] for name, run in results["results"].items()}
+    rounds = min(len(e) for e in ends.values())
+    assert rounds >= 2, ends
+    for k in range(rounds - 1):
+        assert max(e[k] for e in ends.values()) < min(e[k + 1] for e in ends.values()), (k, ends)
+    firsts = [min(ends, key=lambda name: ends[name][k]) for k in range(rounds)]
+    assert len(set(firsts)) > 1, f"every round began with the same policy: {firsts}"
 
 
 def test_time_to_a_target_is_interpolated_between_validations():
