@@ -1048,6 +1048,7 @@ def test_importing_the_package_does_not_import_transformers():
 
 def test_steps_left_estimate_is_exact_for_a_constant_batch():
     # A pure check of the progress estimate: 2 epochs of 10 samples at 4 per step, tails included.
+    from ds_adabatch.integrations.hf.progress import StreamProgress
     from ds_adabatch.integrations.hf.state import AdaptiveBatchState
 
     fake = SimpleNamespace(
@@ -1055,6 +1056,7 @@ def test_steps_left_estimate_is_exact_for_a_constant_batch():
         plan_for_step=lambda step: SimpleNamespace(global_batch_size=4),
         num_train_epochs=2.0,
     )
+    fake.progress = StreamProgress(fake)  # the state's progress, reading the fake as its host
     assert AdaptiveBatchState.steps_left(fake, 0) == 2 * math.ceil(10 / 4)
     fake.sampler.drop_last = True
     assert AdaptiveBatchState.steps_left(fake, 0) == 2 * (10 // 4)

@@ -64,8 +64,8 @@ class AdaptiveBatchCallback(TrainerCallback):
         # The next step's plan first: whether drop_last skips the epoch's tail depends on its batch.
         batch_state.plan_for_step(step)
         state.epoch = batch_state.epoch
-        if batch_state.epoch_based:
-            state.max_steps = batch_state.step_budget(step)
+        if batch_state.progress.epoch_based:
+            state.max_steps = batch_state.progress.step_budget(step)
             self._set_bar_total(state.max_steps)
 
     def on_train_begin(

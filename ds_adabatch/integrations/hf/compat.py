@@ -271,7 +271,7 @@ class OneFunctionLoop(SplitLoop):
         epochs, per_epoch, n, samples, _first, batches, lr_length = values
         state = self.trainer._require_state()
         per_epoch = StepsPerEpoch(int(per_epoch), per_epoch.text, state.next_batch_epoch)
-        return epochs, per_epoch, n, samples, state.epoch_based, batches, lr_length
+        return epochs, per_epoch, n, samples, state.progress.epoch_based, batches, lr_length
 
     def callback_state_loaded(self) -> None:
         # 4.57 calls _load_callback_state only when resuming, right after loading trainer_state.json
@@ -299,7 +299,7 @@ class OneFunctionLoop(SplitLoop):
             trainer.lr_scheduler = None
             trainer._lr_coupling = None
         if trainer._lr_coupling is None:
-            trainer.create_scheduler(trainer.batch_state.scheduler_steps())
+            trainer.create_scheduler(trainer.batch_state.progress.scheduler_steps())
 
     def optimizer_created(self) -> None:
         # 4.57-5.1 call create_optimizer (inside create_optimizer_and_scheduler) and 5.2 directly, right

@@ -10,8 +10,10 @@ and prints it in its training banner and ``trainer_state.json``. With a changing
   ``goodput``, ``seesaw``, ``callable``, ``batch_size_scheduler``) and token-budget steps change with the run: the
   numbers are given at the initial batch and said to change with the batch.
 
-:class:`StreamProgress` is mixed into ``AdaptiveBatchState``; the Trainer's step budget
-(``state.max_steps``, the progress bar) follows :meth:`StreamProgress.step_budget` at every step.
+:class:`StreamProgress` is held by ``AdaptiveBatchState`` (``state.progress``) and reads it through
+:class:`ProgressHost`, the public names it needs (the stream's cursor, the run's end, the schedule, the
+next step's plan and batch); the Trainer's step budget (``state.max_steps``, the progress bar) follows
+:meth:`StreamProgress.step_budget` at every step.
 """
 
 from __future__ import annotations
@@ -19,14 +21,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ds_adabatch.config import AdaBatchConfig
+    from ds_adabatch.data import ElasticSampler, GlobalBatch
+    from ds_adabatch.data.tokens import TokenBudgetSampler, TokenStep
     from ds_adabatch.plan import BatchPlan
 
-__all__ = ["RunEstimate", "ShownInt", "StreamProgress", "describe_run"]
+__all__ = [
+    "LrClock",
+    "ProgressHost",
+    "ProgressOwner",
+    "RunEstimate",
+    "ShownInt",
+    "StreamProgress",
+    "describe_run",
+]
 
 _MAX_REPLAYED_STEPS = 200_000
 """Steps replayed at most before training; a longer run is estimated at its initial batch instead."""
@@ -93,43 +106,98 @@ class RunEstimate:
         return f"{counts[0]:,} {first}, then {rest} (estimated from the schedule)"
 
 
-class StreamProgress:
-    """Progress of the sample stream against ``num_train_epochs`` / ``max_steps`` (mixed into the state)."""
+class LrClock(Protocol):
+    """The unit the LR schedule counts in (``hf.state.LrSettings``)."""
 
-    sampler: Any
-    num_train_epochs: float
-    max_steps: int
-    initial_plan: Any
-    lr: Any
-    config: Any
-    world_size: int
-    token_budget: bool
-    scheduled_batch: int
-    controller: Any
-    _estimate: RunEstimate | None = None
+    @property
+    def unit(self) -> str: ...
+
+    @property
+    def reference_batch(self) -> int: ...
+
+
+class ProgressHost(Protocol):
+    """What :class:`StreamProgress` reads from the state that holds it (``hf.state.AdaptiveBatchState``),
+    at every use: the sample stream's cursor (``sampler``), the run's end (``num_train_epochs``, or
+    ``max_steps`` when above 0), the first step's plan, the LR schedule's unit, the schedule and its
+    latest batch, and the plan and global batch of a step about to run."""
+
+    @property
+    def sampler(self) -> ElasticSampler | TokenBudgetSampler: ...
+
+    @property
+    def num_train_epochs(self) -> float: ...
+
+    @property
+    def max_steps(self) -> int: ...
+
+    @property
+    def initial_plan(self) -> BatchPlan: ...
+
+    @property
+    def lr(self) -> LrClock: ...
+
+    @property
+    def config(self) -> AdaBatchConfig: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def token_budget(self) -> bool: ...
+
+    @property
+    def scheduled_batch(self) -> int: ...
+
+    @property
+    def controller(self) -> BatchSizeController: ...
+
+    def plan_for_step(self, step: int) -> BatchPlan:
+        """The plan of optimizer step ``step`` (decided once, on every rank at the same point)."""
+
+    def upcoming_batch(self, step: int) -> GlobalBatch | TokenStep:
+        """The global batch step ``step`` will draw under its plan (peeked: the cursor stays)."""
+
+
+class ProgressOwner(ProgressHost, Protocol):
+    """A host that holds its :class:`StreamProgress` (what :func:`describe_run` is given)."""
+
+    @property
+    def progress(self) -> StreamProgress: ...
+
+
+class StreamProgress:
+    """Progress of the sample stream against ``num_train_epochs`` / ``max_steps``, read from ``host``."""
+
+    def __init__(self, host: ProgressHost) -> None:
+        self.host = host
+        self._estimate: RunEstimate | None = None
 
     @property
     def epoch_based(self) -> bool:
         """True when ``num_train_epochs`` (not ``max_steps``) ends training."""
-        return self.max_steps <= 0
+        return self.host.max_steps <= 0
 
     def finished(self, step: int) -> bool:
         """True when ``num_train_epochs`` are trained (the next batch would start at or past it)."""
         if not self.epoch_based:
             return False
-        nxt = self._peek(self.plan_for_step(step))  # type: ignore[attr-defined]
-        start = nxt.epoch + nxt.start / self.sampler.num_samples
-        return nxt.epoch >= math.ceil(self.num_train_epochs) or start >= self.num_train_epochs - 1e-9
+        host = self.host
+        nxt = host.upcoming_batch(step)
+        start = nxt.epoch + nxt.start / host.sampler.num_samples
+        return nxt.epoch >= math.ceil(host.num_train_epochs) or start >= host.num_train_epochs - 1e-9
 
     def steps_left(self, step: int) -> int:
         """Optimizer steps still to run if the batch of step ``step`` were kept (for the progress bar; with
         a token budget, as if every step held as many samples as that one)."""
-        n, drop = self.sampler.num_samples, self.sampler.drop_last
-        batch = self.plan_for_step(step).global_batch_size  # type: ignore[attr-defined]
-        epoch, pos = self.sampler.epoch, self.sampler.position
+        host = self.host
+        sampler = host.sampler
+        n, drop = sampler.num_samples, sampler.drop_last
+        batch = host.plan_for_step(step).global_batch_size
+        epoch, pos = sampler.epoch, sampler.position
         if pos >= n:
             epoch, pos = epoch + 1, 0
-        target = self.num_train_epochs
+        target = host.num_train_epochs
 
         def part(start: int, stop: int) -> int:
             left = max(0, stop - start)
@@ -157,30 +225,32 @@ class StreamProgress:
         est = self._estimate
         if est is not None and est.exact and est.first_step <= step < est.first_step + len(est.positions) + 1:
             k = step - est.first_step
-            here = (self.sampler.epoch, self.sampler.position)
+            here = (self.host.sampler.epoch, self.host.sampler.position)
             if k == 0 or est.positions[k - 1] == here:
                 return max(est.total_steps, step + 1)
         return step + max(1, self.steps_left(step))
 
     def planned_samples(self) -> int:
         """Samples ``num_train_epochs`` hold at the initial batch (an epoch tail dropped with drop_last)."""
-        n, b = self.sampler.num_samples, self.initial_plan.global_batch_size
-        per_epoch = n - (n % b if self.sampler.drop_last else 0)
-        return math.ceil(self.num_train_epochs * per_epoch)
+        host = self.host
+        n, b = host.sampler.num_samples, host.initial_plan.global_batch_size
+        per_epoch = n - (n % b if host.sampler.drop_last else 0)
+        return math.ceil(host.num_train_epochs * per_epoch)
 
     def scheduler_steps(self) -> int:
         """Length of the LR schedule in its own unit (``TrainingArguments.max_steps`` when it is set).
 
-        In samples: the stream's ``num_train_epochs x dataset size`` (:attr:`stream_samples` advances
-        it, skipped tails included, so it ends with the last epoch however large the tails were). In
-        steps: the steps of the initial batch.
+        In samples: the stream's ``num_train_epochs x dataset size`` (the state's ``stream_samples``
+        advances it, skipped tails included, so it ends with the last epoch however large the tails
+        were). In steps: the steps of the initial batch.
         """
+        host = self.host
         if not self.epoch_based:
-            return self.max_steps
-        if self.lr.unit == "samples":
-            stream = math.ceil(self.num_train_epochs * self.sampler.num_samples)
-            return max(1, math.ceil(stream / self.lr.reference_batch))
-        return max(1, math.ceil(self.planned_samples() / self.initial_plan.global_batch_size))
+            return host.max_steps
+        if host.lr.unit == "samples":
+            stream = math.ceil(host.num_train_epochs * host.sampler.num_samples)
+            return max(1, math.ceil(stream / host.lr.reference_batch))
+        return max(1, math.ceil(self.planned_samples() / host.initial_plan.global_batch_size))
 
     # -- estimates -----------------------------------------------------------------------------------
     @property
@@ -200,40 +270,45 @@ class StreamProgress:
         return replayed
 
     def _replayable(self) -> bool:
-        schedule = self.controller.schedule
-        return not (self.token_budget or schedule.requires or getattr(schedule, "needs_agreement", False))
+        schedule = self.host.controller.schedule
+        return not (
+            self.host.token_budget or schedule.requires or getattr(schedule, "needs_agreement", False)
+        )
 
     def _at_current_batch(self, step: int) -> RunEstimate:
-        n = self.sampler.num_samples
-        batch = self.plan_for_step(step).global_batch_size  # type: ignore[attr-defined]
-        per_epoch = n // batch if self.sampler.drop_last else -(-n // batch)
+        host = self.host
+        n = host.sampler.num_samples
+        batch = host.plan_for_step(step).global_batch_size
+        per_epoch = n // batch if host.sampler.drop_last else -(-n // batch)
         per_epoch = max(per_epoch, 1)
         if self.epoch_based:
             total = step + self.steps_left(step)
-            epochs = math.ceil(self.num_train_epochs)
+            epochs = math.ceil(host.num_train_epochs)
         else:
-            total = self.max_steps
-            epochs = self.sampler.epoch + math.ceil(max(0, self.max_steps - step) / per_epoch)
+            total = host.max_steps
+            epochs = host.sampler.epoch + math.ceil(max(0, host.max_steps - step) / per_epoch)
         return RunEstimate((per_epoch,), total, max(1, epochs), exact=False, first_step=step)
 
     def _replay(self, step: int) -> RunEstimate | None:
         """The stream walked step by step with a fresh controller (the schedule is a function of the
         clock, so the replay is the run); None if it would take too long."""
-        controller = BatchSizeController(self.config, self.world_size)
-        n, drop = self.sampler.num_samples, self.sampler.drop_last
-        epoch, pos, consumed = self.sampler.epoch, self.sampler.position, self.sampler.samples_consumed
-        batch, k = self.scheduled_batch, step
+        host = self.host
+        controller = BatchSizeController(host.config, host.world_size)
+        sampler, epoch_based, target = host.sampler, self.epoch_based, host.num_train_epochs
+        n, drop = sampler.num_samples, sampler.drop_last
+        epoch, pos, consumed = sampler.epoch, sampler.position, sampler.samples_consumed
+        batch, k = host.scheduled_batch, step
         per_epoch: dict[int, int] = {}
         positions: list[tuple[int, int]] = []
         total: int | None = None  # set where the run stops; the replay goes on to that epoch's end
         while len(positions) < _MAX_REPLAYED_STEPS:
-            if total is None and not self.epoch_based and k >= self.max_steps:
+            if total is None and not epoch_based and k >= host.max_steps:
                 total = k
             ctx = ScheduleContext(
                 step=k,
                 samples=consumed,
                 global_batch=batch,
-                world_size=self.world_size,
+                world_size=host.world_size,
                 epoch=epoch + pos / n,
             )
             batch = controller.next_global_batch(ctx).global_batch
@@ -249,11 +324,8 @@ class StreamProgress:
                 epoch, pos = epoch + 1, 0
             if (
                 total is None
-                and self.epoch_based
-                and (
-                    epoch >= math.ceil(self.num_train_epochs)
-                    or epoch + pos / n >= self.num_train_epochs - 1e-9
-                )
+                and epoch_based
+                and (epoch >= math.ceil(target) or epoch + pos / n >= target - 1e-9)
             ):
                 total = k
                 if pos in (0, n):
@@ -266,7 +338,7 @@ class StreamProgress:
         else:
             return None
         counts = tuple(per_epoch[e] for e in sorted(per_epoch)) or (0,)
-        epochs = (positions[-1][0] + 1) if positions else self.sampler.epoch + 1
+        epochs = (positions[-1][0] + 1) if positions else sampler.epoch + 1
         return RunEstimate(
             counts,
             k if total is None else total,
@@ -277,7 +349,7 @@ class StreamProgress:
         )
 
 
-def describe_run(state: StreamProgress, step: int, plan: BatchPlan) -> list[str]:
+def describe_run(state: ProgressOwner, step: int, plan: BatchPlan) -> list[str]:
     """Lines (rank 0, INFO) that say what the run will do from step ``step``, whose plan is ``plan``."""
     schedule = state.controller.schedule
     if getattr(schedule, "needs_agreement", False) and hasattr(schedule, "path"):
@@ -288,7 +360,7 @@ def describe_run(state: StreamProgress, step: int, plan: BatchPlan) -> list[str]
         rule = f"the schedule {state.config.schedule.model_dump(exclude_defaults=True)} sets it"
     where = "the first step trains" if step == 0 else f"step {step} trains"
     lines = [f"AdaptiveBatchSizeTrainer: {where} the global batch {plan.describe()}; {rule}"]
-    est = state.run_estimate
+    est = state.progress.run_estimate
     per_epoch = est.describe_steps_per_epoch(plan.global_batch_size)
     if est.exact:
         lines.append(

@@ -12,7 +12,9 @@ With ``adabatch.micro_batch_tokens`` (token-budget steps) the sampler is a
 (``unit: "tokens"``) or a sample count cut into passes of bounded tokens, each step's plan is the one its
 samples were laid out with, and the learned out-of-memory limit counts tokens per pass.
 
-It is built by ``hf.prepare.build_batch_state``.
+How long the run is (epochs, optimizer steps, the LR schedule's length) is its :attr:`progress`, a
+:class:`~ds_adabatch.integrations.hf.progress.StreamProgress` that reads this state through
+``ProgressHost``. It is built by ``hf.prepare.build_batch_state``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ds_adabatch.runtime.noise.probe import NoiseCadence
 from ds_adabatch.schedules import BatchSizeController
 from ds_adabatch.signals import EmaLoss, GradientNoiseEstimator
 
-from .progress import StreamProgress
+from .progress import RunEstimate, StreamProgress
 
 __all__ = ["STATE_FILE", "AdaptiveBatchState", "LrSettings"]
 
@@ -71,7 +73,7 @@ class LrSettings:
     is 1 (``reference_batch`` then only sizes the samples clock's tick); None otherwise."""
 
 
-class AdaptiveBatchState(StreamProgress):
+class AdaptiveBatchState:
     """Schedule, plan and sample stream of one training run; every rank holds an identical copy.
 
     Decisions are taken on every rank from the same global values (steps, samples, lengths, and
@@ -144,6 +146,8 @@ class AdaptiveBatchState(StreamProgress):
         self.initial_plan = self.plan_for(self.scheduled_batch)
         self.plan: BatchPlan = self.initial_plan
         """The plan of the latest step run (an epoch's smaller tail batch included)."""
+        self.progress = StreamProgress(self)
+        """How long the run is: epochs, optimizer steps, the LR schedule's length (``hf.progress``)."""
         self._decided: tuple[int, BatchPlan] | None = None
         self._peeked: tuple[tuple, GlobalBatch | TokenStep] | None = None
         self._warned_micro_one: set[int] = set()
@@ -408,9 +412,48 @@ class AdaptiveBatchState(StreamProgress):
             if self.rank == 0:
                 logger.log(level, "%s", line)
 
+    def upcoming_batch(self, step: int) -> GlobalBatch | TokenStep:
+        """The global batch step ``step`` will draw under its plan (peeked: the cursor stays)."""
+        return self._peek(self.plan_for_step(step))
+
     def next_batch_epoch(self, step: int) -> int:
         """The epoch the next global batch (of step ``step``) is drawn from."""
-        return self._peek(self.plan_for_step(step)).epoch
+        return self.upcoming_batch(step).epoch
+
+    # -- how long the run is (``self.progress``) ------------------------------------------------------
+    @property
+    def epoch_based(self) -> bool:
+        """True when ``num_train_epochs`` (not ``max_steps``) ends training."""
+        return self.progress.epoch_based
+
+    def finished(self, step: int) -> bool:
+        """True when ``num_train_epochs`` are trained (see :meth:`StreamProgress.finished`)."""
+        return self.progress.finished(step)
+
+    def steps_left(self, step: int) -> int:
+        """Optimizer steps still to run at the batch of step ``step`` (:meth:`StreamProgress.steps_left`)."""
+        return self.progress.steps_left(step)
+
+    def step_budget(self, step: int) -> int:
+        """The Trainer's ``state.max_steps`` at step ``step`` (:meth:`StreamProgress.step_budget`)."""
+        return self.progress.step_budget(step)
+
+    def planned_samples(self) -> int:
+        """Samples ``num_train_epochs`` hold at the initial batch (:meth:`StreamProgress.planned_samples`)."""
+        return self.progress.planned_samples()
+
+    def scheduler_steps(self) -> int:
+        """Length of the LR schedule in its own unit (:meth:`StreamProgress.scheduler_steps`)."""
+        return self.progress.scheduler_steps()
+
+    def estimate(self, step: int) -> RunEstimate:
+        """The run's optimizer steps from step ``step`` on (:meth:`StreamProgress.estimate`)."""
+        return self.progress.estimate(step)
+
+    @property
+    def run_estimate(self) -> RunEstimate:
+        """The latest :meth:`estimate`."""
+        return self.progress.run_estimate
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self, global_step: int) -> dict[str, Any]:

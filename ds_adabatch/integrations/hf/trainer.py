@@ -337,29 +337,30 @@ class AdaptiveBatchSizeTrainer(Trainer):
         state = self._require_state()
         n = state.sampler.num_samples
         first = state.initial_plan.global_batch_size
-        state.estimate(0)
+        progress = state.progress
+        progress.estimate(0)
 
         # The banner is printed after _init_training_state, which estimates again from a resumed state.
         def steps_per_epoch() -> str:
-            return state.run_estimate.describe_steps_per_epoch(state.scheduled_batch)
+            return progress.run_estimate.describe_steps_per_epoch(state.scheduled_batch)
 
         def how() -> str:
             return (
                 "estimated from the schedule"
-                if state.run_estimate.exact
+                if progress.run_estimate.exact
                 else "at the current batch; it changes with the batch"
             )
 
         per_epoch = ShownInt(n, steps_per_epoch)
-        if state.epoch_based:
-            epochs, samples = math.ceil(args.num_train_epochs), state.planned_samples()
+        if progress.epoch_based:
+            epochs, samples = math.ceil(args.num_train_epochs), progress.planned_samples()
             lr_length = ShownInt(
-                state.scheduler_steps(), lambda: f"{state.run_estimate.total_steps:,} ({how()})"
+                progress.scheduler_steps(), lambda: f"{progress.run_estimate.total_steps:,} ({how()})"
             )
         else:
             # max_steps ends training; the loop walks epochs until then (one step at least per epoch).
-            epochs = ShownInt(args.max_steps + 1, lambda: f"{state.run_estimate.epochs:,} ({how()})")
-            samples, lr_length = args.max_steps * first, state.scheduler_steps()
+            epochs = ShownInt(args.max_steps + 1, lambda: f"{progress.run_estimate.epochs:,} ({how()})")
+            samples, lr_length = args.max_steps * first, progress.scheduler_steps()
         return epochs, per_epoch, n, samples, first, n, lr_length
 
     def _init_training_state(
@@ -400,11 +401,12 @@ class AdaptiveBatchSizeTrainer(Trainer):
         step = self.state.global_step
         self._samples_at_start = state.samples_consumed
         self._tokens_at_start = state.tokens
-        estimate = state.estimate(step)
+        progress = state.progress
+        estimate = progress.estimate(step)
         self.state.num_train_epochs = (
-            math.ceil(self.args.num_train_epochs) if state.epoch_based else estimate.epochs
+            math.ceil(self.args.num_train_epochs) if progress.epoch_based else estimate.epochs
         )
-        self.state.max_steps = state.step_budget(step) if state.epoch_based else int(max_steps)
+        self.state.max_steps = progress.step_budget(step) if progress.epoch_based else int(max_steps)
 
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
