@@ -109,11 +109,8 @@ class RunEstimate:
 class LrClock(Protocol):
     """The unit the LR schedule counts in (``hf.state.LrSettings``)."""
 
-    @property
-    def unit(self) -> str: ...
-
-    @property
-    def reference_batch(self) -> int: ...
+    unit: str
+    reference_batch: int
 
 
 class ProgressHost(Protocol):
@@ -122,35 +119,19 @@ class ProgressHost(Protocol):
     ``max_steps`` when above 0), the first step's plan, the LR schedule's unit, the schedule and its
     latest batch, and the plan and global batch of a step about to run."""
 
-    @property
-    def sampler(self) -> ElasticSampler | TokenBudgetSampler: ...
+    sampler: ElasticSampler | TokenBudgetSampler
+    num_train_epochs: float
+    max_steps: int
+    initial_plan: BatchPlan
+    config: AdaBatchConfig
+    world_size: int
+    token_budget: bool
+    scheduled_batch: int
+    controller: BatchSizeController
 
     @property
-    def num_train_epochs(self) -> float: ...
-
-    @property
-    def max_steps(self) -> int: ...
-
-    @property
-    def initial_plan(self) -> BatchPlan: ...
-
-    @property
-    def lr(self) -> LrClock: ...
-
-    @property
-    def config(self) -> AdaBatchConfig: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def token_budget(self) -> bool: ...
-
-    @property
-    def scheduled_batch(self) -> int: ...
-
-    @property
-    def controller(self) -> BatchSizeController: ...
+    def lr(self) -> LrClock:
+        """Read-only: the host's own settings type stands in for the protocol (``hf.state.LrSettings``)."""
 
     def plan_for_step(self, step: int) -> BatchPlan:
         """The plan of optimizer step ``step`` (decided once, on every rank at the same point)."""
