@@ -11,6 +11,8 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``linear``             ``--start`` -> the largest B of the sweep over ``--ramp-samples`` samples
 ``gradient_noise``     the ``gradient_noise`` schedule from ``--start``, defaults otherwise
 ``goodput``            the ``goodput`` schedule from ``--start`` up to the largest B, defaults otherwise
+``goodput-pollux``     the same with Pollux's efficiency (``efficiency: "linear"``), not the square root
+                       that ``lr_scaling: sqrt`` selects by default (only where ``--only`` names it)
 =====================  ===========================================================================
 
 Every policy: AdamW at ``--lr`` for batch ``--start`` with ``lr_scaling: sqrt``, the same warm-up in
@@ -74,6 +76,14 @@ MODELS = {
 }
 
 
+FIRST_STEPS = 12
+"""Steps at the start of each slice whose seconds the curve keeps (``first_steps_s``): what a pause (a
+validation, another policy's turn) costs the steps after it."""
+
+ON_REQUEST = frozenset({"goodput-pollux"})
+"""Policies run only where ``--only`` names them."""
+
+
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each policy's ``"adabatch".schedule``."""
     top = max(args.sweep)
@@ -81,6 +91,8 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["linear"] = {"type": "linear", "start": args.start, "end": top, "ramp_samples": args.ramp_samples}
     out["gradient_noise"] = {"type": "gradient_noise", "start": args.start}
     out["goodput"] = {"type": "goodput", "start": args.start, **dict(args.goodput_set)}
+    # Pollux's efficiency, where the default (sqrt scaling here) takes its square root: the two side by side.
+    out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
     return out
 
 
@@ -173,8 +185,12 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 engine.train_batch()
                 trained += simulated(engine.last_step_batch)
         else:
+            first: list[float] = []  # the slice's first steps, each: after a pause a step may cost more
             while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
+                began = time.perf_counter()
                 engine.train_batch()
+                if not cuda and len(first) < FIRST_STEPS:  # no added synchronisation on a GPU
+                    first.append(time.perf_counter() - began)
             sync()
             trained += time.perf_counter() - started
         # The process's CPU time in training: on a loaded machine wall-clock figures mean little, CPU
@@ -190,6 +206,8 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "batch": engine.plan.global_batch_size,
                 "val": evaluate(),
                 "ended_at": time.time(),  # when the slice ended: the order of an interleaved run
+                "noise_scale": None if engine.noise is None else engine.noise.noise_scale,
+                "first_steps_s": None if simulated is not None or cuda else first,
             }
         )
     engine.close()
@@ -220,8 +238,9 @@ def _step_cost(text: str | None) -> Any:
     return cost
 
 
-def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
-    """Training seconds at which the validation loss first reaches ``target``; None if never.
+def time_to(curve: list[dict[str, Any]], target: float, key: str = "train_s") -> float | None:
+    """Training seconds at which the validation loss first reaches ``target``; None if never (``key``
+    "samples": the samples trained by then).
 
     Interpolated linearly between the last validation above the target and the first at or below it,
     so the figure is not rounded up to the next validation (a 4 s grid would make 32 s and 36 s, a
@@ -229,12 +248,37 @@ def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
     for i, point in enumerate(curve):
         if point["val"] <= target:
             if i == 0:
-                return point["train_s"]
+                return point[key]
             before = curve[i - 1]
             fall = before["val"] - point["val"]
             share = (before["val"] - target) / fall if fall > 0 else 1.0
-            return before["train_s"] + share * (point["train_s"] - before["train_s"])
+            return before[key] + share * (point[key] - before[key])
     return None
+
+
+def efficiencies(results: dict[str, dict[str, Any]], targets: list[float], start: int) -> dict[str, Any]:
+    """Each fixed batch's measured statistical efficiency relative to ``fixed-<start>`` between two
+    consecutive targets (and from the first to the last): the samples ``fixed-<start>`` took from one to the next over the samples it took
+    (None where either did not reach both). What the goodput schedule's efficiency model predicts."""
+    base = results.get(f"fixed-{start}")
+    out: dict[str, Any] = {}
+    if base is None:
+        return out
+    spans = list(zip(targets, targets[1:]))
+    if len(targets) > 2:  # the whole span too: single spans between close targets are noisy
+        spans.append((targets[0], targets[-1]))
+    for high, low in spans:
+        spans = {}
+        for name, r in results.items():
+            if not name.startswith("fixed-"):
+                continue
+            a, b = time_to(r["curve"], high, "samples"), time_to(r["curve"], low, "samples")
+            spans[name] = None if a is None or b is None else b - a
+        ref = spans.get(f"fixed-{start}")
+        out[f"{high}-{low}"] = {
+            n: (ref / v if ref and v else None) for n, v in spans.items() if n != f"fixed-{start}"
+        }
+    return out
 
 
 def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[str, Any]:
@@ -248,6 +292,7 @@ def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[
         adaptive = {n: t for n, t in times.items() if not n.startswith("fixed-") and t is not None}
         out[str(target)] = {
             "times": times,
+            "samples": {name: time_to(r["curve"], target, "samples") for name, r in results.items()},
             "best_fixed": best,
             "median_fixed": median,
             "to_best_fixed": {n: t / best for n, t in adaptive.items()} if best else {},
@@ -432,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, f"{args.policy}.json"), "w") as f:
             json.dump(result, f)
         return 0
-    names = args.only or list(policies(args))
+    names = args.only or [name for name in policies(args) if name not in ON_REQUEST]
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     child = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
     failed = (_interleaved if args.interleave else _one_by_one)(child, names)
@@ -454,7 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results, args.targets)
     settings = {k: v for k, v in vars(args).items() if k != "policy"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"settings": settings, "summary": summary, "results": results}, f, indent=1)
+        json.dump(
+            {
+                "settings": settings,
+                "summary": summary,
+                "efficiencies": efficiencies(results, args.targets, args.start),
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     for target, row in summary.items():
         cells = ", ".join(f"{n} {'-' if t is None else f'{t:.1f}s'}" for n, t in row["times"].items())
         ratios = ", ".join(
@@ -466,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
             f"to val {target}: {cells} (best fixed {'-' if best is None else f'{best:.1f}s'}, median fixed "
             f"{'-' if median is None else f'{median:.1f}s'}){'; ' + ratios if ratios else ''}"
         )
+    measured = efficiencies(results, args.targets, args.start)
+    for span, row in measured.items():
+        cells = ", ".join(f"{n} {'-' if e is None else f'{e:.2f}'}" for n, e in row.items())
+        print(f"efficiency relative to fixed-{args.start} from val {span.replace('-', ' to ')}: {cells}")
     try:
         plot(results, os.path.join(args.out, "time_to_target.png"))
     except ImportError:

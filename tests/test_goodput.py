@@ -110,6 +110,13 @@ def test_statistical_efficiency():
         statistical_efficiency(0, 10, 8)
     with pytest.raises(ValueError):
         statistical_efficiency(8, math.inf, 8)
+    # Under square-root LR scaling: the square root, so far above the noise scale 1/sqrt(batch).
+    assert statistical_efficiency(40, 24, 8, 0.5) == pytest.approx(math.sqrt(32 / 64))
+    assert statistical_efficiency(16, 1e6, 8, 0.5) > 0.9999
+    assert statistical_efficiency(800, 1.0, 8, 0.5) == pytest.approx(math.sqrt(9 / 801))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="exponent"):
+            statistical_efficiency(16, 10, 8, bad)
 
 
 def _section(**over) -> AdaBatchConfig:
@@ -158,13 +165,13 @@ def run_loop(section, curve, noise_of, *, steps=500, world=2, limit=None, seed=0
     return batches, controller
 
 
-def best_batch(curve, noise, world, limit, lo, hi, reference=8):
+def best_batch(curve, noise, world, limit, lo, hi, reference=8, exponent=1.0):
     def goodput(b):
         p = plan_batch(b, world, limit)
         return (
             b
             / curve(p.micro_batch_per_gpu, p.gradient_accumulation_steps)
-            * statistical_efficiency(b, noise, reference)
+            * statistical_efficiency(b, noise, reference, exponent)
         )
 
     return max(range(lo, hi + 1, world), key=goodput), goodput
@@ -188,6 +195,28 @@ def test_affine_cost_picks_the_goodput_maximum(noise):
     assert goodput(batches[-1]) >= goodput(best) / (1 + section.schedule.hysteresis), (batches[-1], best)
     # It follows the noise scale: a larger noise scale, a larger batch.
     assert (batches[-1] > 32) == (noise > 100), batches[-1]
+
+
+@pytest.mark.parametrize(
+    ("rule", "efficiency", "exponent"),
+    [("sqrt", "auto", 0.5), ("linear", "auto", 1.0), ("none", "auto", 1.0), ("sqrt", "linear", 1.0), ("none", "sqrt", 0.5)],
+)
+def test_the_efficiency_follows_the_lr_scaling_rule_unless_set(rule, efficiency, exponent):
+    def curve(m, g):
+        return 0.02 + g * (0.001 + 0.001 * m)
+
+    noise = 20.0
+    section = _section(schedule={"efficiency": efficiency}, lr_scaling={"rule": rule})
+    batches, controller = run_loop(section, curve, lambda s, r: noise, steps=120)
+    assert controller.schedule.efficiency_exponent == exponent
+    best, goodput = best_batch(curve, noise, 2, 16, 2, 256, exponent=exponent)
+    assert goodput(batches[-1]) >= goodput(best) / (1 + section.schedule.hysteresis), (batches[-1], best)
+    pollux_best, _ = best_batch(curve, noise, 2, 16, 2, 256)
+    # Under square-root scaling a batch beyond the noise scale still gains per step: a larger batch.
+    assert (batches[-1] > pollux_best * 1.3) == (exponent == 0.5), (batches[-1], pollux_best)
+    assert controller.schedule.last_rating["efficiency"] == pytest.approx(
+        statistical_efficiency(batches[-1], noise, 8, exponent)
+    )
 
 
 def test_start_is_the_smallest_batch_unless_min_global_batch_asks_for_less():

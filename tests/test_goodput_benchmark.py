@@ -48,6 +48,9 @@ def test_time_to_target_smoke_in_turns(tmp_path):
         # CPU seconds in training: the process ran while it trained, and not more than two cores' worth.
         assert 0 < curve[-1]["cpu_s"] <= 2 * curve[-1]["train_s"] + 1, f"{name}: {curve[-1]}"
         assert run["config"]["adabatch"]["max_global_batch"] == 16
+        # Each slice's first steps are timed (what a pause costs), on the CPU's clock.
+        assert all(0 < len(p["first_steps_s"]) <= 12 for p in curve[1:]), f"{name}: {curve}"
+        assert all(t > 0 for p in curve[1:] for t in p["first_steps_s"]), f"{name}: {curve}"
     for target, row in results["summary"].items():
         assert set(row["times"]) == set(POLICIES), target
     assert (out / "time_to_target.png").stat().st_size > 0
@@ -77,6 +80,27 @@ def test_time_to_a_target_is_interpolated_between_validations():
     assert time_to(curve, 1.8) == pytest.approx(8.0)
     assert time_to(curve, 6.0) == 0.0
     assert time_to(curve, 1.7) is None
+
+
+def test_the_measured_efficiency_is_the_start_batch_samples_over_each_fixed_batch_samples():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import efficiencies, time_to
+
+    def curve(samples_at):  # validation 2.4 / 2.2 / 2.0 reached at these sample counts
+        return [{"train_s": float(i), "samples": n, "val": v} for i, (n, v) in enumerate(samples_at)]
+
+    results = {
+        "fixed-8": {"curve": curve([(0, 3.0), (100, 2.4), (300, 2.2), (500, 2.0)])},
+        "fixed-16": {"curve": curve([(0, 3.0), (160, 2.4), (360, 2.2), (760, 2.0)])},
+        "fixed-32": {"curve": curve([(0, 3.0), (200, 2.4), (500, 2.2)])},  # never reaches 2.0
+        "goodput": {"curve": curve([(0, 3.0), (100, 2.4), (200, 2.0)])},  # not a fixed batch: left out
+    }
+    assert time_to(results["fixed-16"]["curve"], 2.3, "samples") == pytest.approx(260)
+    got = efficiencies(results, [2.4, 2.2, 2.0], 8)
+    assert got["2.4-2.2"] == {"fixed-16": pytest.approx(1.0), "fixed-32": pytest.approx(200 / 300)}
+    assert got["2.2-2.0"] == {"fixed-16": pytest.approx(0.5), "fixed-32": None}
+    assert got["2.4-2.0"] == {"fixed-16": pytest.approx(400 / 600), "fixed-32": None}
+    assert efficiencies(results, [2.4, 2.2], 4) == {}  # no fixed batch at start: nothing to compare
 
 
 def test_a_simulated_device_charges_each_pass_a_step_ran():

@@ -86,6 +86,7 @@ class BatchSizeController:
             granularity=self.granularity,
             allow_uneven=self.allow_uneven,
             min_from_config=self.min_global_batch is not None,
+            lr_rule=getattr(getattr(config, "lr_scaling", None), "rule", None),
         )
         self._last_step: int | None = None
         self._last_decision: Decision | None = None

@@ -4,10 +4,11 @@ For every plannable global batch ``B`` (a multiple of the world size and granula
 bounds) the rule takes the split the planner gives it under the current micro-batch limit, ``(micro,
 GAS)``, and rates it::
 
-    goodput(B) = B / step_time(micro, GAS, W) x (B_noise + M0) / (B_noise + B)
+    goodput(B) = B / step_time(micro, GAS, W) x ((B_noise + M0) / (B_noise + B)) ** p
 
 samples per second times the statistical efficiency relative to ``M0`` = the schedule's ``start``
-(:func:`~ds_adabatch.signals.statistical_efficiency`); ``step_time`` is the fitted
+(:func:`~ds_adabatch.signals.statistical_efficiency`; ``p`` = 1, Pollux's, or 0.5 under square-root LR
+scaling: the config's ``efficiency``); ``step_time`` is the fitted
 :class:`~ds_adabatch.signals.ThroughputModel` the rule holds (:attr:`GoodputSchedule.throughput`, fed by
 the runtime with every step's agreed time, and checkpointed with the rule). Per evaluation::
 
@@ -87,6 +88,9 @@ class GoodputSchedule:
         granularity, min_global_batch, max_global_batch, allow_uneven: the section's bounds; the
             candidates are the plannable batches within them at the context's world size; without a
             ``min_global_batch`` the smallest is ``start``.
+        lr_rule: the section's ``lr_scaling.rule``; with ``efficiency`` "auto", "sqrt" selects the
+            square-root efficiency (:func:`~ds_adabatch.signals.statistical_efficiency`), anything else
+            Pollux's.
     """
 
     name = "goodput"
@@ -100,8 +104,16 @@ class GoodputSchedule:
         min_global_batch: int | None = None,
         max_global_batch: int | None = None,
         allow_uneven: bool = False,
+        lr_rule: str | None = None,
     ) -> None:
         self.reference_batch = int(config.start)
+        efficiency = config.efficiency
+        if efficiency == "auto":
+            efficiency = "sqrt" if lr_rule == "sqrt" else "linear"
+        self.efficiency = efficiency
+        """The efficiency's form, "linear" (Pollux's) or "sqrt" (under square-root LR scaling): the
+        config's ``efficiency``, "auto" resolved from the section's ``lr_scaling.rule``."""
+        self.efficiency_exponent = 0.5 if efficiency == "sqrt" else 1.0
         self.decide_every = int(config.decide_every)
         self.hysteresis = float(config.hysteresis)
         self.explore_factor = float(config.explore_factor)
@@ -223,7 +235,10 @@ class GoodputSchedule:
         speed = self.speed(ctx, batch)
         if speed is None:
             return None
-        return speed[0], statistical_efficiency(batch, noise, self.reference_batch), speed[1]
+        return speed[0], self._efficiency(batch, noise), speed[1]
+
+    def _efficiency(self, batch: float, noise: float) -> float:
+        return statistical_efficiency(batch, noise, self.reference_batch, self.efficiency_exponent)
 
     def _hold(self, current: float, why: str) -> float:
         self.last_reason = f"{why}: hold"
@@ -312,10 +327,10 @@ class GoodputSchedule:
         predicted, needs only the estimate)."""
         start = self.reference_batch
         speedup = rating[0] / ref_rating[0]
-        at_estimate = speedup * _efficiency_gain(batch, ref, noise, start)
+        at_estimate = speedup * self._efficiency(batch, noise) / self._efficiency(ref, noise)
         if not (band and abs(math.log(batch / start)) > abs(math.log(ref / start))):
             return at_estimate
-        worst = min(speedup * _efficiency_gain(batch, ref, e, start) for e in band)
+        worst = min(speedup * self._efficiency(batch, e) / self._efficiency(ref, e) for e in band)
         return at_estimate if worst >= 1.0 else worst
 
     def _best(
@@ -332,7 +347,7 @@ class GoodputSchedule:
         beyond ``explore_factor`` times the largest tried are left for later."""
         best, best_rating, best_gain = reference, now, 1.0
         for batch, (samples_per_s, plan) in self._reachable(ctx, current, reference, tried):
-            rating = (samples_per_s, statistical_efficiency(batch, noise, self.reference_batch), plan)
+            rating = (samples_per_s, self._efficiency(batch, noise), plan)
             g = self._gain(batch, rating, reference, now, noise, band)
             if g > best_gain * (1 + 1e-12):
                 best, best_rating, best_gain = batch, rating, g
@@ -488,11 +503,6 @@ class GoodputSchedule:
         trial = state.get("trial")  # absent from states written before trials were judged early
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.throughput.load_state_dict(state["throughput"])
-
-
-def _efficiency_gain(batch: int, current: int, noise: float, reference: int) -> float:
-    """Efficiency of ``batch`` over that of ``current`` at ``noise`` (the reference cancels out)."""
-    return statistical_efficiency(batch, noise, reference) / statistical_efficiency(current, noise, reference)
 
 
 def _shape(plan: Any) -> tuple[int, int]:

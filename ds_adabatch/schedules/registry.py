@@ -44,13 +44,15 @@ def build_schedule(
     granularity: int = 1,
     allow_uneven: bool = False,
     min_from_config: bool = True,
+    lr_rule: str | None = None,
 ) -> Schedule:
     """The rule for a schedule config model (one member of ``ScheduleConfig``).
 
     ``min_global_batch`` / ``max_global_batch`` are the plannable bounds; rules that keep their own
     batch (``loss_plateau``) stay inside them, as the controller's output does. ``goodput`` rates the
     plannable batches within them (``granularity``, ``allow_uneven``) at the context's world size,
-    from its ``start`` where ``min_from_config`` is False (the section set no ``min_global_batch``).
+    from its ``start`` where ``min_from_config`` is False (the section set no ``min_global_batch``), with
+    the efficiency that ``lr_rule`` (the section's ``lr_scaling.rule``) implies where it says "auto".
 
     Raises:
         ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
@@ -68,6 +70,7 @@ def build_schedule(
             min_global_batch=min_global_batch if min_from_config else None,
             max_global_batch=max_global_batch,
             allow_uneven=allow_uneven,
+            lr_rule=lr_rule,
         )
     if kind == "seesaw":
         return SeesawSchedule(config, max_global_batch=max_global_batch)

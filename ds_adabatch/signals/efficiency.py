@@ -25,14 +25,21 @@ import math
 __all__ = ["statistical_efficiency"]
 
 
-def statistical_efficiency(batch: float, noise_scale: float, reference_batch: float) -> float:
-    """``(noise_scale + reference_batch) / (noise_scale + batch)`` (module docstring); all in samples.
+def statistical_efficiency(
+    batch: float, noise_scale: float, reference_batch: float, exponent: float = 1.0
+) -> float:
+    """``((noise_scale + reference_batch) / (noise_scale + batch)) ** exponent`` (module docstring); all
+    in samples. ``exponent`` 1 is Pollux's efficiency, 0.5 the one under square-root LR scaling.
 
     Raises:
-        ValueError: a batch is not positive or the noise scale is negative or not finite.
+        ValueError: a batch is not positive, the noise scale is negative or not finite, or the exponent
+            is not in (0, 1].
     """
     if not batch > 0 or not reference_batch > 0:
         raise ValueError(f"batches must be > 0 samples, got {batch!r} and reference {reference_batch!r}")
     if not (math.isfinite(noise_scale) and noise_scale >= 0):
         raise ValueError(f"the noise scale must be a finite number >= 0 samples, got {noise_scale!r}")
-    return (noise_scale + reference_batch) / (noise_scale + batch)
+    if not 0.0 < exponent <= 1.0:
+        raise ValueError(f"the exponent must be in (0, 1], got {exponent!r}")
+    ratio = (noise_scale + reference_batch) / (noise_scale + batch)
+    return ratio if exponent == 1.0 else ratio**exponent
