@@ -258,26 +258,24 @@ def time_to(curve: list[dict[str, Any]], target: float, key: str = "train_s") ->
 
 def efficiencies(results: dict[str, dict[str, Any]], targets: list[float], start: int) -> dict[str, Any]:
     """Each fixed batch's measured statistical efficiency relative to ``fixed-<start>`` between two
-    consecutive targets (and from the first to the last): the samples ``fixed-<start>`` took from one to the next over the samples it took
-    (None where either did not reach both). What the goodput schedule's efficiency model predicts."""
-    base = results.get(f"fixed-{start}")
+    consecutive targets (and from the first to the last): the samples ``fixed-<start>`` took from one
+    to the next over the samples that batch took (None where either did not reach both). What the
+    goodput schedule's efficiency model predicts."""
+    base = f"fixed-{start}"
     out: dict[str, Any] = {}
-    if base is None:
+    if base not in results:
         return out
     spans = list(zip(targets, targets[1:]))
     if len(targets) > 2:  # the whole span too: single spans between close targets are noisy
         spans.append((targets[0], targets[-1]))
     for high, low in spans:
-        spans = {}
+        taken = {}
         for name, r in results.items():
-            if not name.startswith("fixed-"):
-                continue
-            a, b = time_to(r["curve"], high, "samples"), time_to(r["curve"], low, "samples")
-            spans[name] = None if a is None or b is None else b - a
-        ref = spans.get(f"fixed-{start}")
-        out[f"{high}-{low}"] = {
-            n: (ref / v if ref and v else None) for n, v in spans.items() if n != f"fixed-{start}"
-        }
+            if name.startswith("fixed-"):
+                a, b = time_to(r["curve"], high, "samples"), time_to(r["curve"], low, "samples")
+                taken[name] = None if a is None or b is None else b - a
+        ref = taken[base]
+        out[f"{high}-{low}"] = {n: (ref / v if ref and v else None) for n, v in taken.items() if n != base}
     return out
 
 
@@ -497,13 +495,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     summary = summarise(results, args.targets)
+    measured = efficiencies(results, args.targets, args.start)
     settings = {k: v for k, v in vars(args).items() if k != "policy"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(
             {
                 "settings": settings,
                 "summary": summary,
-                "efficiencies": efficiencies(results, args.targets, args.start),
+                "efficiencies": measured,
                 "results": results,
             },
             f,
@@ -520,7 +519,6 @@ def main(argv: list[str] | None = None) -> int:
             f"to val {target}: {cells} (best fixed {'-' if best is None else f'{best:.1f}s'}, median fixed "
             f"{'-' if median is None else f'{median:.1f}s'}){'; ' + ratios if ratios else ''}"
         )
-    measured = efficiencies(results, args.targets, args.start)
     for span, row in measured.items():
         cells = ", ".join(f"{n} {'-' if e is None else f'{e:.2f}'}" for n, e in row.items())
         print(f"efficiency relative to fixed-{args.start} from val {span.replace('-', ' to ')}: {cells}")

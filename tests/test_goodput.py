@@ -199,7 +199,13 @@ def test_affine_cost_picks_the_goodput_maximum(noise):
 
 @pytest.mark.parametrize(
     ("rule", "efficiency", "exponent"),
-    [("sqrt", "auto", 0.5), ("linear", "auto", 1.0), ("none", "auto", 1.0), ("sqrt", "linear", 1.0), ("none", "sqrt", 0.5)],
+    [
+        ("sqrt", "auto", 0.5),
+        ("linear", "auto", 1.0),
+        ("none", "auto", 1.0),
+        ("sqrt", "linear", 1.0),
+        ("none", "sqrt", 0.5),
+    ],
 )
 def test_the_efficiency_follows_the_lr_scaling_rule_unless_set(rule, efficiency, exponent):
     def curve(m, g):

@@ -110,10 +110,9 @@ class GoodputSchedule:
         efficiency = config.efficiency
         if efficiency == "auto":
             efficiency = "sqrt" if lr_rule == "sqrt" else "linear"
-        self.efficiency = efficiency
-        """The efficiency's form, "linear" (Pollux's) or "sqrt" (under square-root LR scaling): the
-        config's ``efficiency``, "auto" resolved from the section's ``lr_scaling.rule``."""
         self.efficiency_exponent = 0.5 if efficiency == "sqrt" else 1.0
+        """The efficiency's form: 1 (Pollux's, ``efficiency`` "linear") or 0.5 (its square root, "sqrt";
+        "auto" resolved from the section's ``lr_scaling.rule``)."""
         self.decide_every = int(config.decide_every)
         self.hysteresis = float(config.hysteresis)
         self.explore_factor = float(config.explore_factor)
@@ -327,7 +326,7 @@ class GoodputSchedule:
         predicted, needs only the estimate)."""
         start = self.reference_batch
         speedup = rating[0] / ref_rating[0]
-        at_estimate = speedup * self._efficiency(batch, noise) / self._efficiency(ref, noise)
+        at_estimate = speedup * rating[1] / ref_rating[1]  # both rated at the estimate
         if not (band and abs(math.log(batch / start)) > abs(math.log(ref / start))):
             return at_estimate
         worst = min(speedup * self._efficiency(batch, e) / self._efficiency(ref, e) for e in band)
