@@ -2,7 +2,10 @@
 # The goodput checks that need one CUDA GPU, in one go (about 7 minutes on an H200):
 #   1. a smoke run of time_to_target.py on the GPU (bf16, ZeRO 2), which stops the script if it fails;
 #   2. the GPU time-to-target sweep (issue: goodput), policies in turns: fixed 32/64/128/256, linear, goodput;
-#   3. our host cost per steady step on the large model (host_cost.py --model large).
+#   3. what a steady goodput step costs against a constant batch of the same size, with and without its
+#      noise splits, and a linear ramp's (goodput_step_cost.py on the GPU model at batch 256).
+# (benchmarks/host_cost.py --model large builds DeepSpeed's FusedAdam, whose JIT build in DeepSpeed 0.19.8
+# cannot parse a TORCH_CUDA_ARCH_LIST entry such as "9.0a": run it with that variable set to e.g. "9.0".)
 #
 #   bash benchmarks/gpu_goodput.sh [OUT]      # OUT: where the logs and results go (default gpu_goodput_out)
 #
@@ -38,6 +41,7 @@ timeout "${TTT_TIMEOUT:-360}" python3 benchmarks/time_to_target.py --device cuda
 cp /tmp/ttt/results.json "$OUT/time_to_target.json" 2>/dev/null
 cp /tmp/ttt/time_to_target.png "$OUT/" 2>/dev/null
 
-echo "== host cost"
-timeout "${HOST_COST_TIMEOUT:-100}" python3 benchmarks/host_cost.py --model large --steps 200 --profile-steps 50 2>&1 | tee "$OUT/host_cost.log"
+echo "== goodput step cost"
+timeout "${STEP_COST_TIMEOUT:-150}" python3 benchmarks/goodput_step_cost.py --device cuda --model gpu --batch 256 \
+    --rounds 12 --steps 10 2>&1 | grep -v '^\[ds_adabatch\]' | tee "$OUT/goodput_step_cost.log"
 date -u

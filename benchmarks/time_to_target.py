@@ -29,6 +29,7 @@ training seconds). Usage::
     python benchmarks/time_to_target.py --smoke                             # a tiny run, for CI
     python benchmarks/time_to_target.py --simulate-step-time fixed=0.04 --seconds 20 --seed 1
     python benchmarks/time_to_target.py --interleave                        # policies in turns
+    python benchmarks/time_to_target.py --from-results OUT/results.json     # report an earlier run again
 
 ``--interleave`` starts every policy's process at once and lets them train in turns, one slice (up to the
 next validation) each while the others wait, the first of each round rotating. Run one after the other,
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -280,23 +282,60 @@ def efficiencies(results: dict[str, dict[str, Any]], targets: list[float], start
 
 
 def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[str, Any]:
+    """Each policy's time (and samples) to every target, against the best and the median fixed batch.
+
+    A fixed batch that never reached a target within the budget is later than every one that did, so
+    it counts in the median as later than all of them: the median of 20.6 s, 22.5 s, 27.7 s and one
+    that never got there is 25.1 s, not the 22.5 s of the three that did. Where the median itself is a
+    batch that never got there, ``median_fixed`` is None and ``median_fixed_beyond`` True (later than
+    the budget); an adaptive policy's ``to_median_fixed`` is then left out, not made up."""
     out: dict[str, Any] = {}
     fixed = [name for name in results if name.startswith("fixed-")]
     for target in targets:
         times = {name: time_to(r["curve"], target) for name, r in results.items()}
         reached = [times[n] for n in fixed if times[n] is not None]
         best = min(reached) if reached else None
-        median = statistics.median(reached) if reached else None
+        ranked = [math.inf if times[n] is None else times[n] for n in fixed]
+        median = statistics.median(ranked) if ranked else math.inf
+        beyond = bool(ranked) and math.isinf(median)
+        median = None if math.isinf(median) else median
         adaptive = {n: t for n, t in times.items() if not n.startswith("fixed-") and t is not None}
         out[str(target)] = {
             "times": times,
             "samples": {name: time_to(r["curve"], target, "samples") for name, r in results.items()},
             "best_fixed": best,
             "median_fixed": median,
+            "median_fixed_beyond": beyond,
             "to_best_fixed": {n: t / best for n, t in adaptive.items()} if best else {},
             "to_median_fixed": {n: t / median for n, t in adaptive.items()} if median else {},
         }
     return out
+
+
+def report(summary: dict[str, Any], measured: dict[str, Any], start: int) -> None:
+    """Print the time to every target and the measured efficiencies (:func:`summarise`, :func:`efficiencies`)."""
+    for target, row in summary.items():
+        cells = ", ".join(f"{n} {'-' if t is None else f'{t:.1f}s'}" for n, t in row["times"].items())
+        ratios = ", ".join(
+            f"{n} {r:.2f}x best"
+            + (f" / {row['to_median_fixed'][n]:.2f}x median" if n in row["to_median_fixed"] else "")
+            for n, r in row["to_best_fixed"].items()
+        )
+        best, median = row["best_fixed"], row["median_fixed"]
+        median_text = (
+            f"{median:.1f}s"
+            if median is not None
+            else "beyond the budget"
+            if row.get("median_fixed_beyond")
+            else "-"
+        )
+        print(
+            f"to val {target}: {cells} (best fixed {'-' if best is None else f'{best:.1f}s'}, median fixed "
+            f"{median_text}){'; ' + ratios if ratios else ''}"
+        )
+    for span, row in measured.items():
+        cells = ", ".join(f"{n} {'-' if e is None else f'{e:.2f}'}" for n, e in row.items())
+        print(f"efficiency relative to fixed-{start} from val {span.replace('-', ' to ')}: {cells}")
 
 
 def plot(results: dict[str, dict[str, Any]], path: str) -> None:
@@ -365,10 +404,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="start every policy's process at once and let them train in turns, one slice of "
         "--eval-every training seconds each, so that a machine whose speed drifts slows every policy alike",
     )
+    p.add_argument(
+        "--from-results",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="train nothing: report a results.json written earlier (its curves) with this version's "
+        "summary, at its own targets or at --targets",
+    )
     p.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # a child: train this one policy
     p.add_argument("--turns", action="store_true", help=argparse.SUPPRESS)  # a child that waits for its turns
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
+    args.targets_given = args.targets is not None
     args.model = "smoke" if args.smoke else "gpu" if gpu else "cpu"
     defaults = {
         "seconds": 3.0 if args.smoke else 35.0 if gpu else 240.0,
@@ -464,6 +511,14 @@ def _reap(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.from_results is not None:
+        with open(args.from_results) as f:
+            earlier = json.load(f)
+        targets = args.targets if args.targets_given else earlier["settings"]["targets"]
+        start = earlier["settings"]["start"]
+        results = earlier["results"]
+        report(summarise(results, targets), efficiencies(results, targets, start), start)
+        return 0
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
     if args.simulate_step_time is not None:  # the goodput schedule sees the simulated device's costs
         from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV
@@ -508,20 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             f,
             indent=1,
         )
-    for target, row in summary.items():
-        cells = ", ".join(f"{n} {'-' if t is None else f'{t:.1f}s'}" for n, t in row["times"].items())
-        ratios = ", ".join(
-            f"{n} {r:.2f}x best / {row['to_median_fixed'][n]:.2f}x median"
-            for n, r in row["to_best_fixed"].items()
-        )
-        best, median = row["best_fixed"], row["median_fixed"]
-        print(
-            f"to val {target}: {cells} (best fixed {'-' if best is None else f'{best:.1f}s'}, median fixed "
-            f"{'-' if median is None else f'{median:.1f}s'}){'; ' + ratios if ratios else ''}"
-        )
-    for span, row in measured.items():
-        cells = ", ".join(f"{n} {'-' if e is None else f'{e:.2f}'}" for n, e in row.items())
-        print(f"efficiency relative to fixed-{args.start} from val {span.replace('-', ' to ')}: {cells}")
+    report(summary, measured, args.start)
     try:
         plot(results, os.path.join(args.out, "time_to_target.png"))
     except ImportError:

@@ -103,6 +103,42 @@ def test_the_measured_efficiency_is_the_start_batch_samples_over_each_fixed_batc
     assert efficiencies(results, [2.4, 2.2], 4) == {}  # no fixed batch at start: nothing to compare
 
 
+def test_a_fixed_batch_that_never_reaches_a_target_counts_as_later_than_every_one_that_does(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import main, summarise
+
+    def curve(reached_at):  # validation 2.0 -> 1.0 at these training seconds (None: never)
+        end = 30.0 if reached_at is None else reached_at
+        return [
+            {"train_s": 0.0, "samples": 0, "val": 2.0},
+            {"train_s": end, "samples": 1, "val": 1.5 if reached_at is None else 1.0},
+        ]
+
+    results = {
+        "fixed-32": {"curve": curve(27.7)},
+        "fixed-64": {"curve": curve(20.6)},
+        "fixed-128": {"curve": curve(22.5)},
+        "fixed-256": {"curve": curve(None)},
+        "goodput": {"curve": curve(18.0)},
+    }
+    row = summarise(results, [1.0])["1.0"]
+    # The median of 20.6, 22.5, 27.7 and "later than the budget" lies between 22.5 and 27.7.
+    assert row["best_fixed"] == pytest.approx(20.6) and row["median_fixed"] == pytest.approx(25.1)
+    assert row["to_median_fixed"]["goodput"] == pytest.approx(18.0 / 25.1)
+    # Two of four never get there: the median is beyond the budget, and no ratio to it is made up.
+    results["fixed-128"] = {"curve": curve(None)}
+    row = summarise(results, [1.0])["1.0"]
+    assert row["median_fixed"] is None and row["median_fixed_beyond"] is True
+    assert row["to_median_fixed"] == {} and row["to_best_fixed"]["goodput"] == pytest.approx(18.0 / 20.6)
+    # --from-results reports an earlier run's curves with this summary, at other targets if asked.
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"settings": {"targets": [1.0], "start": 32}, "results": results}))
+    assert main(["--from-results", str(path)]) == 0
+    assert "median fixed beyond the budget); goodput 0.87x best" in capsys.readouterr().out
+    assert main(["--from-results", str(path), "--targets", "1.5"]) == 0
+    assert "to val 1.5: fixed-32 " in capsys.readouterr().out
+
+
 def test_a_simulated_device_charges_each_pass_a_step_ran():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from time_to_target import _key_value, _step_cost
