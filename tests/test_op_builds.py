@@ -189,3 +189,49 @@ def test_a_launch_starts_although_a_killed_process_left_the_shm_op_lock(tmp_path
         assert "no running build holds" not in log and lock.exists(), log[-4000:]
     else:
         assert "removed" in log and "no running build holds" in log and not lock.exists(), log[-4000:]
+
+
+def test_an_arch_list_deepspeed_cannot_read_is_a_config_error_before_the_build(monkeypatch):
+    """DeepSpeed 0.19.8 parses TORCH_CUDA_ARCH_LIST only while it JIT-builds the optimizer's CUDA op, and
+    an entry such as Hopper images' "9.0a" stops it with a bare ValueError; the check names the fix first,
+    and only where that build will happen."""
+    from ds_adabatch.config import ConfigError, load_ds_config
+
+    adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a;10.0f+PTX")
+    (problem,) = op_builds.cuda_arch_list_problems(adam, "cuda", client_optimizer=False)
+    assert problem.path == "optimizer.type"
+    assert (
+        "['9.0a', '10.0f+PTX']" in problem.message
+        and "TORCH_CUDA_ARCH_LIST='8.0;9.0;10.0+PTX'" in problem.message
+    )
+    assert "torch_adam: true" in problem.message
+    (lamb,) = op_builds.cuda_arch_list_problems(
+        {"optimizer": {"type": "Lamb"}}, "cuda", client_optimizer=False
+    )
+    assert "torch_adam" not in lamb.message
+    # No build, no problem: torch's AdamW, the optimizer offloaded, an optimizer instance, another accelerator,
+    # another optimizer, or an arch list DeepSpeed reads.
+    torch_adam = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    offloaded = {**adam, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert op_builds.cuda_arch_list_problems(torch_adam, "cuda", client_optimizer=False) == []
+    assert op_builds.cuda_arch_list_problems(offloaded, "cuda", client_optimizer=False) == []
+    assert op_builds.cuda_arch_list_problems(adam, "cuda", client_optimizer=True) == []
+    assert op_builds.cuda_arch_list_problems(adam, "cpu", client_optimizer=False) == []
+    assert (
+        op_builds.cuda_arch_list_problems({"optimizer": {"type": "SGD"}}, "cuda", client_optimizer=False)
+        == []
+    )
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    assert op_builds.cuda_arch_list_problems(adam, "cuda", client_optimizer=False) == []
+    # As initialize reports it: a ConfigError naming the variable, not DeepSpeed's traceback.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    loaded = load_ds_config(
+        {
+            **adam,
+            "train_batch_size": 8,
+            "adabatch": {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 8},
+        }
+    )
+    problems = op_builds.cuda_arch_list_problems(loaded.deepspeed, "cuda", client_optimizer=False)
+    assert "TORCH_CUDA_ARCH_LIST='9.0'" in str(ConfigError(problems, loaded.source))

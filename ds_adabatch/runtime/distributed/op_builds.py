@@ -32,7 +32,13 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["STALE_AFTER_S", "build_directory", "clear_stale_build_lock", "guard_jit_builds"]
+__all__ = [
+    "STALE_AFTER_S",
+    "build_directory",
+    "clear_stale_build_lock",
+    "cuda_arch_list_problems",
+    "guard_jit_builds",
+]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -148,3 +154,85 @@ def guard_jit_builds() -> None:
         return
     if not getattr(OpBuilder.jit_load, _GUARDED, False):
         OpBuilder.jit_load = _guarded(OpBuilder.jit_load)
+
+
+# The optimizers DeepSpeed 0.19.8 builds as CUDA ops on first use (engine._configure_basic_optimizer),
+# unless offloaded to the CPU or, for Adam, torch_adam is set: config type -> the op's installed name.
+_CUDA_OPTIMIZER_OPS = {
+    "adam": "fused_adam",
+    "adamw": "fused_adam",
+    "lamb": "fused_lamb",
+    "lion": "fused_lion",
+}
+
+
+def cuda_arch_list_problems(
+    ds_config: dict[str, Any], accelerator: str, *, client_optimizer: bool
+) -> list[Any]:
+    """Problems (``ConfigProblem``) with ``TORCH_CUDA_ARCH_LIST`` that DeepSpeed would meet only inside
+    ``deepspeed.initialize``, with a raw ``ValueError``, while it JIT-builds the optimizer's CUDA op.
+
+    DeepSpeed 0.19.8 (``OpBuilder.compute_capability_args``) reads every entry of that variable as
+    dot-separated integers with an optional ``+PTX``; an entry with an architecture suffix, such as the
+    ``9.0a`` that images built for Hopper set, stops the build (``invalid literal for int() with base 10:
+    '0a'``). Checked only where such a build will happen: on CUDA, the config's own optimizer (no instance
+    passed) is Adam/AdamW without ``torch_adam``, Lamb or Lion, not offloaded to the CPU, and DeepSpeed
+    was installed without that op prebuilt.
+    """
+    from ...config import ConfigProblem
+
+    entries = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";")
+    bad = [cc.strip() for cc in entries if cc.strip() and not _arch_parses(cc.strip())]
+    optimizer = ds_config.get("optimizer") or {}
+    kind = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") or {}
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    if (
+        not bad
+        or accelerator != "cuda"
+        or client_optimizer
+        or kind not in _CUDA_OPTIMIZER_OPS
+        or (kind in ("adam", "adamw") and params.get("torch_adam"))
+        or offload in ("cpu", "nvme")
+        or _prebuilt(_CUDA_OPTIMIZER_OPS[kind])
+    ):
+        return []
+    fixed = ";".join(_arch_without_suffix(cc) for cc in entries if cc.strip())
+    return [
+        ConfigProblem(
+            "optimizer.type",
+            f"DeepSpeed 0.19.8 JIT-builds {optimizer.get('type')}'s CUDA op and cannot read the "
+            f"TORCH_CUDA_ARCH_LIST entries {bad} (an architecture suffix such as 'a'): set "
+            f"TORCH_CUDA_ARCH_LIST={fixed!r}, or unset it (DeepSpeed then reads the GPU's capability)"
+            + (
+                ", or set optimizer.params.torch_adam: true (torch's AdamW, no build)"
+                if kind in ("adam", "adamw")
+                else ""
+            ),
+            optimizer.get("type"),
+        )
+    ]
+
+
+def _arch_parses(cc: str) -> bool:
+    try:
+        tuple(int(part.split("+")[0]) for part in cc.split("."))
+    except ValueError:
+        return False
+    return True
+
+
+def _arch_without_suffix(cc: str) -> str:
+    """``9.0a`` -> ``9.0``, ``10.0f+PTX`` -> ``10.0+PTX``."""
+    cc = cc.strip()
+    ptx = "+PTX" if cc.endswith("+PTX") else ""
+    digits = cc.removesuffix("+PTX").split(".")
+    return ".".join("".join(ch for ch in part if ch.isdigit()) for part in digits) + ptx
+
+
+def _prebuilt(op: str) -> bool:
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get(op))

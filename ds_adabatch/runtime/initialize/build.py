@@ -18,7 +18,7 @@ from ...data.loader_setup import build_rank_loader
 from ...schedules import BatchSizeController
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
 from ..core.weights import make_token_counter, pipeline_token_count
-from ..distributed.op_builds import guard_jit_builds
+from ..distributed.op_builds import cuda_arch_list_problems, guard_jit_builds
 from ..distributed.process_group import init_distributed
 from ..engine.data_parallel import AdaptiveBatchEngine
 from ..engine.loop import LoopDataLoader
@@ -209,6 +209,12 @@ class _EngineBuilder:
         self.deepspeed, self.dist = deepspeed, dist
         if not dist.is_initialized():
             _check_deepspeed_sections(loaded)
+        from deepspeed.accelerator import get_accelerator
+
+        if problems := cuda_arch_list_problems(
+            loaded.deepspeed, get_accelerator().device_name(), client_optimizer=self.optimizer is not None
+        ):
+            raise ConfigError(problems, loaded.source)
         self.live = live = loaded.adabatch.live_elastic
         _init_distributed(deepspeed, dist, deepspeed_kwargs, live)
         self.world_live, self.live_off = prepare_live_world(
