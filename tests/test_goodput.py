@@ -362,7 +362,12 @@ def test_simulate_goodput_with_a_step_time_curve(tmp_path):
         step_time="fixed=0.02,per_sample=0.001",
         noise_scale=40.0,
     )
-    assert affine[-1]["global_batch"] == 32, [r["global_batch"] for r in affine[::50]]
+    # Settled at 32; a larger shape, forgotten after remeasure_after (500) steps, is tried again for a
+    # few steps and left.
+    tail = [r["global_batch"] for r in affine[-200:]]
+    assert tail.count(32) >= len(tail) - 5 and set(tail) <= {32, 64}, [
+        r["global_batch"] for r in affine[::50]
+    ]
     assert "samples/s x efficiency" in next(r["reason"] for r in affine if r["global_batch"] != 8)
     with pytest.raises(ValueError, match="needs a step-time curve"):
         simulate(loaded, world_size=2, samples=100, out_png=None, noise_scale=40.0)
@@ -653,3 +658,80 @@ def test_the_default_warm_up_undoes_a_trial_whose_step_costs_more_and_leaves_the
     assert reasons[8].endswith("-> back to batch 8"), reasons[8]
     assert "by step cost alone: batch 8:" in reasons[12] and reasons[12].endswith(": hold"), reasons[12]
     assert controller.schedule.trial is None and controller.schedule.moves == 2
+
+
+def test_a_shape_not_run_for_forget_after_steps_is_forgotten_and_predicted_anew():
+    model = ThroughputModel(forget_after=5)
+    for _ in range(4):
+        model.observe(8, 1, 1, 0.030)
+        model.observe(16, 1, 1, 0.090)  # an unlucky window: 16 measured three times its cost
+    assert {m for m, _, _, _ in model.measured()} == {8, 16}
+    for _ in range(5):
+        model.observe(8, 1, 1, 0.030)
+    assert {m for m, _, _, _ in model.measured()} == {8, 16}  # 5 steps since 16 ran: kept
+    model.observe(8, 1, 1, 0.030)
+    assert [m for m, _, _, _ in model.measured()] == [8] and model.forgotten == 1
+    assert model.predict(16, 1, 1) == pytest.approx(0.030)  # one shape left: predicted flat, as untried
+    model.observe(16, 1, 1, 0.040)  # its first step again is not kept
+    assert [m for m, _, _, _ in model.measured()] == [8]
+    # The clock and each shape's last step survive a checkpoint; a state written before them loads as
+    # if every shape had just run.
+    model.observe(16, 1, 1, 0.040)
+    again = ThroughputModel(forget_after=5)
+    again.load_state_dict(model.state_dict())
+    assert again.measured() == model.measured() and again.forgotten == 1
+    for _ in range(6):
+        again.observe(8, 1, 1, 0.030)
+    assert [m for m, _, _, _ in again.measured()] == [8]
+    old = model.state_dict()
+    for key in ("clock", "last", "forgotten"):
+        del old[key]
+    older = ThroughputModel(forget_after=5)
+    older.load_state_dict(old)
+    older.observe(8, 1, 1, 0.030)
+    assert {m for m, _, _, _ in older.measured()} == {8, 16}
+    with pytest.raises(ValueError, match="forget_after"):
+        ThroughputModel(forget_after=0)
+
+
+def _unlucky_loop(remeasure_after, steps=400):
+    """World 1, one pass per step: every batch above 8 costs three times its price in the first 40
+    steps (a pause, a busy neighbour), and what the curve says after; B_noise 50, confident."""
+
+    def curve(m, g):
+        return 0.02 + 0.001 * m * g
+
+    section = _section(
+        schedule={"decide_every": 10, "remeasure_after": remeasure_after}, max_micro_batch_per_gpu=256
+    )
+    controller = BatchSizeController(section, 1)
+    batch, batches = controller.initial_global_batch(), []
+    for step in range(steps):
+        ctx = ScheduleContext(
+            step=step,
+            samples=0,
+            global_batch=batch,
+            world_size=1,
+            noise_scale=50.0,
+            noise_scale_error=0.1,
+            micro_batch_limit=256,
+        )
+        batch = controller.next_global_batch(ctx).global_batch
+        seconds = curve(batch, 1) * (3.0 if step < 40 and batch > 8 else 1.0)
+        controller.schedule.throughput.observe(batch, 1, 1, seconds)
+        batches.append(batch)
+    return batches, curve, controller
+
+
+def test_a_shape_measured_in_an_unlucky_window_is_measured_again_after_remeasure_after_steps():
+    stuck, curve, _ = _unlucky_loop(None)
+    assert 16 in stuck[:40] and set(stuck[-200:]) == {8}, stuck  # tried while unlucky, never again
+    batches, curve, controller = _unlucky_loop(100)
+    best, goodput = best_batch(curve, 50.0, 1, 256, 8, 256)
+    assert best == 32
+    # Forgotten 100 steps after it was left, 16 was tried again, on its real cost, and the batch moved
+    # on to the goodput maximum; from there a forgotten larger shape costs one trial per 100 steps.
+    settled = batches[-100:]
+    assert settled.count(best) >= 90, settled
+    assert goodput(max(settled, key=settled.count)) >= goodput(best) / 1.05
+    assert controller.schedule.throughput.forgotten >= 2

@@ -438,6 +438,16 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         "the first steps; on a CPU one trial of 2x start is measured slower and undone). A number: "
         "start is held that many steps, whatever the cost (for example the LR warm-up's length).",
     )
+    remeasure_after: int | None = Field(
+        default=500,
+        ge=1,
+        description="A shape (micro-batch, GAS, world size) the job has not run for this many optimizer "
+        "steps is forgotten: its step times no longer rate it, it is predicted from the shapes that ran "
+        "since, and a move there is a trial again, judged on fresh step times. A few unlucky steps (a "
+        "pause, a busy neighbour, a GPU's first steps at a new size) can rate a shape slower than it runs, "
+        "and a shape left is otherwise never measured again; a forgotten shape that is slower costs one "
+        "trial (a few steps) per this many steps. null: measured shapes are kept for the whole run.",
+    )
     ema_beta: float = GradientNoiseScheduleConfig.model_fields["ema_beta"]
     ema_reference_batch: int | None = GradientNoiseScheduleConfig.model_fields["ema_reference_batch"]
     max_relative_error: float | None = Field(

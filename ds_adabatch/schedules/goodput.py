@@ -143,7 +143,7 @@ class GoodputSchedule:
         self.trial: tuple[int, int, int, int, int] | None = None
         """``(step, micro, gas, world, batch it left)`` of a move to a shape not measured before,
         judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no trial open."""
-        self.throughput = ThroughputModel()
+        self.throughput = ThroughputModel(forget_after=config.remeasure_after)
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
 
     def decides_at(self, step: int) -> bool:
@@ -254,13 +254,16 @@ class GoodputSchedule:
             return self._hold(current, f"the current batch {current} cannot be rated")
         reference, said = current, ""
         if judged is not None and judged != current:
-            # A trial is judged now that its shape's cost is measured: it is undone where going back
-            # to the batch it left pays, as any move must (by more than the hysteresis; toward start
-            # at the estimate), and the decision is then taken from that batch. A cost measured as
-            # predicted keeps it, however the noise estimate's interval moved meanwhile.
+            # A trial is judged now that its shape's cost is measured: it is undone where the batch it
+            # left rates higher (toward start at the estimate), and the decision is then taken from that
+            # batch. Not by the hysteresis: the move was taken on a prediction, and a trial must beat
+            # what it left once measured, else a shape predicted from too few others (one forgotten,
+            # remeasure_after) could move the batch to one rated up to the hysteresis below it. Going
+            # there again needs a gain above the hysteresis by the same fit, so the two cannot alternate.
+            # A cost measured as predicted keeps it, however the noise estimate's interval moved meanwhile.
             before = self.rate(ctx, judged, noise)
             back = None if before is None else self._gain(judged, before, current, now, noise, band)
-            if back is not None and back > 1.0 + self.hysteresis:
+            if back is not None and back > 1.0:
                 reference, now = judged, before
                 said = f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)

@@ -31,6 +31,13 @@ cost 36 ms against 27 ms whole, which made the fit put 7 ms per pass and rate ba
 where it ran 290). They price the measurement (:meth:`ThroughputModel.predict_measuring`) and nothing
 else.
 
+A shape's times can go stale: a few unlucky steps (a pause, a neighbour on the machine, a GPU's first
+steps at a new size) can rate a shape slower than it runs, and a shape left is never measured again.
+With ``forget_after`` N, a shape that has not run for N steps (observations of other shapes) is
+forgotten, its times, skip count and measuring times alike: the fit then rests on what ran recently,
+a forgotten shape is predicted from it as an untried one (the goodput schedule's ``remeasure_after``),
+and a move there is a trial again, judged on fresh step times.
+
 World size: observations carry it. The fit uses the shapes measured at the world size asked about once
 it has any; until then those of every world size (a rank's passes cost the same; only the reduction's
 share of ``fixed`` differs). A job that shrinks or grows, or resumes on another world, so predicts from
@@ -142,13 +149,22 @@ class ThroughputModel:
     Args:
         window: step times kept per shape (their median represents it).
         skip_first: steps of a new shape not kept (one-off costs of the first).
+        forget_after: a shape not run for this many steps (observations of other shapes) is forgotten
+            (module docstring); None: never.
     """
 
-    def __init__(self, window: int = 8, skip_first: int = 1) -> None:
+    def __init__(self, window: int = 8, skip_first: int = 1, forget_after: int | None = None) -> None:
         if window < 1 or skip_first < 0:
             raise ValueError(f"window must be >= 1 and skip_first >= 0, got {window!r}, {skip_first!r}")
+        if forget_after is not None and forget_after < 1:
+            raise ValueError(f"forget_after must be >= 1 or None, got {forget_after!r}")
         self.window = int(window)
         self.skip_first = int(skip_first)
+        self.forget_after = None if forget_after is None else int(forget_after)
+        self._clock = 0  # observations so far
+        self._last: dict[tuple[int, int, int], int] = {}  # each shape's latest observation
+        self.forgotten = 0
+        """Shapes forgotten so far (``forget_after``)."""
         self._times: dict[tuple[int, int, int], deque[float]] = {}
         self._seen: dict[tuple[int, int, int], int] = {}
         self._measuring: dict[tuple[int, int, int], deque[float]] = {}
@@ -160,6 +176,9 @@ class ThroughputModel:
         if not seconds > 0 or micro < 1 or gas < 1 or world < 1:
             return  # a step with no time (a simulated zero, a clock that did not move) teaches nothing
         key = (int(micro), int(gas), int(world))
+        self._clock += 1
+        self._last[key] = self._clock
+        self._forget_stale()
         if measuring:
             self._measuring.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
             return
@@ -169,6 +188,17 @@ class ThroughputModel:
             return
         self._times.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
         self._fits.clear()
+
+    def _forget_stale(self) -> None:
+        if self.forget_after is None:
+            return
+        stale = [key for key, last in self._last.items() if self._clock - last > self.forget_after]
+        for key in stale:
+            for table in (self._times, self._seen, self._measuring, self._last):
+                table.pop(key, None)
+        if stale:
+            self.forgotten += len(stale)
+            self._fits.clear()
 
     def measured(self, world: int | None = None) -> list[tuple[int, int, float, int]]:
         """``(micro, gas, median seconds, steps kept)`` per measured shape (of ``world`` if given)."""
@@ -213,6 +243,9 @@ class ThroughputModel:
             "times": [[m, g, w, list(ts)] for (m, g, w), ts in sorted(self._times.items())],
             "seen": [[m, g, w, n] for (m, g, w), n in sorted(self._seen.items())],
             "measuring": [[m, g, w, list(ts)] for (m, g, w), ts in sorted(self._measuring.items())],
+            "clock": self._clock,
+            "last": [[m, g, w, n] for (m, g, w), n in sorted(self._last.items())],
+            "forgotten": self.forgotten,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,6 +265,12 @@ class ThroughputModel:
             (int(m), int(g), int(w)): deque((float(t) for t in ts), maxlen=self.window)
             for m, g, w, ts in state.get("measuring", [])
         }
+        # Absent from states written before shapes could be forgotten: every shape counts as just run.
+        self._clock = int(state.get("clock", 0))
+        shapes = {*self._times, *self._seen, *self._measuring}
+        last = {(int(m), int(g), int(w)): int(n) for m, g, w, n in state.get("last", [])}
+        self._last = {key: last.get(key, self._clock) for key in shapes}
+        self.forgotten = int(state.get("forgotten", 0))
         self._fits.clear()
 
 
