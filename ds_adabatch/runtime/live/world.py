@@ -169,6 +169,9 @@ class LiveWorld:
         self._watched: dict[int, tuple[int, float]] = {}
         self._ports: tuple[set[int], set[int]] = (set(), set())
         self.broken_by_watchdog: str | None = None
+        # One cut at a time: the main thread's, after a failed step, returns only once a cut the
+        # watchdog (or any other thread) started is done, before the failed world is torn down.
+        self._cutting = threading.Lock()
         self._heartbeat = _Heartbeat(
             namespace, f"{self._live}/hb/{self.origin}", heartbeat_period, watch=self._watch
         )
@@ -285,12 +288,14 @@ class LiveWorld:
     def break_connections(self) -> int:
         """Make every pending operation of this generation's groups fail now, here and in the peers
         blocked on this process (gloo: cut the connections; NCCL: abort the groups). Returns the
-        number of connections cut."""
-        peer_ports, own_ports = self._ports
-        cut = cut_connections(peer_ports, own_ports)
-        if self.backend == "nccl" and torch.distributed.is_initialized():
-            with contextlib.suppress(Exception):
-                torch.distributed.distributed_c10d._abort_process_group()
+        number of connections cut. Safe from any thread (the watchdog's, a fault injected in a test)
+        while the main thread fails and recovers: see :func:`.sockets.cut_connections`."""
+        with self._cutting:
+            peer_ports, own_ports = self._ports
+            cut = cut_connections(peer_ports, own_ports)
+            if self.backend == "nccl" and torch.distributed.is_initialized():
+                with contextlib.suppress(Exception):
+                    torch.distributed.distributed_c10d._abort_process_group()
         return cut
 
     def step_began(self) -> None:
