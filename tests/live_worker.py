@@ -279,11 +279,12 @@ def checks(out: str) -> None:
 
 
 def _transient_fault(stage: int, steps: int = 8) -> dict:
-    """A collective fails with every process alive (rank 1 cuts its own connections a few ms into step
-    4): the same two ranks re-form and go on (under ZeRO 3 the model is partitioned over the failed
-    world: it is made whole from the snapshot and partitioned again; here with DeepSpeed's default
-    persistence threshold, so its small parameters stay gathered between passes, where the cluster
-    tests partition every one); the result against the same job run without the fault."""
+    """A collective fails with every process alive (rank 1 cuts its own connections as step 4's first
+    forward pass begins): the same two ranks re-form and go on (under ZeRO 3 the model is partitioned
+    over the failed world: it is made whole from the snapshot and partitioned again; here with
+    DeepSpeed's default persistence threshold, so its small parameters stay gathered between passes,
+    where the cluster tests partition every one); the result against the same job run without the
+    fault."""
     engine, optimizer, loader, scheduler = ds_adabatch.initialize(
         make_model(), config(stage, persist=True), Regression(), loss_fn=mse
     )
@@ -291,7 +292,7 @@ def _transient_fault(stage: int, steps: int = 8) -> dict:
     lasting, first_deepspeed = (engine.loop, engine.checkpoints, engine.lr_coupling), engine.deepspeed
     for step in range(1, steps + 1):
         if step == 4 and engine.rank == 1:
-            threading.Timer(0.002, engine._live_recovery.world.break_connections).start()
+            _cut_in_next_forward(engine)
         engine.train_batch()
     while engine.global_steps < steps:  # a step the recovery rolled back
         engine.train_batch()
@@ -322,6 +323,19 @@ def _transient_fault(stage: int, steps: int = 8) -> dict:
     rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items())
     plain.close()
     return {"events": events, "history": history, "relative_difference": rel, "handles": handles}
+
+
+def _cut_in_next_forward(engine) -> None:
+    """Cut this process's connections of the live world as the next forward pass begins (a forward
+    pre-hook on the model, removed once it ran): the fault lands inside that step, before its
+    collectives, whatever the load of the machine (a timer's thread may run only steps later)."""
+    handle = None
+
+    def cut(module, args):
+        handle.remove()
+        engine._live_recovery.world.break_connections()
+
+    handle = engine.module.register_forward_pre_hook(cut)
 
 
 def _kill_node(out: str, agent: int) -> None:

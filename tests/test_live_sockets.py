@@ -78,3 +78,42 @@ def test_cut_wakes_a_blocked_collective_and_spares_the_rest(tmp_path, mode):
     for r in (r0, r1):
         assert r["listening"], "the gloo group's listener was not found among the process's sockets"
         assert r["store_after"] and r["service_after"] == "ping"
+
+
+def test_a_cut_spares_a_socket_that_took_a_listed_connections_number(monkeypatch):
+    """The cutting thread (the watchdog's) lists the sockets, then shuts them down one by one; the first
+    cut fails the main thread's step, which may tear the world down and open the next generation's
+    sockets before the rest are shut down. A listed connection's descriptor number, closed and reused
+    by a new listener meanwhile, must not get the new listener shut down (gloo aborts the process:
+    ``accept: Invalid argument``); a listed connection still open is cut."""
+    from ds_adabatch.runtime.live import sockets
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    closed_later = socket.create_connection(("127.0.0.1", port))
+    still_open = socket.create_connection(("127.0.0.1", port))
+    accepted = [server.accept()[0] for _ in range(2)]
+    table, listed = sockets._tcp_table(), sockets._own_sockets()  # the cutter's listing
+    number = closed_later.fileno()
+    assert number in listed.values() and still_open.fileno() in listed.values()
+    closed_later.close()
+    reused = socket.create_server(("127.0.0.1", 0))  # usually given the lowest free number: that one
+    if reused.fileno() != number:
+        os.dup2(reused.fileno(), number)
+        reused.close()
+        reused = socket.socket(fileno=number)
+    # The cutter resumes with what it listed.
+    monkeypatch.setattr(sockets, "_tcp_table", lambda: table)
+    monkeypatch.setattr(sockets, "_own_sockets", lambda: listed)
+    try:
+        assert sockets.cut_connections({port}, set()) == 1
+        still_open.settimeout(5)
+        assert still_open.recv(1) == b""  # shut down: reads end at once
+        reused.settimeout(5)
+        with socket.create_connection(reused.getsockname()) as client:
+            conn, _ = reused.accept()  # the listener still accepts
+            conn.close()
+            assert client is not None
+    finally:
+        for s in (reused, still_open, server, *accepted):
+            s.close()

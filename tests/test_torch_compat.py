@@ -21,6 +21,8 @@ def test_private_distributed_names_the_runtime_calls():
     # live_world.LiveWorld: the default group's store, and the NCCL abort when a peer is lost.
     assert callable(distributed_c10d._get_default_store)
     assert list(inspect.signature(distributed_c10d._abort_process_group).parameters) == ["group"]
+    # LiveWorld: generation 0's default group bounded by collective_timeout_s.
+    assert list(inspect.signature(distributed_c10d._set_pg_timeout).parameters) == ["timeout", "group"]
     for method in ("set", "get", "add", "check", "wait", "multi_get", "multi_set", "compare_set"):
         assert hasattr(torch.distributed.TCPStore, method), method
     assert hasattr(torch.distributed, "PrefixStore")

@@ -12,9 +12,9 @@ was read from (docs/versions.md lists what runs on which release).
   kernel releases when its holder dies, and the file stays after every load: nothing is left to clear,
   and removing the file while another process holds it would let two builds of one op run at once.
 
-The private torch names ds_adabatch uses (``torch.distributed.distributed_c10d._get_default_store`` and
-``_abort_process_group``, ``torch.utils.cpp_extension._get_build_directory``, torchrun's agent and parser
-hooks) and ``torch.from_file(shared=True)`` are the same in all of them: tests/test_torch_compat.py checks
+The private torch names ds_adabatch uses (``torch.distributed.distributed_c10d._get_default_store``,
+``_abort_process_group`` and ``_set_pg_timeout``, ``torch.utils.cpp_extension._get_build_directory``,
+torchrun's agent and parser hooks) and ``torch.from_file(shared=True)`` are the same in all of them: tests/test_torch_compat.py checks
 them on each release.
 """
 

@@ -67,7 +67,12 @@ def listening_ports() -> set[int]:
 def cut_connections(peer_ports: set[int], own_ports: set[int]) -> int:
     """Shut down this process's established TCP connections to any of ``peer_ports`` or accepted on
     any of ``own_ports``; returns how many. ``shutdown`` (not ``close``) so the descriptors stay
-    valid for the threads that use them: their pending reads and writes fail at once."""
+    valid for the threads that use them: their pending reads and writes fail at once.
+
+    The sockets are listed first and shut down after: in between, a descriptor may be closed (the first
+    cut fails the step, the failed world is torn down) and its number reused by another socket, e.g. a
+    listener of the next generation's group. Each is therefore shut down through a duplicate that is
+    checked to be the very socket listed (its inode), never by its number alone."""
     table = _tcp_table()
     cut = 0
     for inode, fd in _own_sockets().items():
@@ -77,11 +82,28 @@ def cut_connections(peer_ports: set[int], own_ports: set[int]) -> int:
         local, remote, _ = entry
         if remote not in peer_ports and local not in own_ports:
             continue
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=os.dup(fd))
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-            finally:
-                sock.close()
+        cut += _shutdown_if_same(fd, inode)
     return cut
+
+
+def _shutdown_if_same(fd: int, inode: int) -> int:
+    """Shut down the socket at ``fd`` if it still is the socket ``inode``; returns 1 if it was."""
+    try:
+        dup = os.dup(fd)
+    except OSError:  # closed since it was listed
+        return 0
+    try:
+        # The duplicate holds the socket open: what it refers to cannot change under the check.
+        if os.fstat(dup).st_ino != inode:
+            return 0
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return 0
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        sock.close()

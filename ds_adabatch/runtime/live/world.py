@@ -35,7 +35,8 @@ adopts whatever the key holds (so two survivors with different views still agree
 DeepSpeed runs its data-parallel collectives on its world group (``deepspeed.utils.groups``), a clone of the
 world that ``_clone_world_group`` makes with ``dist.new_group(ranks)`` and no timeout, i.e. torch's
 default (30 minutes for gloo) whatever the default group has; :meth:`LiveWorld.seed_deepspeed_group`
-fills that cache with a clone that has the configured timeout, so a hung peer is bounded.
+fills that cache with a clone that has the configured timeout, so a hung peer is bounded. Generation 0's
+default group, formed before the config was read, gets the configured timeout when the world is made.
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ class LiveWorld:
         self.timeout = timeout
         self.dead_after = dead_after
         self.agree_timeout = agree_timeout
+        # Generation 0's default group was formed before this config was read (init_distributed: the
+        # 30 minutes of DeepSpeed's default_pg_timeout), and ds_adabatch's own collectives run on it (a
+        # step's loss): a wait there that the cut does not end (seen: a gloo all-reduce of the process
+        # that cut its own connections) would outlast the agreement. Bounded as every later generation.
+        # torch's private distributed_c10d._set_pg_timeout (read in 2.13.0; tests/test_torch_compat.py).
+        dist.distributed_c10d._set_pg_timeout(timeout)
         self.origin = dist.get_rank()
         self.members: list[int] = list(range(dist.get_world_size()))
         self.generation = 0
@@ -169,6 +176,9 @@ class LiveWorld:
         self._watched: dict[int, tuple[int, float]] = {}
         self._ports: tuple[set[int], set[int]] = (set(), set())
         self.broken_by_watchdog: str | None = None
+        # One cut at a time: the main thread's, after a failed step, returns only once a cut the
+        # watchdog (or any other thread) started is done, before the failed world is torn down.
+        self._cutting = threading.Lock()
         self._heartbeat = _Heartbeat(
             namespace, f"{self._live}/hb/{self.origin}", heartbeat_period, watch=self._watch
         )
@@ -285,12 +295,14 @@ class LiveWorld:
     def break_connections(self) -> int:
         """Make every pending operation of this generation's groups fail now, here and in the peers
         blocked on this process (gloo: cut the connections; NCCL: abort the groups). Returns the
-        number of connections cut."""
-        peer_ports, own_ports = self._ports
-        cut = cut_connections(peer_ports, own_ports)
-        if self.backend == "nccl" and torch.distributed.is_initialized():
-            with contextlib.suppress(Exception):
-                torch.distributed.distributed_c10d._abort_process_group()
+        number of connections cut. Safe from any thread (the watchdog's, a fault injected in a test)
+        while the main thread fails and recovers: see :func:`.sockets.cut_connections`."""
+        with self._cutting:
+            peer_ports, own_ports = self._ports
+            cut = cut_connections(peer_ports, own_ports)
+            if self.backend == "nccl" and torch.distributed.is_initialized():
+                with contextlib.suppress(Exception):
+                    torch.distributed.distributed_c10d._abort_process_group()
         return cut
 
     def step_began(self) -> None:
