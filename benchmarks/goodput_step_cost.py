@@ -32,15 +32,10 @@ from typing import Any
 
 import _harness as h  # noqa: E402  (sets sys.path and DS_ACCELERATOR)
 import torch
+from time_to_target import MODELS  # the model sizes the time-to-target runs train
 
 import ds_adabatch
 from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model
-
-SIZES = {
-    "smoke": ModelSpec(layers=1, width=32, heads=2, context=32),
-    "cpu": ModelSpec(layers=2, width=128, heads=4, context=64),
-    "gpu": ModelSpec(layers=6, width=384, heads=6, context=256),  # time_to_target.py's GPU model
-}
 
 
 def schedules(batch: int, ramp_steps: int) -> dict[str, dict[str, Any]]:
@@ -78,7 +73,7 @@ def config(schedule: dict[str, Any], batch: int, gpu: bool) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", choices=sorted(SIZES), default="smoke")
+    p.add_argument("--model", choices=sorted(MODELS), default="smoke")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per engine per round")
@@ -93,7 +88,7 @@ def main() -> None:
     if not gpu:
         torch.set_num_threads(1)
     print(h.idle_check("before"), flush=True)
-    spec = SIZES[args.model]
+    spec = ModelSpec(**MODELS[args.model])
     data = ByteWindows(ByteCorpus(max_bytes=8_000_000).train, spec.context)
     engines = {
         name: ds_adabatch.initialize(build_model(spec, seed=0), config(sched, args.batch, gpu), data)[0]
