@@ -394,3 +394,36 @@ def test_caller_owned_accumulation_is_refused_by_the_trainer(tmp_path):
         assert "remove the key" in str(err.value)
     managed = {**config, "managed_gradient_accumulation": True}
     assert read_trainer_section(None, managed, has_scheduler=False).config.schedule.value == 4
+
+
+def test_an_arch_list_deepspeed_cannot_build_with_is_refused_when_the_trainer_is_built(tmp_path, monkeypatch):
+    """The DeepSpeed config's own optimizer is JIT-built on a GPU at the first train(); a
+    TORCH_CUDA_ARCH_LIST entry DeepSpeed 0.19.8 cannot read ("9.0a") is named when the Trainer is
+    constructed, as ``ds_adabatch.initialize`` names it, not met later as a bare ValueError."""
+    import deepspeed.accelerator
+    from hf_worker import IndexRegression, Regressor, ds_config
+
+    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+
+    section = {"schedule": {"type": "constant", "value": 4}, "max_micro_batch_per_gpu": 2}
+    with_adam = _args(tmp_path, deepspeed=ds_config(section, with_optimizer=True))
+    without = _args(tmp_path, deepspeed=ds_config(section))
+
+    class _Cuda:
+        def device_name(self):
+            return "cuda"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", _Cuda)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ConfigError) as err:
+        AdaptiveBatchSizeTrainer(model=Regressor(), args=with_adam, train_dataset=IndexRegression())
+    assert err.value.paths == ["optimizer.type"], str(err.value)
+    assert "TORCH_CUDA_ARCH_LIST='9.0'" in str(err.value) and "TrainingArguments(deepspeed=" in str(err.value)
+    assert not torch.distributed.is_initialized(), "the error came after a process group started"
+
+    from ds_adabatch.integrations.hf.config import deepspeed_build_problems
+
+    # Without the optimizer section the Trainer hands DeepSpeed a torch optimizer: nothing is built.
+    assert deepspeed_build_problems(without.deepspeed) == []
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert deepspeed_build_problems(with_adam.deepspeed) == []

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_adabatch.config import AdaBatchConfig, ConfigError, ConfigProblem, LoadedConfig, load_adabatch_section
+from ds_adabatch.runtime.distributed.op_builds import cuda_arch_list_problems
 
-__all__ = ["FUNCTION_PLACEHOLDER", "TrainerSection", "read_trainer_section"]
+__all__ = ["FUNCTION_PLACEHOLDER", "TrainerSection", "deepspeed_build_problems", "read_trainer_section"]
 
 FUNCTION_PLACEHOLDER = "ds_adabatch.integrations.hf.prepare:keep_batch_size"
 """Import path the section's stand-in ``callable`` schedule names while ``batch_size_scheduler=`` (a
@@ -82,6 +83,25 @@ class TrainerSection:
         if self.from_function:
             return self.config
         return self.loaded.with_world_size(world_size).adabatch
+
+
+def deepspeed_build_problems(
+    deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None, accelerator: str | None = None
+) -> list[ConfigProblem]:
+    """What in ``TrainingArguments(deepspeed=...)`` DeepSpeed would fail on only while it builds the
+    optimizer's CUDA op, at the first ``train()``, with a raw error: a ``TORCH_CUDA_ARCH_LIST`` entry it
+    cannot read (:func:`~ds_adabatch.runtime.distributed.op_builds.cuda_arch_list_problems`; the same
+    check ``ds_adabatch.initialize`` makes). DeepSpeed builds the config's own ``optimizer``; without
+    that section the Trainer hands it a torch optimizer, which needs no build. ``accelerator``: the
+    device kind (None: DeepSpeed's accelerator's)."""
+    config = _deepspeed_dict(deepspeed)
+    if not config.get("optimizer"):
+        return []
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator().device_name()
+    return cuda_arch_list_problems(dict(config), accelerator, client_optimizer=False)
 
 
 def _deepspeed_dict(deepspeed: str | os.PathLike[str] | Mapping[str, Any] | bool | None) -> Mapping[str, Any]:

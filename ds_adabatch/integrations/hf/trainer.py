@@ -61,6 +61,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_datasets_available
 
+from ds_adabatch.config import ConfigError
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.runtime.core.lr import BatchCoupledLR, CurrentBaseLR
 from ds_adabatch.runtime.distributed.op_builds import guard_jit_builds
@@ -68,7 +69,7 @@ from ds_adabatch.runtime.memory.recovery import OomRecovery
 
 from .callback import AdaptiveBatchCallback
 from .compat import adapt_arguments, auto_warmup, check_arguments, fixes_for, loop_for
-from .config import TrainerSection, read_trainer_section
+from .config import TrainerSection, deepspeed_build_problems, read_trainer_section
 from .data import StepInputs, StepLoader
 from .dist import trainer_arguments
 from .engine import couple_scheduler, deepspeed_engine, seed_deepspeed_batch_keys
@@ -151,7 +152,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
         TypeError: ``batch_size_scheduler`` is not callable.
         ConfigError: the section is invalid, or holds what cannot apply here (a ``schedule`` next to
             ``batch_size_scheduler``; out-of-memory settings or ``gradient_noise`` without DeepSpeed),
-            before any process group starts.
+            or a ``TORCH_CUDA_ARCH_LIST`` DeepSpeed could not build the config's optimizer with (an
+            entry such as ``9.0a``), before any process group starts.
         ValueError: the section given twice, an unsupported setting (``auto_find_batch_size``,
             ``DataParallel``), ranks that cannot form one data-parallel group, or (before any process
             group starts) lengths that do not fit ``train_dataset``, a sample longer than
@@ -189,6 +191,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
             adabatch_config, args.deepspeed, has_scheduler=batch_size_scheduler is not None
         )
         """The run's validated ``"adabatch"`` section (None without one)."""
+        if problems := deepspeed_build_problems(args.deepspeed):
+            raise ConfigError(problems, source="the DeepSpeed config of TrainingArguments(deepspeed=...)")
         train_dataset = trainer_kwargs.get("train_dataset")
         self._lengths_args = (lengths, length_fn)
         self._lengths_of: tuple[Any, SampleLengths | None] = (
