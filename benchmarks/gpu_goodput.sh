@@ -4,6 +4,11 @@
 #   2. the GPU time-to-target sweep (issue: goodput), policies in turns: fixed 32/64/128/256, linear, goodput;
 #   3. what a steady goodput step costs against a constant batch of the same size, with and without its
 #      noise splits, and a linear ramp's (goodput_step_cost.py on the GPU model at batch 256).
+# Opt-in (each adds device time): EXTRA_POLICIES="goodput-adascale" adds policies to the sweep (the LR
+# coupling by AdaScale's gain, measured on the CPU's simulated devices in BENCHMARKS.md); ALLOC_CHECK=1
+# runs step 3 again under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which tells whether the first
+# steps of each new batch size (linear's 50% longer steps, estimated ~125 ms per size) are the caching
+# allocator's growth.
 # (benchmarks/host_cost.py --model large builds DeepSpeed's FusedAdam, whose JIT build in DeepSpeed 0.19.8
 # cannot parse a TORCH_CUDA_ARCH_LIST entry such as "9.0a": run it with that variable set to e.g. "9.0".)
 #
@@ -37,11 +42,17 @@ fi
 
 echo "== time to target"
 timeout "${TTT_TIMEOUT:-360}" python3 benchmarks/time_to_target.py --device cuda --seconds "${TRAIN_SECONDS:-35}" --interleave \
-    --only fixed-32 fixed-64 fixed-128 fixed-256 linear goodput --out /tmp/ttt 2>&1 | tee "$OUT/time_to_target.log"
+    --only fixed-32 fixed-64 fixed-128 fixed-256 linear goodput ${EXTRA_POLICIES:-} --out /tmp/ttt 2>&1 | tee "$OUT/time_to_target.log"
 cp /tmp/ttt/results.json "$OUT/time_to_target.json" 2>/dev/null
 cp /tmp/ttt/time_to_target.png "$OUT/" 2>/dev/null
 
 echo "== goodput step cost"
 timeout "${STEP_COST_TIMEOUT:-150}" python3 benchmarks/goodput_step_cost.py --device cuda --model gpu --batch 256 \
     --rounds 12 --steps 10 2>&1 | grep -v '^\[ds_adabatch\]' | tee "$OUT/goodput_step_cost.log"
+if [ -n "${ALLOC_CHECK:-}" ]; then
+    echo "== goodput step cost, expandable segments"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STEP_COST_TIMEOUT:-150}" python3 benchmarks/goodput_step_cost.py \
+        --device cuda --model gpu --batch 256 --rounds 12 --steps 10 2>&1 | grep -v '^\[ds_adabatch\]' \
+        | tee "$OUT/goodput_step_cost_expandable.log"
+fi
 date -u

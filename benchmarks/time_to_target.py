@@ -13,6 +13,11 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``goodput``            the ``goodput`` schedule from ``--start`` up to the largest B, defaults otherwise
 ``goodput-pollux``     the same with Pollux's efficiency (``efficiency: "linear"``), not the square root
                        that ``lr_scaling: sqrt`` selects by default (only where ``--only`` names it)
+``goodput-adascale``   ``goodput`` with the LR multiplier set before every step to AdaScale's gain
+                       ``(B / start) x (B_noise + start) / (B_noise + B)`` (1 before the first noise
+                       estimate), raised to 0.5 (AdaptDL's variant for Adam-type optimizers) in place of
+                       ``sqrt(B / start)`` (only where ``--only`` names it)
+``goodput-adascale-1`` the same with the gain itself (AdaScale's rule for SGD), on AdamW
 =====================  ===========================================================================
 
 Every policy: AdamW at ``--lr`` for batch ``--start`` with ``lr_scaling: sqrt``, the same warm-up in
@@ -82,8 +87,24 @@ FIRST_STEPS = 12
 """Steps at the start of each slice whose seconds the curve keeps (``first_steps_s``): what a pause (a
 validation, another policy's turn) costs the steps after it."""
 
-ON_REQUEST = frozenset({"goodput-pollux"})
+ADASCALE_POWERS = {"goodput-adascale": 0.5, "goodput-adascale-1": 1.0}
+"""Policies whose LR multiplier the benchmark sets before every step (``BatchCoupledLR.set_multiplier``)
+to AdaScale's gain raised to this power (:func:`adascale_gain`): the LR coupling the issue asks to be
+measured against ``sqrt``."""
+
+ON_REQUEST = frozenset({"goodput-pollux", *ADASCALE_POWERS})
 """Policies run only where ``--only`` names them."""
+
+
+def adascale_gain(batch: int, start: int, noise_scale: float | None) -> float:
+    """AdaScale's gain at ``batch`` against ``start``: ``batch / start`` times Pollux's efficiency,
+    ``(B_noise + start) / (B_noise + batch)`` (between 1, no noise, and ``batch / start``); 1 before the
+    first estimate."""
+    from ds_adabatch.signals.efficiency import statistical_efficiency
+
+    if noise_scale is None or not math.isfinite(noise_scale) or noise_scale < 0:
+        return 1.0
+    return batch / start * statistical_efficiency(batch, noise_scale, start)
 
 
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -95,6 +116,8 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["goodput"] = {"type": "goodput", "start": args.start, **dict(args.goodput_set)}
     # Pollux's efficiency, where the default (sqrt scaling here) takes its square root: the two side by side.
     out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
+    for name in ADASCALE_POWERS:  # the schedule of goodput; the LR set by train_policy
+        out[name] = dict(out["goodput"])
     return out
 
 
@@ -177,6 +200,15 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     trained = cpu = 0.0
     next_eval = args.eval_every
     simulated = _step_cost(args.simulate_step_time)
+    power = ADASCALE_POWERS.get(name)
+
+    def train_batch() -> None:
+        if power is not None:  # the plan first (it applies the rule's multiplier), then the gain's
+            batch = engine.next_plan().global_batch_size
+            noise = None if engine.noise is None else engine.noise.noise_scale
+            engine.lr_coupling.set_multiplier(adascale_gain(batch, args.start, noise) ** power)
+        engine.train_batch()
+
     while trained < args.seconds:
         if args.turns:
             _wait_turn()
@@ -184,13 +216,13 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         started, cpu_started = time.perf_counter(), time.process_time()
         if simulated is not None:  # the simulated device's clock: each step's simulated time
             while trained < min(next_eval, args.seconds):
-                engine.train_batch()
+                train_batch()
                 trained += simulated(engine.last_step_batch)
         else:
             first: list[float] = []  # the slice's first steps, each: after a pause a step may cost more
             while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
                 began = time.perf_counter()
-                engine.train_batch()
+                train_batch()
                 if not cuda and len(first) < FIRST_STEPS:  # no added synchronisation on a GPU
                     first.append(time.perf_counter() - began)
             sync()
@@ -209,6 +241,7 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "val": evaluate(),
                 "ended_at": time.time(),  # when the slice ended: the order of an interleaved run
                 "noise_scale": None if engine.noise is None else engine.noise.noise_scale,
+                "lr_multiplier": engine.lr_multiplier,
                 "first_steps_s": None if simulated is not None or cuda else first,
             }
         )

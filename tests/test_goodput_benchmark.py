@@ -155,3 +155,29 @@ def test_a_simulated_device_charges_each_pass_a_step_ran():
     assert cost(step(4, 4)) == pytest.approx(0.04 + 2 * 0.01 + 0.008)
     assert _step_cost(None) is None  # the clock times the steps
     assert _key_value("warmup_steps=10") == ("warmup_steps", 10)
+
+
+def test_adascales_gain_lies_between_one_and_the_batch_ratio():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import adascale_gain
+
+    assert adascale_gain(64, 8, None) == 1.0  # no estimate yet: the LR of start
+    assert adascale_gain(64, 8, 0.0) == pytest.approx(1.0)  # no noise: a larger batch gains nothing
+    assert adascale_gain(64, 8, 8.0) == pytest.approx(8 * 16 / 72)
+    assert adascale_gain(64, 8, 1e9) == pytest.approx(8.0, rel=1e-6)  # all noise: the linear rule
+    assert adascale_gain(8, 8, 30.0) == pytest.approx(1.0)
+
+
+def test_the_adascale_policy_sets_the_gains_multiplier_before_every_step(tmp_path):
+    """``goodput-adascale`` trains ``goodput``'s schedule with the LR multiplier AdaScale's gain ** 0.5
+    gives: never above ``sqrt``'s, and below it once the batch has left start with a noise estimate."""
+    out = tmp_path / "ttt"
+    # A host-bound simulated device: goodput climbs to the sweep's top (16) in its warm-up.
+    _smoke(out, "--only", "goodput-adascale", "--simulate-step-time", "fixed=0.01")
+    curve = json.loads((out / "results.json").read_text())["results"]["goodput-adascale"]["curve"]
+    assert curve[-1]["batch"] > 4, curve[-1]
+    for point in curve[1:]:
+        ceiling = (point["batch"] / 4) ** 0.5
+        assert 1.0 - 1e-9 <= point["lr_multiplier"] <= ceiling + 1e-9, point
+    below = [p for p in curve[1:] if p["noise_scale"] and p["lr_multiplier"] < (p["batch"] / 4) ** 0.5 - 1e-6]
+    assert below, curve

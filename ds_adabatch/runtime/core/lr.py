@@ -67,6 +67,23 @@ class BatchCoupledLR:
         self._rescale(self.multiplier_for(global_batch))
         return self.multiplier
 
+    def set_multiplier(self, multiplier: float) -> float:
+        """Apply ``multiplier`` to the optimizer now in place of the rule's (a caller's own coupling, such
+        as a gain read from the noise scale each step); returns it. It holds until the next plan change,
+        which applies the rule's again, and it is saved with the LR state like the rule's.
+
+        Raises:
+            ValueError: a multiplier that is not a finite number > 0.
+        """
+        if (
+            isinstance(multiplier, bool)
+            or not isinstance(multiplier, (int, float))
+            or not 0 < multiplier < math.inf
+        ):
+            raise ValueError(f"the LR multiplier must be a finite number > 0, got {multiplier!r}")
+        self._rescale(float(multiplier))
+        return self.multiplier
+
     def set_samples(self, samples: int) -> None:
         """Tell the wrapper how many samples have been consumed once this optimizer step completes."""
         self.samples = samples
