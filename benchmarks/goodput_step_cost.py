@@ -11,8 +11,10 @@ round, so drift in the machine's speed falls on all alike):
 * ``goodput``: ``{"type": "goodput", "start": B}`` with ``max_global_batch`` B, so it can never move: its
   step times, its noise splits (a step run as two half passes now and then to measure the noise scale at
   one pass) and its decisions, at the constant batch's shape;
-* ``goodput-nosplit``: the same with ``measure_every`` 10**6, so no step is split: the difference to
-  ``goodput`` is what the splits cost, the difference to ``constant`` what the rest costs;
+* ``goodput-nosplit``: the same with ``measure_every`` 10**6, so no step is split (and ``warmup_steps``
+  20, the default's length, so that it decides at ``goodput``'s cadence once warm): the difference to
+  ``goodput`` is what the noise measurement costs (its splits), the difference to ``constant`` what the
+  rest costs (step times, decisions, the idle hooks);
 * ``linear``: ``B/2 -> B`` over the whole run's steps (``--ramp-steps``): at B 256 a new batch (a new
   shape) every few steps, as the time-to-target runs' ramp; its mean batch is about 3B/4, so its step
   should cost no more than ``constant``'s where the step is bound by the host.
@@ -43,7 +45,9 @@ def schedules(batch: int, ramp_steps: int) -> dict[str, dict[str, Any]]:
     return {
         "constant": {"type": "constant", "value": batch},
         "goodput": {"type": "goodput", "start": batch},
-        "goodput-nosplit": {"type": "goodput", "start": batch, "measure_every": 10**6},
+        # warmup_steps as goodput's default gives it (20): without it the warm-up would last as long as
+        # the noise estimate's first 10**6-step time constant, deciding by step cost every step.
+        "goodput-nosplit": {"type": "goodput", "start": batch, "measure_every": 10**6, "warmup_steps": 20},
         "linear": {
             "type": "linear",
             "start": half,
