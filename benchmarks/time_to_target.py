@@ -164,6 +164,10 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     held = ByteWindows(corpus.validation, spec.context)
     model = build_model(spec, seed=args.seed)
     cfg = ds_config(policies(args)[name], args)
+    if args.split_budget is not None:  # an experiment on the library's constant, in this process only
+        from ds_adabatch.runtime.noise import probe
+
+        probe.SPLIT_BUDGET = args.split_budget
     engine, *_ = ds_adabatch.initialize(model, cfg, train)
     module = engine.module
     cuda = args.device == "cuda"
@@ -430,6 +434,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=_key_value,
         metavar="KEY=VALUE",
         help="goodput schedule keys other than their defaults (VALUE in JSON), e.g. warmup_steps=10",
+    )
+    p.add_argument(
+        "--split-budget",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="the share of training time the noise splits of one rank at GAS 1 may cost "
+        "(ds_adabatch.runtime.noise.probe.SPLIT_BUDGET, set in each policy's process; default: the library's)",
     )
     p.add_argument(
         "--interleave",
