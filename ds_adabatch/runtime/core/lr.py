@@ -69,8 +69,10 @@ class BatchCoupledLR:
 
     def set_multiplier(self, multiplier: float) -> float:
         """Apply ``multiplier`` to the optimizer now in place of the rule's (a caller's own coupling, such
-        as a gain read from the noise scale each step); returns it. It holds until the next plan change,
-        which applies the rule's again, and it is saved with the LR state like the rule's.
+        as a gain read from the noise scale each step); returns it. Under ``ds_adabatch.initialize``'s
+        engines it holds until the next plan change, which applies the rule's again
+        (``AdaptiveBatchSizeTrainer`` applies the rule's before every step); it is saved with the LR
+        state like the rule's.
 
         Raises:
             ValueError: a multiplier that is not a finite number > 0.
