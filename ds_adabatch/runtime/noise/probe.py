@@ -314,7 +314,7 @@ class NoiseCadence:
     overhead and the probe's work; the per-sample work is the same). Where the runtime knows that price
     (``split_cost``: the goodput schedule's throughput model times its split steps apart from the whole
     ones), fewer steps are split, so that they cost about :data:`SPLIT_BUDGET` of the training time: one
-    in 13 where a split step costs a quarter more, one in 19 where it costs a third more (the 2-core CPU
+    in 13 where a split step costs a quarter more, one in 17 where it costs a third more (the 2-core CPU
     benchmark's), one in 50 where it costs twice the whole step. Otherwise the
     step is skipped with a warning, once per run: the schedule then holds its batch until a step can be
     measured.
