@@ -181,3 +181,24 @@ def test_the_adascale_policy_sets_the_gains_multiplier_before_every_step(tmp_pat
         assert 1.0 - 1e-9 <= point["lr_multiplier"] <= ceiling + 1e-9, point
     below = [p for p in curve[1:] if p["noise_scale"] and p["lr_multiplier"] < (p["batch"] / 4) ** 0.5 - 1e-6]
     assert below, curve
+
+
+def test_the_short_memory_policy_is_goodput_with_a_five_measurement_estimate_taken_as_it_is():
+    """``goodput-short-memory`` differs from ``goodput`` in the two estimator keys alone, and its
+    ds_config validates with them (the schedule remembers ~5 measurements and has no confidence test)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import ON_REQUEST, ds_config, parse, policies
+
+    from ds_adabatch.config import load_ds_config
+
+    args = parse(["--only", "goodput", "goodput-short-memory"])
+    schedules = policies(args)
+    short, plain = schedules["goodput-short-memory"], schedules["goodput"]
+    assert {k: v for k, v in short.items() if plain.get(k, object()) != v} == {
+        "ema_beta": 0.8,
+        "max_relative_error": None,
+    }
+    assert "goodput-short-memory" in ON_REQUEST
+    loaded = load_ds_config(ds_config(short, args), world_size=1)
+    schedule = loaded.adabatch.schedule
+    assert (schedule.type, schedule.ema_beta, schedule.max_relative_error) == ("goodput", 0.8, None)
