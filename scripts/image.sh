@@ -10,7 +10,8 @@
 # build   docker/Dockerfile with podman, tagged localhost/ds_adabatch:<content hash> and :latest. The
 #         hash covers every file the image copies, the base image and the build arguments: a second
 #         build of unchanged inputs reuses the image (prints "up to date"); a new build removes the
-#         images of earlier contents (their tags, then the project's images left without one).
+#         images of earlier contents (their tags, then the project's images left without one). Two
+#         builds on one machine run one after the other: the second finds the first's image.
 #   --base REF     base image. Default localhost/bookworm-base, built here when missing from Debian's
 #                  packages (debootstrap --variant=minbase bookworm + podman import; needs root and
 #                  debootstrap), so no image registry is needed. With a registry: --base python:3.11-slim.
@@ -107,7 +108,14 @@ content_hash() { # everything the image is made of: the files it copies, the bas
 
 # Sets IMAGE to the image of the checkout's current content (getting the base if needed); BUILD_OPTS
 # to the options that build it.
+# One build at a time on the machine (podman's store is the machine's): a second build, or a tag that
+# would build the base, waits for the first (a lock under TMPDIR, held until this script exits), then
+# finds what it built.
 resolve() {
+  if command -v flock >/dev/null 2>&1; then
+    exec 9>"${TMPDIR:-/tmp}/ds_adabatch-image.lock"
+    flock 9 || true
+  fi
   local base="$BASE_DEFAULT" ca="" wheels="" build_args=()
   # Defaults: the CA bundle and the wheelhouse this machine's pip uses (its environment, then its config).
   local cert="${PIP_CERT:-$(pip_config cert)}" links="${PIP_FIND_LINKS:-$(pip_config find-links)}"

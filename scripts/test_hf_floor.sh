@@ -57,22 +57,25 @@ RELEASE_SUITE=(tests/test_hf_versions.py tests/test_hf_compat.py tests/test_hf_t
   -k "$RELEASE_KEEP")
 
 summary=()
-failed=0
-for release in "${releases[@]}"; do
-  began=$SECONDS
-  if [ "${release%%.*}" = 4 ]; then
+# What release $1 runs with (with), in which environment (venv) and which tests (suite).
+describe() {
+  if [ "${1%%.*}" = 4 ]; then
     # transformers 4.57 needs huggingface_hub < 1, and the newest datasets (read from .venv) needs hub
     # >= 1.31: the floor takes the last datasets release that runs on hub 0.x (5.0), in its own layer.
-    with=("transformers==$release" "datasets>=3,<5.1")
+    with=("transformers==$1" "datasets>=3,<5.1")
     venv="${HF_FLOOR_VENV:-$ROOT/.venv-hf-floor}"
     suite=("${FLOOR_SUITE[@]}")
   else
-    with=("transformers==$release")
-    venv="$ROOT/.venv-hf-$release"
+    with=("transformers==$1")
+    venv="$ROOT/.venv-hf-$1"
     suite=("${RELEASE_SUITE[@]}")
   fi
+}
+prepare() { # makes release $1's environment and installs into it, unless that was done
+  local with venv suite site_dir layer_stamp
+  describe "$1"
   if [ ! -x "$venv/bin/python" ]; then
-    echo "[hf] creating the transformers $release environment in $venv (layered on $ROOT/.venv)"
+    echo "[hf] creating the transformers $1 environment in $venv (layered on $ROOT/.venv)"
     "${PYTHON:-python3}" -m venv "$venv"
   fi
   site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -87,7 +90,29 @@ for release in "${releases[@]}"; do
     # scripts/test.sh's env.sh finds the project installed (through the layer) and installs nothing more.
     touch "$venv/$main_stamp"
   fi
+}
+# While one release's tests run, the next release's environment is installed beside them (pip waits on
+# the network, the tests on the CPU).
+pending=""
+trap '[ -z "$pending" ] || { pkill -P "$pending" 2>/dev/null; kill "$pending" 2>/dev/null; } || true' EXIT
+failed=0
+for i in "${!releases[@]}"; do
+  release="${releases[$i]}"
+  began=$SECONDS
+  [ -n "$pending" ] || { prepare "$release" & pending=$!; }
+  if ! wait "$pending"; then
+    pending=""
+    echo "error: could not install transformers $release (above)" >&2
+    exit 1
+  fi
+  pending=""
   installed=$((SECONDS - began))
+  following="${releases[$((i + 1))]:-}"
+  if [ -n "$following" ]; then
+    prepare "$following" &
+    pending=$!
+  fi
+  describe "$release"
   "$venv/bin/python" -c "import transformers; assert transformers.__version__ == '$release', transformers.__version__; print('[hf] transformers', transformers.__version__, 'from', transformers.__file__)"
   began=$SECONDS
   set +e
@@ -96,7 +121,7 @@ for release in "${releases[@]}"; do
   rc=$?
   set -e
   [ $rc -eq 0 ] || failed=1
-  summary+=("transformers $release: exit $rc (install ${installed}s, tests $((SECONDS - began))s)")
+  summary+=("transformers $release: exit $rc (install ${installed}s waited for, tests $((SECONDS - began))s)")
 done
 printf '[hf] %s\n' "${summary[@]}"
 exit $failed

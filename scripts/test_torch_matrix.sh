@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
+# With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
+# releases given, by default the first one a run tests (installs each torch and builds DeepSpeed's CPU
+# ops against it, as below), and runs no test: .ci/run prepares the first release this way while the
+# transformers releases are tested.
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
@@ -17,20 +21,31 @@
 #   torch-VERSION/             that torch and its dependencies (pip install --target; 4.7 to 5.4 GB each)
 #   torch_extensions-VERSION/  DeepSpeed's JIT-built ops for it (TORCH_EXTENSIONS_DIR; torch's default
 #                              directory is shared by every CUDA 13.0 build, which would rebuild each time)
+#   op-build-VERSION.log       the output of building DeepSpeed's CPU communication op for it
 # TORCH_MATRIX_KEEP=0 removes each release's torch after its run (one release on disk at a time).
-# While one release's tests run, the next release's torch is installed beside them (its download waits on
-# the network, the tests on the CPU); with TORCH_MATRIX_KEEP=0 each install waits for the previous run.
+# While one release's tests run, the next release is prepared beside them: its torch installed (the
+# download waits on the network) and DeepSpeed's CPU communication op built against it (one core, while
+# the tests leave one free), which every launch on the CPU would otherwise build in its first launch;
+# with TORCH_MATRIX_KEEP=0 each release is prepared after the previous run.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
 CACHE="${TORCH_MATRIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ds_adabatch/torch-matrix}"
+prepare_only=0
+if [ "${1:-}" = "--prepare" ]; then
+  prepare_only=1
+  shift
+fi
 versions=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   versions+=("$1")
   shift
 done
 [ "${1:-}" = "--" ] && shift
-[ ${#versions[@]} -gt 0 ] || versions=("${DEFAULT_VERSIONS[@]}")
+if [ ${#versions[@]} -eq 0 ]; then
+  # --prepare alone prepares the release a run starts with (its others are prepared during the run).
+  if [ "$prepare_only" = 1 ]; then versions=("${DEFAULT_VERSIONS[0]}"); else versions=("${DEFAULT_VERSIONS[@]}"); fi
+fi
 
 # The project's environment first (created or updated as scripts/test.sh does).
 VENV="$ROOT/.venv" EXTRAS=dev source "$ROOT/scripts/env.sh"
@@ -42,47 +57,74 @@ export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # newer releases; this install is about exactly the release named.
 pip_install=(env PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir
   --disable-pip-version-check --no-warn-conflicts --no-compile)
-pending=""  # the pid of pip installing a release's torch in the background, if one runs
-start_install() {  # starts installing torch $1 into its layer (pid in $pending), unless it is there
-  local layer="$CACHE/torch-$1"
-  pending=""
-  [ -f "$layer/.installed" ] && return 0
-  echo "[matrix] installing torch $1 into $layer"
-  rm -rf "$layer"
-  "${pip_install[@]}" --target "$layer" "torch==$1" &
+pending=""  # the pid of the background job preparing a release (install, environment, op build), if one runs
+prepare() {  # installs torch $1 into its layer unless it is there, makes its environment, builds its op
+  local version="$1" layer="$CACHE/torch-$1" venv="$ROOT/.venv-torch-$1"
+  if [ ! -f "$layer/.installed" ]; then
+    echo "[matrix] installing torch $version into $layer"
+    rm -rf "$layer"
+    "${pip_install[@]}" --target "$layer" "torch==$version" || {
+      echo "error: pip could not install torch $version into $layer" >&2
+      return 1
+    }
+    touch "$layer/.installed"
+  fi
+  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --without-pip "$venv"
+  local site_dir
+  site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  # addsitedir also reads the .pth files there (the editable install of this package is one of them).
+  printf "import site; site.addsitedir('%s'); site.addsitedir('%s')\n" "$layer" "$main_site" \
+    >"$site_dir/ds_adabatch_torch_layer.pth"
+  # DeepSpeed's ops the launches load on the CPU, JIT-built against this torch on first use: the
+  # communication op (every launch) and FusedAdam (Adam configs), about 35 s and 55 s on both cores.
+  # Built here, so that they are built while the previous release's tests run rather than inside this
+  # release's first launch, which loads them as built.
+  local ext="$CACHE/torch_extensions-$version" log="$CACHE/op-build-$version.log"
+  if ! TORCH_EXTENSIONS_DIR="$ext" "$venv/bin/python" -c "
+from deepspeed.accelerator import get_accelerator
+for name in ('ShareMemCommBuilder', 'FusedAdamBuilder'):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+" >"$log" 2>&1; then
+    echo "error: DeepSpeed's CPU ops do not build against torch $version (the log: $log):" >&2
+    tail -n 30 "$log" >&2
+    return 1
+  fi
+}
+start_prepare() {  # prepare "$1" in the background (pid in $pending)
+  prepare "$1" &
   pending=$!
 }
-trap '[ -z "$pending" ] || kill "$pending" 2>/dev/null || true' EXIT
+# On exit, the background preparation goes too (its pip or compiler first, then its shell).
+trap '[ -z "$pending" ] || { pkill -P "$pending" 2>/dev/null; kill "$pending" 2>/dev/null; } || true' EXIT
+if [ "$prepare_only" = 1 ]; then
+  for version in "${versions[@]}"; do
+    prepare "$version" || exit 1
+    echo "[matrix] torch $version prepared"
+  done
+  exit 0
+fi
 summary=()
 prefetched=0
 for i in "${!versions[@]}"; do
   version="${versions[$i]}"
   layer="$CACHE/torch-$version"
   began=$SECONDS
-  [ "$prefetched" = 1 ] || start_install "$version"
-  if [ -n "$pending" ]; then
-    if ! wait "$pending"; then
-      pending=""
-      echo "error: pip could not install torch $version into $layer" >&2
-      exit 1
-    fi
-    touch "$layer/.installed"
+  [ "$prefetched" = 1 ] || start_prepare "$version"
+  if ! wait "$pending"; then
+    pending=""
+    echo "error: could not prepare torch $version (above)" >&2
+    exit 1
   fi
+  pending=""
   installed=$((SECONDS - began))
-  # The next release's install runs beside this release's tests.
+  # The next release is installed and its op built beside this release's tests.
   following="${versions[$((i + 1))]:-}"
   prefetched=0
-  pending=""
   if [ -n "$following" ] && [ "${TORCH_MATRIX_KEEP:-1}" != 0 ]; then
-    start_install "$following"
+    start_prepare "$following"
     prefetched=1
   fi
   venv="$ROOT/.venv-torch-$version"
-  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --without-pip "$venv"
-  site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  # addsitedir also reads the .pth files there (the editable install of this package is one of them).
-  printf "import site; site.addsitedir('%s'); site.addsitedir('%s')\n" "$layer" "$main_site" \
-    >"$site_dir/ds_adabatch_torch_layer.pth"
   "$venv/bin/python" -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$version', v; print('[matrix] torch', torch.__version__, 'from', torch.__file__)"
   began=$SECONDS
   set +e
@@ -100,6 +142,6 @@ for i in "${!versions[@]}"; do
     echo "error: the focused suite failed on torch $version (pytest exit $rc)" >&2
     exit $rc
   fi
-  summary+=("torch $version: install ${installed} s, tests ${tested} s")
+  summary+=("torch $version: install and op build ${installed} s (waited for), tests ${tested} s")
 done
 printf '[matrix] %s\n' "${summary[@]}"
