@@ -148,6 +148,19 @@ def _kill_plan(out: str, origin: int, restart: int) -> tuple[int, float] | None:
     return int(parts[1]), float(parts[2]) / 1000 if len(parts) > 2 else 0.0
 
 
+def _folder_bytes(folder: str) -> int:
+    """Bytes of the snapshot files in ``folder`` (0 without one). The other ranks' snapshots may be
+    replaced while this counts (a restarted worker drops its earlier generation's files): a file that
+    went away is not counted."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder):
+            if entry.name.endswith(".bin"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat().st_size
+    return total
+
+
 def run(out: str, stage: int) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ds_adabatch.init_distributed()
@@ -197,15 +210,7 @@ def run(out: str, stage: int) -> None:
                 f.write(json.dumps(row) + "\n")
     events = engine.live_events
     shm = os.environ.get("DS_ADABATCH_SNAPSHOT_DIR", "")
-    snapshot_bytes = (
-        sum(
-            e.stat().st_size
-            for e in os.scandir(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", "")))
-            if e.name.endswith(".bin")
-        )
-        if shm and os.path.isdir(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", "")))
-        else 0
-    )
+    snapshot_bytes = _folder_bytes(os.path.join(shm, os.environ.get("TORCHELASTIC_RUN_ID", ""))) if shm else 0
     final = whole_parameters(engine)  # every rank: a collective under ZeRO 3
     if engine.rank == 0:
         torch.save(final, os.path.join(out, "final.pt"))
