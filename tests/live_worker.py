@@ -12,7 +12,7 @@ OUT/start-<pid>.json when it starts and OUT/end-<pid>.json (its live recoveries)
 saves the final parameters to OUT/final.pt.
 
 ``LIVE_KILL=ORIGIN:STEP[:DELAY_MS]`` makes the process of first-world rank ORIGIN kill its node (its
-torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation, writing the time
+torchrun agent, then itself, SIGKILL) DELAY_MS into step STEP of the first incarnation that trains, writing the time
 to OUT/kill-time. ``LIVE_KILL_ALSO=ORIGIN[,ORIGIN]`` kills those ranks (and their agents) at the same
 moment (both buddies; a node's second rank). ``LIVE_KILL_SIGNAL=STOP`` stops them instead (a hung node:
 its sockets stay open). ``LIVE_KILL_WHAT=worker`` kills the worker alone (a crash on a healthy node:
@@ -137,10 +137,13 @@ def _write(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _kill_plan(out: str, origin: int, restart: int) -> tuple[int, float] | None:
+def _kill_plan(out: str, origin: int) -> tuple[int, float] | None:
     spec = os.environ.get("LIVE_KILL")
-    # Only the first incarnation kills (workers that torchrun restarts run this again).
-    if not spec or restart != 0 or os.path.exists(os.path.join(out, "kill-time")):
+    # Only the incarnation that trains first kills (workers that torchrun restarts run this again and
+    # find its kill-time). Not "restart count 0": torchrun may restart the workers before any step, when
+    # the port its agent chose for their store was taken meanwhile (EADDRINUSE in rank 0's store), and
+    # the job must still lose its node.
+    if not spec or os.path.exists(os.path.join(out, "kill-time")):
         return None
     parts = spec.split(":")
     if int(parts[0]) != origin and str(origin) not in os.environ.get("LIVE_KILL_ALSO", "").split(","):
@@ -177,7 +180,7 @@ def run(out: str, stage: int) -> None:
     ckpt = os.path.join(out, "ckpt")
     path, _ = engine.load_checkpoint(ckpt)
     first_step = engine.global_steps
-    kill = _kill_plan(out, origin, restart)
+    kill = _kill_plan(out, origin)
     agent = os.getppid()
     save_every = int(os.environ.get("LIVE_SAVE_EVERY", "4"))  # 0: never (the snapshot benchmarks)
     wait_for = os.environ.get("LIVE_WAIT_FOR", "")
