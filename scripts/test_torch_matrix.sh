@@ -21,11 +21,11 @@
 #   torch-VERSION/             that torch and its dependencies (pip install --target; 4.7 to 5.4 GB each)
 #   torch_extensions-VERSION/  DeepSpeed's JIT-built ops for it (TORCH_EXTENSIONS_DIR; torch's default
 #                              directory is shared by every CUDA 13.0 build, which would rebuild each time)
-#   op-build-VERSION.log       the output of building DeepSpeed's CPU communication op for it
+#   op-build-VERSION.log       the output of building DeepSpeed's CPU ops for it (below)
 # TORCH_MATRIX_KEEP=0 removes each release's torch after its run (one release on disk at a time).
 # While one release's tests run, the next release is prepared beside them: its torch installed (the
-# download waits on the network) and DeepSpeed's CPU communication op built against it (one core, while
-# the tests leave one free), which every launch on the CPU would otherwise build in its first launch;
+# download waits on the network) and DeepSpeed's CPU ops built against it (the communication op and
+# FusedAdam, which the release's first launch would otherwise build while its other launches wait);
 # with TORCH_MATRIX_KEEP=0 each release is prepared after the previous run.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -117,7 +117,7 @@ for i in "${!versions[@]}"; do
   fi
   pending=""
   installed=$((SECONDS - began))
-  # The next release is installed and its op built beside this release's tests.
+  # The next release is installed and its ops built beside this release's tests.
   following="${versions[$((i + 1))]:-}"
   prefetched=0
   if [ -n "$following" ] && [ "${TORCH_MATRIX_KEEP:-1}" != 0 ]; then
