@@ -4,7 +4,7 @@
 #   2. the GPU time-to-target sweep (issue: goodput), policies in turns: fixed 32/64/128/256, linear, goodput;
 #   3. what a steady goodput step costs against a constant batch of the same size, with and without its
 #      noise splits, and a linear ramp's (goodput_step_cost.py on the GPU model at batch 256).
-# Opt-in (each adds device time): EXTRA_POLICIES="goodput-adascale" adds policies to the sweep (the LR
+# SEED (default 0) sets the sweep's data order and initial weights. Opt-in (each adds device time): EXTRA_POLICIES="goodput-adascale" adds policies to the sweep (the LR
 # coupling by AdaScale's gain, measured on the CPU's simulated devices in BENCHMARKS.md); ALLOC_CHECK=1
 # runs step 3 again under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which tells whether the first
 # steps of each new batch size (linear's 50% longer steps, estimated ~125 ms per size) are the caching
@@ -13,6 +13,7 @@
 # cannot parse a TORCH_CUDA_ARCH_LIST entry such as "9.0a": run it with that variable set to e.g. "9.0".)
 #
 #   bash benchmarks/gpu_goodput.sh [OUT]      # OUT: where the logs and results go (default gpu_goodput_out)
+#   SKIP_SMOKE=1 SEED=2 TRAIN_SECONDS=30 bash benchmarks/gpu_goodput.sh OUT   # no smoke run, another seed
 #
 # Wheels in .whl/ (deepspeed, pydantic, hjson, ...) are installed into /tmp/site first where the machine
 # cannot reach a package registry; elsewhere install the project as the README says.
@@ -41,7 +42,8 @@ tail -n 30 "$OUT/smoke.log"
 fi
 
 echo "== time to target"
-timeout "${TTT_TIMEOUT:-360}" python3 benchmarks/time_to_target.py --device cuda --seconds "${TRAIN_SECONDS:-35}" --interleave \
+timeout "${TTT_TIMEOUT:-360}" python3 benchmarks/time_to_target.py --device cuda --seconds "${TRAIN_SECONDS:-35}" \
+    --seed "${SEED:-0}" --interleave \
     --only fixed-32 fixed-64 fixed-128 fixed-256 linear goodput ${EXTRA_POLICIES:-} --out /tmp/ttt 2>&1 | tee "$OUT/time_to_target.log"
 cp /tmp/ttt/results.json "$OUT/time_to_target.json" 2>/dev/null
 cp /tmp/ttt/time_to_target.png "$OUT/" 2>/dev/null

@@ -13,11 +13,13 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``goodput``                 the ``goodput`` schedule from ``--start`` up to the largest B, defaults otherwise
 ``goodput-pollux``          the same with Pollux's efficiency (``efficiency: "linear"``), not the square root
                             that ``lr_scaling: sqrt`` selects by default (only where ``--only`` names it)
-``goodput-adascale``        ``goodput`` with the LR multiplier set before every step to AdaScale's gain
-                            ``(B / start) x (B_noise + start) / (B_noise + B)`` (1 before the first noise
-                            estimate), raised to 0.5 (AdaptDL's variant for Adam-type optimizers) in place of
-                            ``sqrt(B / start)`` (only where ``--only`` names it)
-``goodput-adascale-1``      the same with the gain itself (AdaScale's rule for SGD), on AdamW
+``goodput-adascale``        ``goodput`` with ``lr_scaling: {"rule": "adascale"}``: the LR multiplier set
+                            before every step to AdaScale's gain ``(B / start) x (B_noise + start) /
+                            (B_noise + B)`` (1 before the first noise estimate) raised to 0.5 (AdaptDL's
+                            variant for Adam-type optimizers) in place of ``sqrt(B / start)`` (only where
+                            ``--only`` names it)
+``goodput-adascale-1``      the same with the gain itself (``gain_power`` 1, AdaScale's rule for SGD), on
+                            AdamW, with goodput's efficiency kept at the square root
 ``goodput-short-memory``    ``goodput`` whose noise estimate remembers about 5 measurements, not 20
                             (``ema_beta`` 0.8), taken as it is (``max_relative_error`` null): the estimate
                             of one rank at GAS 1, measured one step in about 17, then lags some 85 steps
@@ -92,9 +94,8 @@ FIRST_STEPS = 12
 validation, another policy's turn) costs the steps after it."""
 
 ADASCALE_POWERS = {"goodput-adascale": 0.5, "goodput-adascale-1": 1.0}
-"""Policies whose LR multiplier the benchmark sets before every step (``BatchCoupledLR.set_multiplier``)
-to AdaScale's gain raised to this power (:func:`adascale_gain`): the LR coupling the issue asks to be
-measured against ``sqrt``."""
+"""Policies whose ``lr_scaling`` is ``"adascale"`` with this ``gain_power`` (ds_adabatch.schedules.lr), on
+``goodput``'s schedule: the LR coupling the issue asks to be measured against ``sqrt``."""
 
 SHORT_MEMORY = {"ema_beta": 0.8, "max_relative_error": None}
 """The keys of ``goodput-short-memory`` over ``goodput``'s: a noise estimate of about 1 / (1 - 0.8) = 5
@@ -102,17 +103,6 @@ measurements, used without the confidence test (with ~5 measurements it would ra
 
 ON_REQUEST = frozenset({"goodput-pollux", "goodput-short-memory", *ADASCALE_POWERS})
 """Policies run only where ``--only`` names them."""
-
-
-def adascale_gain(batch: int, start: int, noise_scale: float | None) -> float:
-    """AdaScale's gain at ``batch`` against ``start``: ``batch / start`` times Pollux's efficiency,
-    ``(B_noise + start) / (B_noise + batch)`` (between 1, no noise, and ``batch / start``); 1 before the
-    first estimate."""
-    from ds_adabatch.signals.efficiency import statistical_efficiency
-
-    if noise_scale is None or not math.isfinite(noise_scale) or noise_scale < 0:
-        return 1.0
-    return batch / start * statistical_efficiency(batch, noise_scale, start)
 
 
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -125,13 +115,17 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # Pollux's efficiency, where the default (sqrt scaling here) takes its square root: the two side by side.
     out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
     out["goodput-short-memory"] = {**out["goodput"], **SHORT_MEMORY}
-    for name in ADASCALE_POWERS:  # the schedule of goodput; the LR set by train_policy
-        out[name] = dict(out["goodput"])
+    for name in ADASCALE_POWERS:  # the schedule of goodput (its square-root efficiency); the LR by ds_config
+        out[name] = {**out["goodput"], "efficiency": "sqrt"}
     return out
 
 
-def ds_config(schedule: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def ds_config(schedule: dict[str, Any], args: argparse.Namespace, name: str | None = None) -> dict[str, Any]:
+    """The policy's ds_config: ``schedule`` in the common setting; policy ``name``'s LR coupling."""
     gpu = args.device == "cuda"
+    scaling: dict[str, Any] = {"rule": "sqrt", "reference_batch": args.start}
+    if name in ADASCALE_POWERS:
+        scaling.update(rule="adascale", gain_power=ADASCALE_POWERS[name])
     return {
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {
@@ -146,7 +140,7 @@ def ds_config(schedule: dict[str, Any], args: argparse.Namespace) -> dict[str, A
             "schedule": schedule,
             "max_micro_batch_per_gpu": max(args.sweep),
             "max_global_batch": max(args.sweep),
-            "lr_scaling": {"rule": "sqrt", "reference_batch": args.start},
+            "lr_scaling": scaling,
             "data": {"shuffle": True, "seed": args.seed, "num_workers": 0},
         },
     }
@@ -172,7 +166,7 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     train = ByteWindows(corpus.train, spec.context)
     held = ByteWindows(corpus.validation, spec.context)
     model = build_model(spec, seed=args.seed)
-    cfg = ds_config(policies(args)[name], args)
+    cfg = ds_config(policies(args)[name], args, name)
     if args.split_budget is not None:  # an experiment on the library's constant, in this process only
         from ds_adabatch.runtime.noise import probe
 
@@ -213,14 +207,6 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     trained = cpu = 0.0
     next_eval = args.eval_every
     simulated = _step_cost(args.simulate_step_time)
-    power = ADASCALE_POWERS.get(name)
-
-    def train_batch() -> None:
-        if power is not None:  # the plan first (it applies the rule's multiplier), then the gain's
-            batch = engine.next_plan().global_batch_size
-            noise = None if engine.noise is None else engine.noise.noise_scale
-            engine.lr_coupling.set_multiplier(adascale_gain(batch, args.start, noise) ** power)
-        engine.train_batch()
 
     while trained < args.seconds:
         if args.turns:
@@ -229,13 +215,13 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         started, cpu_started = time.perf_counter(), time.process_time()
         if simulated is not None:  # the simulated device's clock: each step's simulated time
             while trained < min(next_eval, args.seconds):
-                train_batch()
+                engine.train_batch()
                 trained += simulated(engine.last_step_batch)
         else:
             first: list[float] = []  # the slice's first steps, each: after a pause a step may cost more
             while trained + (time.perf_counter() - started) < min(next_eval, args.seconds):
                 began = time.perf_counter()
-                train_batch()
+                engine.train_batch()
                 if not cuda and len(first) < FIRST_STEPS:  # no added synchronisation on a GPU
                     first.append(time.perf_counter() - began)
             sync()

@@ -4,7 +4,8 @@ Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR [resume]
 On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, with a
 fixed warm-up and with the default one, and an affine one (compute-bound) through DeepSpeed's forward /
 backward / step loop. On 1 rank: micro = batch
-(one pass per step), where the noise scale is measured by splitting a step in two; with ``resume``, the
+(one pass per step), where the noise scale is measured by splitting a step in two, and AdaScale's gain as
+the LR multiplier (``lr_scaling.rule`` "adascale") through the loop; with ``resume``, the
 2-rank flat run's step-20 checkpoint continued on one rank. Each case writes its
 batches, the samples of every step, the noise estimate and the exactness error into OUT_DIR/<case>.json
 (rank 0); the curve comes in through DS_ADABATCH_SIMULATED_STEP_TIME, read when the engine is built.
@@ -40,6 +41,7 @@ def config(
     lr: float,
     jsonl: str,
     schedule: dict | None = None,
+    lr_scaling: dict | None = None,
 ) -> dict:
     return {
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
@@ -61,7 +63,7 @@ def config(
             "max_micro_batch_per_gpu": max_micro,
             "max_global_batch": max_batch,
             "log": {"every_steps": 3, "jsonl": jsonl},
-            "lr_scaling": {"rule": "none"},
+            "lr_scaling": lr_scaling or {"rule": "none"},
             "data": {"shuffle": True, "seed": 3},
         },
     }
@@ -74,22 +76,28 @@ def make_model() -> torch.nn.Module:
     return model
 
 
-def reference(batches: list[list[int]], data: GaussianRegression, lr: float) -> torch.Tensor:
-    """Plain PyTorch, one process: the same global batches, each one big batch."""
+def reference(
+    batches: list[list[int]], data: GaussianRegression, lr: float, multipliers: list[float] | None = None
+) -> torch.Tensor:
+    """Plain PyTorch, one process: the same global batches, each one big batch (at ``lr`` times each
+    step's LR multiplier, where given)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for idx in batches:
+    for i, idx in enumerate(batches):
+        if multipliers is not None:
+            opt.param_groups[0]["lr"] = lr * multipliers[i]
         opt.zero_grad()
         half_mse(model, (data.x[idx], data.y[idx])).backward()
         opt.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def record(engine, batches: list, plans: list, noise: list) -> None:
+def record(engine, batches: list, plans: list, noise: list, multipliers: list) -> None:
     plan = engine.plan
     batches.append(engine.last_step_batch.global_batch.all_indices())
     plans.append([plan.global_batch_size, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps])
     noise.append(engine.noise.noise_scale)
+    multipliers.append(engine.lr_coupling.multiplier)  # the step's: the next decision applies the next
 
 
 def run_case(
@@ -103,14 +111,15 @@ def run_case(
     save_at: int | None = None,
     resume_from: str | None = None,
     schedule: dict | None = None,
+    lr_scaling: dict | None = None,
     **shape: int,
 ) -> None:
     os.environ[SIMULATED_STEP_TIME_ENV] = curve
     data = GaussianRegression()
     jsonl = os.path.join(out_dir, f"{name}.jsonl")
-    cfg = config(0, lr=lr, jsonl=jsonl, schedule=schedule, **shape)
+    cfg = config(0, lr=lr, jsonl=jsonl, schedule=schedule, lr_scaling=lr_scaling, **shape)
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=half_mse)
-    batches, plans, noise = [], [], []
+    batches, plans, noise, multipliers = [], [], [], []
     resumed = None
     if resume_from is not None:  # another world size: the schedule's model and the stream continue
         engine.load_checkpoint(resume_from)
@@ -121,19 +130,28 @@ def run_case(
             "moves": schedule.moves,
             "predicts": schedule.throughput.predict(8, 1, engine.world_size),
         }
+    seen: list = []  # the noise estimate each step's decision read (what "adascale" is given)
     if loop:
+        fresh = True
         for x, y in loader:  # DeepSpeed's loop: the step counts when its last micro-batch steps
+            if fresh:  # the step's first micro-batch: its plan is decided
+                engine.next_plan()
+                seen.append(engine.noise.noise_scale_or_inf)
+                fresh = False
             before = engine.global_steps
             engine.backward(half_mse(engine, (x, y)))
             engine.step()
             if engine.global_steps > before:
-                record(engine, batches, plans, noise)
+                record(engine, batches, plans, noise, multipliers)
+                fresh = True
             if engine.global_steps >= steps:
                 break
     else:
         while engine.global_steps < steps:
+            engine.next_plan()
+            seen.append(engine.noise.noise_scale_or_inf)
             engine.train_batch()
-            record(engine, batches, plans, noise)
+            record(engine, batches, plans, noise, multipliers)
             if engine.global_steps == save_at:
                 engine.save_checkpoint(os.path.join(out_dir, f"{name}_ckpt"))
     engine.resolve_losses()
@@ -145,12 +163,15 @@ def run_case(
         if resume_from is not None:  # the saving run's steps up to the checkpoint, then these
             with open(os.path.join(out_dir, "flat.json")) as f:
                 before = json.load(f)["batches"][: resumed["step"]]
-        want = reference(before + batches, data, lr)
+        scaled = None if lr_scaling is None else [1.0] * len(before) + multipliers
+        want = reference(before + batches, data, lr, scaled)
         payload = {
             "max_rel_err": float((got - want).abs().max() / want.abs().max()),
             "batches": batches,
             "plans": plans,
             "noise": noise,
+            "multipliers": multipliers,
+            "seen": seen[: len(batches)],
             "fit": None if fit is None else [fit.fixed, fit.per_pass, fit.per_sample],
             "history": [e.to_dict() for e in engine.history],
             "world_size": engine.world_size,
@@ -180,6 +201,19 @@ def main() -> None:
         return
     if world == 1:  # micro = batch: one pass per step
         run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
+        # AdaScale's gain as the LR (SGD: the gain itself), through DeepSpeed's forward / backward / step
+        # loop, micro 4 (GAS measures the noise).
+        run_case(
+            out_dir,
+            "single_adascale",
+            FLAT,
+            40,
+            loop=True,
+            max_micro=4,
+            start=8,
+            max_batch=64,
+            lr_scaling={"rule": "adascale", "gain_power": 1.0},
+        )
         return
     run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)
     # The default warm-up (20 steps at ema_beta 0.95): a free larger batch is taken on its cost alone.

@@ -607,6 +607,8 @@ def _run_goodput(out: Path, common: dict) -> dict:
         "max_micro_batch_per_gpu": 4,
         "max_global_batch": 32,
         "granularity": 4,
+        # AdaScale's gain as the LR multiplier, set from the noise estimate before every step.
+        "lr_scaling": {"rule": "adascale"},
     }
     os.environ[SIMULATED_STEP_TIME_ENV] = "fixed=0.05"
     try:
@@ -616,12 +618,15 @@ def _run_goodput(out: Path, common: dict) -> dict:
                 out / "goodput",
                 max_steps=GOODPUT_STEPS,
                 deepspeed=ds_config(section),
-                **{**common, "per_device_train_batch_size": 4},
+                # An LR to couple (the scenario's other runs hold the model still at 0).
+                **{**common, "per_device_train_batch_size": 4, "learning_rate": 0.01},
             ),
             train_dataset=GaussianRegression(),
         )
         recorder = StepRecorder(trainer)
         trainer.add_callback(recorder)
+        coupling: list = []  # per step: the estimate the coupling read, its multiplier, the applied LR
+        trainer.add_callback(CouplingRecorder(trainer, coupling))
         trainer.train()
     finally:
         del os.environ[SIMULATED_STEP_TIME_ENV]
@@ -632,7 +637,23 @@ def _run_goodput(out: Path, common: dict) -> dict:
         "moves": schedule.moves,
         "reason": schedule.last_reason,
         "fit_fixed": None if fit is None else fit.fixed,
+        "coupling": coupling,
+        "reference": trainer._lr_coupling.reference_batch,
     }
+
+
+class CouplingRecorder(TrainerCallback):
+    """Per optimizer step: the noise estimate the LR coupling last read, its multiplier, and the LR the
+    optimizer then holds over the one the scheduler set (the multiplier, where it is applied)."""
+
+    def __init__(self, trainer: AdaptiveBatchSizeTrainer, into: list) -> None:
+        self.trainer, self.into = trainer, into
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        coupled = self.trainer._lr_coupling
+        scheduled = coupled.scheduler.get_last_lr()[0]  # 0 at a warm-up's first step
+        applied = coupled.get_lr()[0] / scheduled if scheduled > 0 else None
+        self.into.append([coupled.noise_scale, coupled.multiplier, applied])
 
 
 # -- token budgets ----------------------------------------------------------------------------------

@@ -82,6 +82,10 @@ CATALOGUE = [
     ("max-change-factor-one", edit(max_change_factor=1.0), None, "adabatch.max_change_factor"),
     ("lr-rule-unknown", edit(lr_scaling__rule="cubic"), None, "adabatch.lr_scaling.rule"),
     ("lr-reference-zero", edit(lr_scaling__reference_batch=0), None, "adabatch.lr_scaling.reference_batch"),
+    # AdaScale's gain reads the noise scale, which a linear ramp never measures.
+    ("lr-adascale-without-noise", edit(lr_scaling__rule="adascale"), None, "adabatch.lr_scaling.rule"),
+    ("lr-gain-power-zero", edit(lr_scaling__gain_power=0.0), None, "adabatch.lr_scaling.gain_power"),
+    ("lr-gain-power-above-one", edit(lr_scaling__gain_power=1.5), None, "adabatch.lr_scaling.gain_power"),
     ("lr-scaling-typo", edit(lr_scaling__refrence_batch=64), None, "adabatch.lr_scaling.refrence_batch"),
     (
         "lr-reference-unused",

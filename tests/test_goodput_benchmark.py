@@ -7,6 +7,7 @@ depend on the machine and its load (the measurement itself is run by hand, on an
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -158,10 +159,10 @@ def test_a_simulated_device_charges_each_pass_a_step_ran():
 
 
 def test_adascales_gain_lies_between_one_and_the_batch_ratio():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from time_to_target import adascale_gain
+    from ds_adabatch.schedules.lr import adascale_gain
 
     assert adascale_gain(64, 8, None) == 1.0  # no estimate yet: the LR of start
+    assert adascale_gain(64, 8, math.inf) == 8.0  # |G|^2 read as <= 0: all noise
     assert adascale_gain(64, 8, 0.0) == pytest.approx(1.0)  # no noise: a larger batch gains nothing
     assert adascale_gain(64, 8, 8.0) == pytest.approx(8 * 16 / 72)
     assert adascale_gain(64, 8, 1e9) == pytest.approx(8.0, rel=1e-6)  # all noise: the linear rule
@@ -169,8 +170,9 @@ def test_adascales_gain_lies_between_one_and_the_batch_ratio():
 
 
 def test_the_adascale_policy_sets_the_gains_multiplier_before_every_step(tmp_path):
-    """``goodput-adascale`` trains ``goodput``'s schedule with the LR multiplier AdaScale's gain ** 0.5
-    gives: never above ``sqrt``'s, and below it once the batch has left start with a noise estimate."""
+    """``goodput-adascale`` trains ``goodput``'s schedule with ``lr_scaling`` "adascale": the LR multiplier
+    AdaScale's gain ** 0.5 gives, never above ``sqrt``'s, and below it once the batch has left start with a
+    noise estimate."""
     out = tmp_path / "ttt"
     # A host-bound simulated device: goodput climbs to the sweep's top (16) in its warm-up.
     _smoke(out, "--only", "goodput-adascale", "--simulate-step-time", "fixed=0.01")

@@ -2,13 +2,15 @@
 
 One 2-rank launch (a flat curve through ``train_batch``, an affine one through DeepSpeed's forward /
 backward / step loop), then its step-20 checkpoint resumed on one rank; beside them one 1-rank launch
-(micro = batch: the noise scale measured by splitting a step in two), on the two cores
+(micro = batch: the noise scale measured by splitting a step in two; AdaScale's gain as the LR through
+the loop), on the two cores
 (tests/goodput_worker.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,30 @@ def test_one_rank_micro_equals_batch_measures_the_noise_and_moves(launches):
     # The split steps (micro/2 x 2 passes) price the measurement and are not fitted as a shape.
     assert r["measuring"] and all(g == 2 for _, g in r["measuring"]), r["measuring"]
     assert all(g == 1 for _, g in r["shapes"]), f"a split step was fitted as a shape: {r['shapes']}"
+
+
+def test_adascale_sets_each_steps_lr_from_the_noise_estimate_and_stays_exact(launches):
+    r = read_result(outcome(launches, "one"), "single_adascale")
+    # The reference applies each step's recorded multiplier: the steps are exact at the LR they used.
+    _exact_and_once(r, "adascale, DeepSpeed's loop")
+    batches, seen, mults = [p[0] for p in r["plans"]], r["seen"], r["multipliers"]
+    assert len(batches) >= 30, batches
+    assert batches[-1] > 8, f"the batch never moved: {batches}"
+    assert any(s is not None and 0 < s < math.inf for s in seen), seen
+    for i, (batch, noise, mult) in enumerate(zip(batches, seen, mults)):
+        # The gain at the estimate the step's decision read: 1 before any, B / 8 where it reads as all
+        # noise (inf), else (B / 8) (B_noise + 8) / (B_noise + B).
+        if noise is None:
+            want = 1.0
+        elif noise == math.inf:
+            want = batch / 8
+        else:
+            want = batch / 8 * (noise + 8) / (noise + batch)
+        assert mult == pytest.approx(want, rel=1e-9), (i, batch, noise, mult)
+    # Applied before every step, not only at plan changes: a held batch's LR moves with the estimate.
+    held = [(b, m) for i, (b, m) in enumerate(zip(batches, mults)) if i and batches[i - 1] == b]
+    assert len({round(m, 9) for b, m in held}) > len({b for b, _ in held}), held
+    assert any(m > 1.0 for m in mults), mults
 
 
 def test_resume_on_another_world_size_continues_the_schedule_exactly(launches):

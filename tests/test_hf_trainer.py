@@ -388,6 +388,20 @@ def test_goodput_schedule_climbs_where_a_bigger_batch_costs_nothing_more(request
     assert all(p % 4 == 0 for p in plans)
     assert r["fit_fixed"] == pytest.approx(0.05, rel=1e-6), r
     assert "samples/s x efficiency" in r["reason"], r["reason"]
+    # lr_scaling "adascale": AdaScale's gain ^ 0.5 at the estimate the coupling read, applied to the LR.
+    ref = r["reference"]
+    for plan, (noise, mult, applied) in zip(plans, r["coupling"]):
+        if noise is None:  # no estimate yet
+            gain = 1.0
+        elif noise == math.inf:  # the gradient reads as all noise: the batch ratio
+            gain = plan / ref
+        else:
+            gain = plan / ref * (noise + ref) / (noise + plan)
+        assert mult == pytest.approx(gain**0.5, rel=1e-9), (plan, noise, mult)
+        assert applied is None or applied == pytest.approx(mult, rel=1e-6), (plan, noise, mult, applied)
+    assert any(noise is not None and mult > 1.0 and applied for noise, mult, applied in r["coupling"]), r[
+        "coupling"
+    ]
 
 
 # -- token budgets (micro_batch_tokens) on 2 ranks, DeepSpeed ZeRO-2 -----------------------------------

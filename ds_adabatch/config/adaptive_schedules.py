@@ -470,7 +470,7 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         'B_noise a step\'s progress stops growing with its samples. "sqrt": its square root, for an LR '
         "scaled as sqrt(M / M0): beyond B_noise a step's progress still grows with its LR, so a sample "
         'there counts 1 / sqrt(M / M0), not M0 / M; well below B_noise both are 1. "auto": "sqrt" '
-        'where lr_scaling.rule is "sqrt", else "linear". On the 2-core CPU benchmark (AdamW, sqrt '
+        'where lr_scaling.rule is "sqrt" (or "adascale" with gain_power below 1), else "linear". On the 2-core CPU benchmark (AdamW, sqrt '
         "scaling) batches 16 and 32 measured an efficiency of 0.94-1.04 and 0.76-0.82 relative to 8, "
         "where Pollux's form rated them 0.80-0.91 and 0.58-0.77 and the square root 0.89-0.95 and "
         "0.76-0.88; goodput reached 24 of 33 targets within 1.05x the best fixed batch with the square "

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .adaptive_schedules import measures_noise
 from .errors import ConfigError, ConfigProblem
 from .live import LiveElasticConfig, live_elastic_problems
 from .memory import AUTO, UNBOUNDED_MICRO_BATCH, MemoryConfig, memory_problems
@@ -36,12 +37,26 @@ class _Section(BaseModel):
 class LrScalingConfig(_Section):
     """How the learning rate follows the global batch size."""
 
-    rule: Literal["none", "linear", "sqrt"] = Field(
+    rule: Literal["none", "linear", "sqrt", "adascale"] = Field(
         "none",
         description=(
             "LR multiplier as the global batch B changes: 'none' keeps the scheduler's LR, 'linear' "
-            "multiplies it by B / reference_batch, 'sqrt' by sqrt(B / reference_batch). Applied on top "
-            "of whatever LR the DeepSpeed or torch scheduler sets."
+            "multiplies it by B / reference_batch, 'sqrt' by sqrt(B / reference_batch), 'adascale' by "
+            "AdaScale's gain raised to gain_power, gain = (B / B0) x (B_noise + B0) / (B_noise + B) with "
+            "B0 = reference_batch and B_noise the measured gradient-noise scale (1 before the first "
+            "estimate, B / B0 where the gradient is all noise), re-applied before every step. 'adascale' "
+            "needs a schedule that measures the noise scale (gradient_noise, goodput). Applied on top of "
+            "whatever LR the DeepSpeed or torch scheduler sets."
+        ),
+    )
+    gain_power: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Power of AdaScale's gain under rule 'adascale': 0.5 for Adam-type optimizers (AdaptDL's "
+            "form; it meets 'sqrt' where the gradient is all noise), 1 for plain SGD (AdaScale's rule). "
+            "Used only by 'adascale'."
         ),
     )
     reference_batch: int | None = Field(
@@ -298,6 +313,16 @@ class AdaBatchConfig(_Section):
                     "has no effect with lr_scaling.rule 'none' and lr_schedule_unit 'steps': set rule to "
                     "'linear' or 'sqrt', set lr_schedule_unit to 'samples', or remove reference_batch",
                     scaling.reference_batch,
+                )
+            )
+        if scaling.rule == "adascale" and not measures_noise(self.schedule):
+            problems.append(
+                ConfigProblem(
+                    "lr_scaling.rule",
+                    f"'adascale' reads the gradient-noise scale, which the {self.schedule.type!r} schedule "
+                    "does not measure: use schedule type 'goodput' or 'gradient_noise', or rule 'sqrt' "
+                    "(Adam-type optimizers) or 'linear' (SGD)",
+                    scaling.rule,
                 )
             )
         problems += _seesaw_problems(self)

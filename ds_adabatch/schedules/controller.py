@@ -86,7 +86,7 @@ class BatchSizeController:
             granularity=self.granularity,
             allow_uneven=self.allow_uneven,
             min_from_config=self.min_global_batch is not None,
-            lr_rule=getattr(getattr(config, "lr_scaling", None), "rule", None),
+            lr_rule=_batch_rule(getattr(config, "lr_scaling", None)),
         )
         self._last_step: int | None = None
         self._last_decision: Decision | None = None
@@ -226,3 +226,13 @@ class BatchSizeController:
         if state.get("world_size") == self.world_size and state.get("last_decision") is not None:
             self._last_step = state["last_step"]
             self._last_decision = Decision(**state["last_decision"])
+
+
+def _batch_rule(scaling: Any) -> str | None:
+    """The batch-only LR rule the section's ``lr_scaling`` meets where the gradient is all noise (what
+    ``goodput``'s "auto" efficiency pairs with): ``adascale``'s gain to the power 0.5 meets ``sqrt``, to
+    the power 1 ``linear``; the others are their own."""
+    rule = getattr(scaling, "rule", None)
+    if rule == "adascale":
+        return "sqrt" if float(getattr(scaling, "gain_power", 0.5)) < 1.0 else "linear"
+    return rule

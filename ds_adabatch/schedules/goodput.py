@@ -88,7 +88,8 @@ class GoodputSchedule:
         granularity, min_global_batch, max_global_batch, allow_uneven: the section's bounds; the
             candidates are the plannable batches within them at the context's world size; without a
             ``min_global_batch`` the smallest is ``start``.
-        lr_rule: the section's ``lr_scaling.rule``; with ``efficiency`` "auto", "sqrt" selects the
+        lr_rule: the section's ``lr_scaling.rule`` (``adascale`` as the batch rule its gain meets); with
+            ``efficiency`` "auto", "sqrt" selects the
             square-root efficiency (:func:`~ds_adabatch.signals.statistical_efficiency`), anything else
             Pollux's.
     """

@@ -267,6 +267,7 @@ class _Simulation:
         )
         scaling = getattr(cfg, "lr_scaling", None)
         self.rule = getattr(scaling, "rule", "none")
+        self.gain_power = float(getattr(scaling, "gain_power", 0.5))
         self.batch = controller.initial_global_batch()
         self.reference = getattr(scaling, "reference_batch", None) or self.batch
         self.allow_uneven = bool(getattr(cfg, "allow_uneven", False))
@@ -317,14 +318,21 @@ class _Simulation:
     def _step(self, step: int, consumed: int) -> dict[str, Any]:
         """Decide and plan one step; its row."""
         tokens = self._tokens(consumed)
-        decision = self.controller.next_global_batch(self._context(step, consumed, tokens))
+        context = self._context(step, consumed, tokens)
+        decision = self.controller.next_global_batch(context)
         batch = self.batch = decision.global_batch
         world = self.world_size
         plan = plan_batch(batch, world, self.cfg.initial_micro_batch_limit, allow_uneven=self.allow_uneven)
         if self.step_times is not None:  # the step "runs" and its time is measured on the curve
             micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
             self.schedule.throughput.observe(micro, gas, world, self.step_times.predict(micro, gas))
-        multiplier = lr_multiplier(self.rule, batch, self.reference)
+        multiplier = lr_multiplier(
+            self.rule,
+            batch,
+            self.reference,
+            noise_scale=context.noise_scale,
+            gain_power=self.gain_power,
+        )
         lr: float | None = None
         if self.curve is not None:
             # In "steps" mode the scheduler steps once per optimizer step: its clock is step x reference.

@@ -110,6 +110,16 @@ class GradientNoiseEstimator:
         return trace / g2
 
     @property
+    def noise_scale_or_inf(self) -> float | None:
+        """:attr:`noise_scale`, with ``inf`` in place of None where measurements exist but the smoothed
+        |G|^2 is not positive (the gradient reads as all noise); None only before a measurement. What a
+        rule that reads "all noise" as a limit (AdaScale's gain: the batch ratio) is given."""
+        if self.count == 0 or self._w <= 0:
+            return None
+        scale = self.noise_scale
+        return math.inf if scale is None else scale
+
+    @property
     def effective_measurements(self) -> float:
         """How many equally weighted measurements the averages are worth: (sum w)^2 / sum w^2."""
         return self._w * self._w / self._w2 if self._w2 > 0 else 0.0

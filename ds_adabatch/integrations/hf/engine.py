@@ -71,7 +71,12 @@ def couple_scheduler(
         # replaced when the engine is built: the trainer couples the real one then (transformers 4.57
         # also asks create_scheduler before the engine exists).
         return scheduler, None
-    settings = {"unit": lr.unit, "reference_batch": lr.reference_batch, "rule": lr.rule}
+    settings = {
+        "unit": lr.unit,
+        "reference_batch": lr.reference_batch,
+        "rule": lr.rule,
+        "gain_power": lr.gain_power,
+    }
     if engine is not None and type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":
         # DeepSpeed 0.19.8 steps engine.lr_scheduler inside its boundary step() and checkpoints its
         # state_dict; accelerate 1.15's DeepSpeedSchedulerWrapper (step() a no-op) reads get_last_lr

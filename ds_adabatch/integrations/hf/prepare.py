@@ -385,4 +385,5 @@ def _lr_settings(
         reference_batch=reference,
         rule=config.lr_scaling.rule,
         target_reference=target_reference,
+        gain_power=config.lr_scaling.gain_power,
     )

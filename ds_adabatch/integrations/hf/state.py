@@ -67,10 +67,13 @@ class LrSettings:
     reference_batch: int
     """Samples per scheduler tick in ``"samples"`` mode, and the batch at which the LR multiplier is 1."""
     rule: str
-    """LR multiplier rule as the global batch changes: ``"none"``, ``"linear"`` or ``"sqrt"``."""
+    """LR multiplier rule as the global batch changes: ``"none"``, ``"linear"``, ``"sqrt"`` or
+    ``"adascale"`` (AdaScale's gain at the measured noise scale, applied before every step)."""
     target_reference: int | None = None
     """With a schedule counted in tokens (``unit: "tokens"``): the token target at which the multiplier
     is 1 (``reference_batch`` then only sizes the samples clock's tick); None otherwise."""
+    gain_power: float = 0.5
+    """The power of AdaScale's gain under ``"adascale"``."""
 
 
 class AdaptiveBatchState:

@@ -340,6 +340,8 @@ class TrainerStep:
             self.applied_plan = plan
         coupling = self.trainer._lr_coupling
         if coupling is not None:
+            if coupling.follows_noise and state.noise is not None:  # adascale: the estimate now
+                coupling.observe_noise(state.noise.noise_scale_or_inf)
             # Every step: a token step's multiplier follows its target, which a plan does not show.
             coupling.set_global_batch(state.lr_batch(plan))
 

@@ -3,7 +3,8 @@
 Two things change when the batch does:
 
 * ``lr_scaling`` multiplies whatever LR the scheduler (or the optimizer, without one) sets by
-  ``1``, ``B / reference`` or ``sqrt(B / reference)``.
+  ``1``, ``B / reference``, ``sqrt(B / reference)`` or, with ``adascale``, AdaScale's gain at the
+  measured noise scale raised to ``gain_power`` (:mod:`ds_adabatch.schedules.lr`).
 * ``lr_schedule_unit: "samples"`` advances the wrapped scheduler once per ``reference_batch`` samples
   consumed instead of once per optimizer step, so a batch ramp neither stretches nor shrinks warmup
   and decay (the samples-based schedules Megatron-LM uses).
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from ...schedules.lr import NOISE_DRIVEN_RULES, lr_multiplier
 
 __all__ = ["BatchCoupledLR", "CurrentBaseLR"]
 
@@ -37,30 +40,54 @@ class BatchCoupledLR:
         unit: ``"steps"`` or ``"samples"``.
         reference_batch: samples per scheduler step in ``"samples"`` mode; also the batch at which
             the multiplier is 1.
-        rule: ``"none"``, ``"linear"`` or ``"sqrt"``.
+        rule: ``"none"``, ``"linear"``, ``"sqrt"`` or ``"adascale"``.
+        gain_power: the power of AdaScale's gain under ``"adascale"`` (0.5: Adam-type optimizers).
     """
 
     scheduler: Any = None  # a class default, so __getattr__ never runs for it
 
-    def __init__(self, optimizer: Any, scheduler: Any, *, unit: str, reference_batch: int, rule: str):
+    def __init__(
+        self,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        unit: str,
+        reference_batch: int,
+        rule: str,
+        gain_power: float = 0.5,
+    ):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.unit = unit
         self.reference_batch = reference_batch
         self.rule = rule
+        self.gain_power = float(gain_power)
+        self.noise_scale: float | None = None
+        """The gradient-noise scale ``"adascale"`` reads, as last told by the runtime (None: none yet)."""
         self.multiplier = 1.0
         self.samples = 0  # samples consumed, as last told by the runtime
         self.inner_steps = 0  # times the wrapped scheduler has stepped
 
     # -- what the runtime calls -------------------------------------------------------------------
+    @property
+    def follows_noise(self) -> bool:
+        """Whether the rule reads the noise scale, so the runtime applies it before every step (a held
+        batch's multiplier moves with the estimate), not only when the plan changes."""
+        return self.rule in NOISE_DRIVEN_RULES
+
+    def observe_noise(self, noise_scale: float | None) -> None:
+        """Tell the coupling the current gradient-noise estimate (read by ``"adascale"``)."""
+        self.noise_scale = noise_scale
+
     def multiplier_for(self, global_batch: int) -> float:
-        """The LR multiplier ``rule`` gives for ``global_batch``."""
-        ratio = global_batch / self.reference_batch
-        if self.rule == "linear":
-            return ratio
-        if self.rule == "sqrt":
-            return math.sqrt(ratio)
-        return 1.0
+        """The LR multiplier ``rule`` gives for ``global_batch`` (at the last observed noise scale)."""
+        return lr_multiplier(
+            self.rule,
+            global_batch,
+            self.reference_batch,
+            noise_scale=self.noise_scale,
+            gain_power=self.gain_power,
+        )
 
     def set_global_batch(self, global_batch: int) -> float:
         """Apply the multiplier for ``global_batch`` to the optimizer now; returns it."""

@@ -348,6 +348,7 @@ def _couple_lr(
             unit=cfg.lr_schedule_unit,
             reference_batch=reference,
             rule=cfg.lr_scaling.rule,
+            gain_power=cfg.lr_scaling.gain_power,
         )
     else:
         coupled = into.lr_coupling
