@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The goodput checks that need one CUDA GPU, in one go (about 7 minutes on an H200):
 #   1. a smoke run of time_to_target.py on the GPU (bf16, ZeRO 2), which stops the script if it fails;
-#   2. the GPU time-to-target sweep (issue: goodput), policies in turns: fixed 32/64/128/256, linear, goodput;
+#   2. the GPU time-to-target sweep (issue: goodput), policies in turns: fixed 32/64/128/256, linear, goodput,
+#      goodput-adascale (goodput with lr_scaling "adascale");
 #   3. what a steady goodput step costs against a constant batch of the same size, with and without its
 #      noise splits, and a linear ramp's (goodput_step_cost.py on the GPU model at batch 256).
-# SEED (default 0) sets the sweep's data order and initial weights. Opt-in (each adds device time): EXTRA_POLICIES="goodput-adascale" adds policies to the sweep (the LR
-# coupling by AdaScale's gain, measured on the CPU's simulated devices in BENCHMARKS.md); ALLOC_CHECK=1
-# runs step 3 again under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which tells whether the first
-# steps of each new batch size (linear's 50% longer steps, estimated ~125 ms per size) are the caching
-# allocator's growth.
+# SEED (default 0) sets the sweep's data order and initial weights. Opt-in (each adds device time):
+# EXTRA_POLICIES="goodput-adascale-1 goodput-pollux" adds policies to the sweep; ALLOC_CHECK=1
+# runs step 3 again under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (on one H200 a new batch size
+# cost ~101 ms once, ~84 ms under it: the caching allocator's growth is about a sixth, BENCHMARKS.md).
 # (benchmarks/host_cost.py --model large builds DeepSpeed's FusedAdam, whose JIT build in DeepSpeed 0.19.8
 # cannot parse a TORCH_CUDA_ARCH_LIST entry such as "9.0a": run it with that variable set to e.g. "9.0".)
 #
@@ -44,7 +44,7 @@ fi
 echo "== time to target"
 timeout "${TTT_TIMEOUT:-360}" python3 benchmarks/time_to_target.py --device cuda --seconds "${TRAIN_SECONDS:-35}" \
     --seed "${SEED:-0}" --interleave \
-    --only fixed-32 fixed-64 fixed-128 fixed-256 linear goodput ${EXTRA_POLICIES:-} --out /tmp/ttt 2>&1 | tee "$OUT/time_to_target.log"
+    --only fixed-32 fixed-64 fixed-128 fixed-256 linear goodput goodput-adascale ${EXTRA_POLICIES:-} --out /tmp/ttt 2>&1 | tee "$OUT/time_to_target.log"
 cp /tmp/ttt/results.json "$OUT/time_to_target.json" 2>/dev/null
 cp /tmp/ttt/time_to_target.png "$OUT/" 2>/dev/null
 
