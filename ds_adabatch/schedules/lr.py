@@ -20,6 +20,7 @@ estimate the gain is 1 (the reference batch's LR); where the estimate's smoothed
 from __future__ import annotations
 
 import math
+import numbers
 
 __all__ = ["LR_SCALING_RULES", "NOISE_DRIVEN_RULES", "adascale_gain", "lr_multiplier"]
 
@@ -60,7 +61,7 @@ def lr_multiplier(
     if rule not in LR_SCALING_RULES:
         raise ValueError(f"unknown lr_scaling rule {rule!r}; use one of {', '.join(LR_SCALING_RULES)}")
     for name, value in (("global_batch", global_batch), ("reference_batch", reference_batch)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
     if rule == "none":
         return 1.0
