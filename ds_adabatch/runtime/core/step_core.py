@@ -245,6 +245,11 @@ class StepCore:
         return agreed[0]
 
     # -- plan ----------------------------------------------------------------------------------------
+    def lr_batch(self, plan: BatchPlan) -> int:
+        """The batch the LR multiplier is given for a step of ``plan``: its samples; with token-budget
+        steps the scheduled token target (a step's sample count varies with its lengths)."""
+        return self.scheduled_batch if self.token_budget else plan.global_batch_size
+
     def plan_for(self, batch: int) -> BatchPlan:
         """The plan of global batch ``batch`` under the learned limit (a token target: as laid out).
 

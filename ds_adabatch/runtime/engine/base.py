@@ -472,23 +472,21 @@ class AdaptiveEngineBase:
         record = not self.token_budget or decision.batch != decision.previous
         memory_reason = self.core.take_memory_reason()
         plan = decision.plan
-        coupling = self.lr_coupling
-        if coupling.follows_noise:  # adascale: the gain at the estimate the step's decision saw
-            coupling.observe_noise(self.noise.noise_scale_or_inf)
+        self.lr_coupling.observe_noise(self.noise.noise_scale_or_inf)  # "adascale" reads it each step
         if plan != self.plan:
             reason = decision.reason
             if memory_reason is not None and decision.batch == self.plan.global_batch_size:
                 reason = memory_reason
             self._apply_plan(plan, reason=reason, record=record)
-        elif coupling.follows_noise:  # a held batch: its multiplier still moves with the estimate
-            coupling.set_global_batch(self._lr_batch(plan))
+        elif self.lr_coupling.follows_noise:
+            self.lr_coupling.set_global_batch(self.core.lr_batch(plan))
 
     def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
         """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
         old = self.plan
         self._apply_shape(plan)
         old_mult = self.lr_coupling.multiplier
-        new_mult = self.lr_coupling.set_global_batch(self._lr_batch(plan))
+        new_mult = self.lr_coupling.set_global_batch(self.core.lr_batch(plan))
         self.plan = plan
         if not record:
             return
@@ -509,11 +507,6 @@ class AdaptiveEngineBase:
                     old, plan, self.global_steps, new_mult / old_mult, reason, unit=self._plan_unit
                 )
             )
-
-    def _lr_batch(self, plan: BatchPlan) -> int:
-        """The batch the LR multiplier is given for a step of ``plan``: its samples; with token-budget
-        steps the token target (a step's sample count varies with its lengths)."""
-        return self.core.scheduled_batch if self.token_budget else plan.global_batch_size
 
     def _apply_shape(self, plan: BatchPlan) -> None:
         """DeepSpeed's batch keys and what caches them (the pipeline engine adds its activation shapes)."""
