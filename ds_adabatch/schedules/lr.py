@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import numbers
 
+from ..signals.efficiency import statistical_efficiency
+
 __all__ = ["LR_SCALING_RULES", "NOISE_DRIVEN_RULES", "adascale_gain", "lr_multiplier"]
 
 LR_SCALING_RULES = ("none", "linear", "sqrt", "adascale")
@@ -37,7 +39,7 @@ def adascale_gain(batch: float, reference_batch: float, noise_scale: float | Non
         return 1.0
     if math.isinf(noise_scale):
         return batch / reference_batch
-    return batch / reference_batch * (noise_scale + reference_batch) / (noise_scale + batch)
+    return batch / reference_batch * statistical_efficiency(batch, noise_scale, reference_batch)
 
 
 def lr_multiplier(
