@@ -44,6 +44,7 @@ setup(
         "examples": ["ds_adabatch[hf]", "datasets>=3", "evaluate>=0.4", "scikit-learn>=1.3"],
         "dev": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # scripts/test.sh runs the suite on two workers, one test module each
             "hypothesis>=6.100",
             "ruff>=0.6",
             "matplotlib>=3.7",

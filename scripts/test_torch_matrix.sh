@@ -3,8 +3,7 @@
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
 # releases given, by default the first one a run tests (installs each torch and builds DeepSpeed's CPU
-# ops against it, as below), and runs no test: .ci/run prepares the first release this way while the
-# transformers releases are tested.
+# ops against it, as below), and runs no test (to prepare a machine ahead of a run).
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the

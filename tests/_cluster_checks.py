@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from _util import private_octet
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 2400  # the whole run: about 40 steps of a batch ramping 8 -> 64 over 256 samples
@@ -149,7 +150,7 @@ def netns_cluster(nodes: int, job: Path, tag: str = ""):
     """A cluster of ``nodes`` network namespaces for the duration of the block, always removed."""
     script = ROOT / "scripts" / "netns-cluster.sh"
     name = f"dsab{tag}{os.getpid() % 100000}"
-    subnet = f"10.{213 + len(tag)}.{os.getpid() % 250}"
+    subnet = f"10.{213 + len(tag)}.{private_octet()}"
     up = subprocess.run(
         ["bash", str(script), "up", str(nodes), name, subnet], capture_output=True, text=True, timeout=60
     )

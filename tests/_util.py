@@ -24,6 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def private_octet() -> int:
+    """A number in 0..249 that no other pytest-xdist worker of this run returns (for a private subnet:
+    two workers' namespaces, and the shared-memory files named after their addresses, never collide)."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % workers
+    return (os.getpid() % max(1, 250 // workers)) * workers + index
+
+
 def torchrun(
     script: Path, *args: str, nproc: int = 2, cwd: Path, timeout: float, launcher_args: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:

@@ -35,6 +35,7 @@ from _cluster_checks import (
     wait_for_two_node_steps,
     why_no_netns,
 )
+from _util import private_octet
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_SH = ROOT / "scripts" / "image.sh"
@@ -145,7 +146,7 @@ def test_pytorchjob_loses_a_node_and_resumes_exactly_once(image, reference, tmp_
     # The manifest's command line, with the small job's options appended (the later option wins).
     extra = job_args("/data/lm_z2.json", "/data/run") + ["--save-every", "4"]
     name = f"dsabc{os.getpid() % 100000}"
-    subnet = f"10.214.{os.getpid() % 250}"
+    subnet = f"10.214.{private_octet()}"
     log = tmp_path / "cluster.log"
     argv = ["bash", str(IMAGE_SH), "cluster", "--image", image, "--nproc", "1", "--data", str(data)]
     argv += ["--name", name, "--subnet", subnet, "--", *extra]
