@@ -24,6 +24,10 @@ device synchronised around it, and its time is left out (so is engine start-up).
                             (``ema_beta`` 0.8), taken as it is (``max_relative_error`` null): the estimate
                             of one rank at GAS 1, measured one step in about 17, then lags some 85 steps
                             rather than 340 (only where ``--only`` names it)
+``NAME+again``               policy NAME once more, in a process of its own beside it: the same weights,
+                            data and schedule, so what differs is the clock (the machine's noise). Not a
+                            fixed batch of the sweep (never its best or median), reported as a policy
+                            against it: how far a run's own repetition lands from its best fixed batch
 ==========================  =========================================================================
 
 Every policy: AdamW at ``--lr`` for batch ``--start`` with ``lr_scaling: sqrt``, the same warm-up in
@@ -105,6 +109,20 @@ ON_REQUEST = frozenset({"goodput-pollux", "goodput-short-memory", *ADASCALE_POWE
 """Policies run only where ``--only`` names them."""
 
 
+AGAIN = "+again"
+"""The suffix of a policy run a second time (module docstring)."""
+
+
+def base_policy(name: str) -> str:
+    """The policy ``name`` runs: itself, or the one it repeats (``NAME+again``)."""
+    return name[: -len(AGAIN)] if name.endswith(AGAIN) else name
+
+
+def is_fixed(name: str) -> bool:
+    """Whether ``name`` is a fixed batch of the sweep (a repetition is not)."""
+    return name.startswith("fixed-") and not name.endswith(AGAIN)
+
+
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each policy's ``"adabatch".schedule``."""
     top = max(args.sweep)
@@ -124,8 +142,8 @@ def ds_config(schedule: dict[str, Any], args: argparse.Namespace, name: str | No
     """The policy's ds_config: ``schedule`` in the common setting; policy ``name``'s LR coupling."""
     gpu = args.device == "cuda"
     scaling: dict[str, Any] = {"rule": "sqrt", "reference_batch": args.start}
-    if name in ADASCALE_POWERS:
-        scaling.update(rule="adascale", gain_power=ADASCALE_POWERS[name])
+    if name is not None and base_policy(name) in ADASCALE_POWERS:
+        scaling.update(rule="adascale", gain_power=ADASCALE_POWERS[base_policy(name)])
     return {
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {
@@ -166,7 +184,7 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
     train = ByteWindows(corpus.train, spec.context)
     held = ByteWindows(corpus.validation, spec.context)
     model = build_model(spec, seed=args.seed)
-    cfg = ds_config(policies(args)[name], args, name)
+    cfg = ds_config(policies(args)[base_policy(name)], args, name)
     if args.split_budget is not None:  # an experiment on the library's constant, in this process only
         from ds_adabatch.runtime.noise import probe
 
@@ -305,7 +323,7 @@ def efficiencies(results: dict[str, dict[str, Any]], targets: list[float], start
     for high, low in spans:
         taken = {}
         for name, r in results.items():
-            if name.startswith("fixed-"):
+            if is_fixed(name):
                 a, b = time_to(r["curve"], high, "samples"), time_to(r["curve"], low, "samples")
                 taken[name] = None if a is None or b is None else b - a
         ref = taken[base]
@@ -322,7 +340,7 @@ def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[
     batch that never got there, ``median_fixed`` is None and ``median_fixed_beyond`` True (later than
     the budget); an adaptive policy's ``to_median_fixed`` is then left out, not made up."""
     out: dict[str, Any] = {}
-    fixed = [name for name in results if name.startswith("fixed-")]
+    fixed = [name for name in results if is_fixed(name)]
     for target in targets:
         times = {name: time_to(r["curve"], target) for name, r in results.items()}
         reached = [times[n] for n in fixed if times[n] is not None]
@@ -331,7 +349,7 @@ def summarise(results: dict[str, dict[str, Any]], targets: list[float]) -> dict[
         median = statistics.median(ranked) if ranked else math.inf
         beyond = bool(ranked) and math.isinf(median)
         median = None if math.isinf(median) else median
-        adaptive = {n: t for n, t in times.items() if not n.startswith("fixed-") and t is not None}
+        adaptive = {n: t for n, t in times.items() if not is_fixed(n) and t is not None}
         out[str(target)] = {
             "times": times,
             "samples": {name: time_to(r["curve"], target, "samples") for name, r in results.items()},
@@ -380,7 +398,7 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     for name, r in results.items():
         xs = [p["train_s"] for p in r["curve"]]
         ys = [p["val"] for p in r["curve"]]
-        ax.plot(xs, ys, label=name, lw=2.2 if not name.startswith("fixed-") else 1.2)
+        ax.plot(xs, ys, label=name, lw=2.2 if not is_fixed(name) else 1.2)
     ax.set_xlabel("training seconds (validation excluded)")
     settings = next(iter(results.values()), {}).get("simulated")
     if settings:
@@ -571,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         return 0
     names = args.only or [name for name in policies(args) if name not in ON_REQUEST]
+    unknown = [name for name in names if base_policy(name) not in policies(args)]
+    if unknown:
+        known = ", ".join(policies(args))
+        print(f"error: --only names no policy {' '.join(unknown)} (known: {known}, each also as NAME{AGAIN})")
+        return 2
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     child = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
     failed = (_interleaved if args.interleave else _one_by_one)(child, names)

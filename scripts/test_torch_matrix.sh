@@ -2,8 +2,10 @@
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
-# releases given, by default the first one a run tests (installs each torch and builds DeepSpeed's CPU
-# ops against it, as below), and runs no test (to prepare a machine ahead of a run).
+# releases given, by default every release a run tests, in its order (installs each torch and builds DeepSpeed's CPU
+# ops against it, as below), and runs no test: .ci/run prepares every release this way, at the lowest
+# CPU priority, while the main suite runs. A release being prepared by another run is waited for (a lock
+# per release under the cache), then found prepared.
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
@@ -42,8 +44,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
 done
 [ "${1:-}" = "--" ] && shift
 if [ ${#versions[@]} -eq 0 ]; then
-  # --prepare alone prepares the release a run starts with (its others are prepared during the run).
-  if [ "$prepare_only" = 1 ]; then versions=("${DEFAULT_VERSIONS[0]}"); else versions=("${DEFAULT_VERSIONS[@]}"); fi
+  versions=("${DEFAULT_VERSIONS[@]}")
 fi
 
 # The project's environment first (created or updated as scripts/test.sh does).
@@ -57,7 +58,18 @@ export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 pip_install=(env PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir
   --disable-pip-version-check --no-warn-conflicts --no-compile)
 pending=""  # the pid of the background job preparing a release (install, environment, op build), if one runs
-prepare() {  # installs torch $1 into its layer unless it is there, makes its environment, builds its op
+prepare() {  # prepare_unlocked "$1", holding the release's lock: a second run preparing the same
+  # release at the same time (.ci/run prepares them beside the main suite) waits, then finds it prepared.
+  if command -v flock >/dev/null 2>&1; then
+    (
+      flock 9
+      prepare_unlocked "$1"
+    ) 9>"$CACHE/.prepare-$1.lock"
+  else
+    prepare_unlocked "$1"
+  fi
+}
+prepare_unlocked() {  # installs torch $1 into its layer unless it is there, makes its environment, builds its op
   local version="$1" layer="$CACHE/torch-$1" venv="$ROOT/.venv-torch-$1"
   if [ ! -f "$layer/.installed" ]; then
     echo "[matrix] installing torch $version into $layer"

@@ -140,6 +140,40 @@ def test_a_fixed_batch_that_never_reaches_a_target_counts_as_later_than_every_on
     assert "to val 1.5: fixed-32 " in capsys.readouterr().out
 
 
+def test_a_repeated_policy_trains_as_its_original_and_is_never_the_sweeps(capsys):
+    """``NAME+again`` runs NAME's config in its own process and is set against the sweep, not in it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import ds_config, efficiencies, main, parse, policies, summarise
+
+    args = parse(["--smoke"])
+    for name in ["fixed-16", "goodput", "goodput-adascale"]:
+        again = ds_config(policies(args)[name], args, f"{name}+again")
+        assert again == ds_config(policies(args)[name], args, name), name
+    assert (
+        ds_config(policies(args)["goodput"], args, "goodput-adascale+again")["adabatch"]["lr_scaling"]["rule"]
+        == "adascale"
+    )
+
+    def curve(reached_at, samples):  # validation 2.0 -> 1.0 at these training seconds and samples
+        return [
+            {"train_s": 0.0, "samples": 0, "val": 2.0},
+            {"train_s": reached_at, "samples": samples, "val": 1.0},
+        ]
+
+    results = {
+        "fixed-4": {"curve": curve(30.0, 400)},
+        "fixed-16": {"curve": curve(20.0, 800)},
+        "fixed-16+again": {"curve": curve(19.0, 800)},  # sooner than every fixed batch: not the best
+    }
+    row = summarise(results, [2.0, 1.0])["1.0"]
+    assert row["best_fixed"] == pytest.approx(20.0) and row["median_fixed"] == pytest.approx(25.0)
+    assert row["to_best_fixed"] == {"fixed-16+again": pytest.approx(19.0 / 20.0)}
+    assert set(efficiencies(results, [2.0, 1.0], 4)["2.0-1.0"]) == {"fixed-16"}
+    # A name that is no policy, repeated or not, is refused before any process starts.
+    assert main(["--smoke", "--only", "fixed-16+again", "fixed-5+again"]) == 2
+    assert "--only names no policy fixed-5+again" in capsys.readouterr().out
+
+
 def test_a_simulated_device_charges_each_pass_a_step_ran():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from time_to_target import _key_value, _step_cost
