@@ -2,10 +2,11 @@
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
-# releases given, by default every release a run tests, in its order (installs each torch and builds DeepSpeed's CPU
-# ops against it, as below), and runs no test: .ci/run prepares every release this way, at the lowest
-# CPU priority, while the main suite runs. A release being prepared by another run is waited for (a lock
-# per release under the cache), then found prepared.
+# releases given, by default every release a run tests, in its order (installs each torch and builds
+# DeepSpeed's CPU ops against it, as below), and runs no test; with --install first, it only installs
+# each torch: .ci/run installs them this way, at the lowest CPU priority, while the main suite runs (the
+# download waits on the network). A release another run is preparing or installing is waited for (a
+# lock per release under the cache), then found done.
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
@@ -33,8 +34,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
 CACHE="${TORCH_MATRIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ds_adabatch/torch-matrix}"
 prepare_only=0
-if [ "${1:-}" = "--prepare" ]; then
+install_only=0  # prepare stops after the install (--install)
+if [ "${1:-}" = "--prepare" ] || [ "${1:-}" = "--install" ]; then
   prepare_only=1
+  [ "$1" = "--install" ] && install_only=1
   shift
 fi
 versions=()
@@ -59,7 +62,7 @@ pip_install=(env PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip instal
   --disable-pip-version-check --no-warn-conflicts --no-compile)
 pending=""  # the pid of the background job preparing a release (install, environment, op build), if one runs
 prepare() {  # prepare_unlocked "$1", holding the release's lock: a second run preparing the same
-  # release at the same time (.ci/run prepares them beside the main suite) waits, then finds it prepared.
+  # release at the same time (.ci/run installs them beside the main suite) waits, then finds it done.
   if command -v flock >/dev/null 2>&1; then
     (
       flock 9
@@ -80,6 +83,7 @@ prepare_unlocked() {  # installs torch $1 into its layer unless it is there, mak
     }
     touch "$layer/.installed"
   fi
+  [ "$install_only" = 0 ] || return 0
   [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --without-pip "$venv"
   local site_dir
   site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -110,7 +114,7 @@ trap '[ -z "$pending" ] || { pkill -P "$pending" 2>/dev/null; kill "$pending" 2>
 if [ "$prepare_only" = 1 ]; then
   for version in "${versions[@]}"; do
     prepare "$version" || exit 1
-    echo "[matrix] torch $version prepared"
+    echo "[matrix] torch $version $([ "$install_only" = 1 ] && echo installed || echo prepared)"
   done
   exit 0
 fi
