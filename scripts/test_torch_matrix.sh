@@ -2,11 +2,11 @@
 # The focused suite (the tests marked `matrix`) on each other torch release setup.py accepts, one
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
-# releases given, by default every release a run tests, in its order (installs each torch and builds
-# DeepSpeed's CPU ops against it, as below), and runs no test; with --install first, it only installs
-# each torch: .ci/run installs them this way, at the lowest CPU priority, while the main suite runs (the
-# download waits on the network). A release another run is preparing or installing is waited for (a
-# lock per release under the cache), then found done.
+# releases given, by default every release a run tests, in its order (installs each torch, then builds
+# DeepSpeed's CPU ops against each, as below), and runs no test: .ci/run prepares them this way, at the
+# lowest CPU priority, while the main suite runs; with --install first, it only installs each torch. A
+# release another run is preparing or installing is waited for (a lock per release under the cache),
+# then found done.
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
@@ -112,9 +112,20 @@ start_prepare() {  # prepare "$1" in the background (pid in $pending)
 # On exit, the background preparation goes too (its pip or compiler first, then its shell).
 trap '[ -z "$pending" ] || { pkill -P "$pending" 2>/dev/null; kill "$pending" 2>/dev/null; } || true' EXIT
 if [ "$prepare_only" = 1 ]; then
+  # Every install first (they wait on the network), then the op builds (they take the CPU), each in
+  # the order a run tests the releases.
+  installs_only="$install_only"
+  install_only=1
   for version in "${versions[@]}"; do
     prepare "$version" || exit 1
-    echo "[matrix] torch $version $([ "$install_only" = 1 ] && echo installed || echo prepared)"
+    echo "[matrix] torch $version installed"
+  done
+  [ "$installs_only" = 0 ] || exit 0
+  install_only=0
+  for version in "${versions[@]}"; do
+    began=$SECONDS
+    prepare "$version" || exit 1
+    echo "[matrix] torch $version prepared (its ops built in $((SECONDS - began)) s)"
   done
   exit 0
 fi
