@@ -3,10 +3,10 @@
 # environment per release beside the project's: bash scripts/test_torch_matrix.sh [VERSION...] [-- pytest options]
 # With --prepare first (bash scripts/test_torch_matrix.sh --prepare [VERSION...]) it only prepares the
 # releases given, by default every release a run tests, in its order (installs each torch, then builds
-# DeepSpeed's CPU ops against each, as below), and runs no test: .ci/run prepares them this way, at the
-# lowest CPU priority, while the main suite runs; with --install first, it only installs each torch. A
-# release another run is preparing or installing is waited for (a lock per release under the cache),
-# then found done.
+# DeepSpeed's CPU ops against each, as below), and runs no test; with --install first, it only installs
+# each torch: .ci/run installs them this way, at the lowest CPU priority, while the main suite runs (the
+# download waits on the network). A release another run is preparing or installing is waited for (a
+# lock per release under the cache), then found done.
 # scripts/test.sh runs the whole suite on torch 2.13.0 (.venv); this runs the exactness checks of
 # tests/test_loop.py (one 2-rank launch and its 1-rank resume) with DeepSpeed's getting-started tutorial
 # and its pipeline example beside them, the JIT-build-lock launch of tests/test_op_builds.py and the
