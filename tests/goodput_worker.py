@@ -6,7 +6,9 @@ fixed warm-up and with the default one, and an affine one (compute-bound) throug
 backward / step loop. On 1 rank: micro = batch
 (one pass per step), where the noise scale is measured by splitting a step in two, and AdaScale's gain as
 the LR multiplier (``lr_scaling.rule`` "adascale") through the loop; with ``resume``, the
-2-rank flat run's step-20 checkpoint continued on one rank. Each case writes its
+2-rank flat run's step-20 checkpoint continued on one rank. And token budgets (``micro_batch_tokens``,
+tests/token_worker.py's variable-length sequences, ZeRO 0: its checkpoint loads on any world size): a flat curve on 2 ranks through
+``train_batch``, its step-12 checkpoint continued on one rank by the ``resume`` launch. Each case writes its
 batches, the samples of every step, the noise estimate and the exactness error into OUT_DIR/<case>.json
 (rank 0); the curve comes in through DS_ADABATCH_SIMULATED_STEP_TIME, read when the engine is built.
 """
@@ -25,6 +27,7 @@ import ds_adabatch  # noqa: E402
 from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import token_worker  # noqa: E402
 from engine_worker import NOISE_DIM, GaussianRegression, full_params, half_mse  # noqa: E402
 
 LR = 0.02
@@ -188,6 +191,76 @@ def run_case(
     del os.environ[SIMULATED_STEP_TIME_ENV]
 
 
+TOKEN_STEPS, TOKEN_SAVE_AT = 32, 12
+
+
+def token_config(jsonl: str, budget: int) -> dict:
+    """Goodput over token-budget steps (token_worker's SGD and token mean), the default warm-up."""
+    cfg = token_worker.config(0, "token", max_global_batch=48, log={"every_steps": 1, "jsonl": jsonl})
+    cfg["adabatch"]["micro_batch_tokens"] = budget
+    cfg["adabatch"]["schedule"] = {
+        "type": "goodput",
+        "start": 4,
+        "decide_every": 4,
+        "max_relative_error": None,
+        "geometry": "sgd",
+    }
+    return cfg
+
+
+def run_token_case(
+    out_dir: str, name: str, *, resume: bool = False, budget: int = token_worker.BUDGET
+) -> None:
+    """Token budgets and a flat curve: "tokens" on 2 ranks to step TOKEN_SAVE_AT (checkpoint) and on to
+    TOKEN_STEPS; with ``resume``, on 1 rank from that checkpoint to TOKEN_STEPS; "tokens_single" on 1
+    rank with a budget that holds a whole first step in one pass (measured as two half passes)."""
+    os.environ[SIMULATED_STEP_TIME_ENV] = FLAT
+    data = token_worker.Sequences()
+    engine, *_ = ds_adabatch.initialize(
+        token_worker.make_model(), token_config(os.path.join(out_dir, f"{name}.jsonl"), budget), data,
+        collate_fn=token_worker.collate, loss_fn=token_worker.token_mean_loss,
+        token_count_fn=token_worker.count_tokens, lengths=data.lengths,
+    )  # fmt: skip
+    if resume:
+        engine.load_checkpoint(os.path.join(out_dir, "tokens_ckpt"))
+    start_step = engine.global_steps
+    steps, epochs, passes = [], [], []
+    while engine.global_steps < TOKEN_STEPS:
+        engine.train_batch()
+        step = engine.last_step_batch.global_batch
+        steps.append(step.indices.tolist())
+        epochs.append(step.epoch)
+        passes.append(step.passes)
+        if name == "tokens" and engine.global_steps == TOKEN_SAVE_AT:
+            engine.save_checkpoint(os.path.join(out_dir, "tokens_ckpt"))
+    engine.resolve_losses()
+    got = token_worker.params(engine)
+    schedule = engine.controller.schedule
+    if engine.global_rank == 0:
+        before: list[list[int]] = []
+        if resume:  # the 2-rank run's steps up to its checkpoint, then these
+            with open(os.path.join(out_dir, "tokens.json")) as f:
+                before = json.load(f)["steps"][:start_step]
+        want = token_worker.reference(before + steps, data, "token")
+        payload = {
+            "max_rel_err": float((got - want).abs().max() / want.abs().max()),
+            "start_step": start_step,
+            "steps": steps,
+            "epochs": epochs,
+            "passes": passes,
+            "history": [e.to_dict() for e in engine.history],
+            "shapes": [[m, g, n] for m, g, _, n in schedule.throughput.measured(engine.world_size)],
+            "world_size": engine.world_size,
+            "n": len(data),
+            "noise": engine.noise.noise_scale,
+            "measuring": [[m, g] for m, g, _, _ in schedule.throughput.state_dict()["measuring"]],
+        }
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            json.dump(payload, f)
+    engine.close()
+    del os.environ[SIMULATED_STEP_TIME_ENV]
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     ds_adabatch.init_distributed()
@@ -198,6 +271,7 @@ def main() -> None:
         run_case(
             out_dir, "resumed", FLAT, 48, loop=False, resume_from=ckpt, max_micro=8, start=8, max_batch=64
         )
+        run_token_case(out_dir, "tokens_resumed", resume=True)
         return
     if world == 1:  # micro = batch: one pass per step
         run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
@@ -214,6 +288,7 @@ def main() -> None:
             max_batch=64,
             lr_scaling={"rule": "adascale", "gain_power": 1.0},
         )
+        run_token_case(out_dir, "tokens_single", budget=256)
         return
     run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)
     # The default warm-up (20 steps at ema_beta 0.95): a free larger batch is taken on its cost alone.
@@ -231,6 +306,7 @@ def main() -> None:
     )
     # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
     run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
+    run_token_case(out_dir, "tokens")
 
 
 if __name__ == "__main__":

@@ -838,9 +838,20 @@ SAMPLE_STEPS_SECTION = {
 }
 
 
+GOODPUT_TOKENS_SECTION = {
+    # The goodput schedule over sample-count steps cut into passes of at most 48 padded tokens, the
+    # default warm-up (a move on step cost alone); the step time simulated flat (run_tokens).
+    "micro_batch_tokens": 48,
+    "schedule": {"type": "goodput", "start": 4, "decide_every": 2, "max_relative_error": None},
+    "max_global_batch": 16,
+    "loss_normalization": "sample",
+}
+
+
 def run_tokens(out: Path, ds: bool) -> dict:
     """Token-budget steps for 2 epochs with a checkpoint after step 4 and a resumed second run; then
-    one epoch of 10-sample steps cut by a token budget (BERT, mean over samples)."""
+    one epoch of 10-sample steps cut by a token budget (BERT, mean over samples); then two epochs of
+    the goodput schedule over such steps, the step time simulated flat."""
     if not ds:
         raise SystemExit("the tokens scenario needs DeepSpeed: micro_batch_tokens is set in its config")
     common = {
@@ -907,6 +918,23 @@ def run_tokens(out: Path, ds: bool) -> dict:
         deepspeed=ds_config(SAMPLE_STEPS_SECTION),
     )
     sample_reference = reference_steps(bert, rec3.steps, labelled.__getitem__, pad, [0.5] * len(rec3.steps))
+    from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV
+
+    os.environ[SIMULATED_STEP_TIME_ENV] = "fixed=0.05"
+    try:
+        climbing, rec5 = train(
+            "goodput",
+            copy.deepcopy(bert),
+            labelled,
+            pad,
+            num_train_epochs=2,
+            learning_rate=0.5,
+            deepspeed=ds_config(GOODPUT_TOKENS_SECTION),
+        )
+    finally:
+        del os.environ[SIMULATED_STEP_TIME_ENV]
+    goodput_reference = reference_steps(bert, rec5.steps, labelled.__getitem__, pad, [0.5] * len(rec5.steps))
+    schedule = climbing.batch_state.controller.schedule
     return {
         "first": rec1.steps,
         "second": rec2.steps,
@@ -928,6 +956,12 @@ def run_tokens(out: Path, ds: bool) -> dict:
         },
         "sample_steps": rec3.steps,
         "sample_reference_errors": _errors(bert, rec3.params, sample_reference),
+        "goodput": {
+            "steps": rec5.steps,
+            "reference_errors": _errors(bert, rec5.params, goodput_reference),
+            "moves": schedule.moves,
+            "shapes": [[m, g] for m, g, _, _ in schedule.throughput.measured(2)],
+        },
     }
 
 

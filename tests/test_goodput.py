@@ -321,7 +321,7 @@ def test_holds_until_the_noise_scale_is_known_and_moves_only_where_its_uncertain
     assert again.schedule.throughput.measured(2) == controller.schedule.throughput.measured(2)
 
 
-def test_config_needs_max_global_batch_and_refuses_token_budgets():
+def test_config_needs_max_global_batch_and_a_positive_cadence():
     with pytest.raises(ConfigError, match="max_global_batch: is required by the goodput schedule"):
         load_ds_config(
             {"adabatch": {"schedule": {"type": "goodput", "start": 8}, "max_micro_batch_per_gpu": 8}}
@@ -580,7 +580,7 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     _, _, _, mid = _trial_loop(lambda m, g: 0.05, error=0.1, noise=30.0, steps=12)
     again = BatchSizeController(_trial_section(), 1)
     again.load_state_dict(mid.state_dict())
-    assert mid.schedule.trial == (10, 16, 1, 1, 8) == again.schedule.trial
+    assert mid.schedule.trial == (10, 16, 1, 1, 8, 16) == again.schedule.trial
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
     # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
     # it is judged decide_every steps after it could first have been.

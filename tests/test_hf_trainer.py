@@ -558,6 +558,32 @@ def test_token_sample_count_steps_hold_exactly_the_scheduled_samples(ds_results)
 
 
 @pytest.mark.multirank
+def test_goodput_over_token_budget_steps_climbs_by_passes_and_stays_exact(ds_results):
+    """The goodput schedule in the Trainer with micro_batch_tokens: a step's shape is (its token budget,
+    its passes per rank); with a flat step time the batch climbs from start to max_global_batch on step
+    cost alone, every step equal to the big-batch reference, every sample once per epoch."""
+    from hf_worker import GOODPUT_TOKENS_SECTION, TOKEN_SAMPLES
+
+    section = GOODPUT_TOKENS_SECTION
+    for rank, run in enumerate(_token_runs(ds_results)):
+        r = run["goodput"]
+        sizes = [len(s["global"]) for s in r["steps"]]
+        assert sizes[0] == section["schedule"]["start"] and max(sizes) == section["max_global_batch"], sizes
+        assert r["moves"] >= 1, f"rank {rank}: the batch never moved: {sizes}"
+        assert {m for m, _ in r["shapes"]} == {section["micro_batch_tokens"]}, r["shapes"]
+        assert any(g > 1 for _, g in r["shapes"]), f"some step must need several passes: {r['shapes']}"
+        for k, e in enumerate(r["reference_errors"]):
+            assert e["relative"] < 1e-5, f"rank {rank} step {k + 1}: off the reference by {e['relative']:.3g}"
+        epochs: dict[int, list[int]] = {}
+        for s in r["steps"]:
+            assert max(s["numels"]) <= section["micro_batch_tokens"], s["numels"]
+            epochs.setdefault(s["sample_epoch"], []).extend(s["global"])
+        assert sorted(epochs) == [0, 1], sorted(epochs)
+        for e, indices in epochs.items():
+            assert sorted(indices) == list(range(TOKEN_SAMPLES)), f"epoch {e}: trained {sorted(indices)}"
+
+
+@pytest.mark.multirank
 def test_token_resume_continues_the_same_stream(ds_results):
     from hf_worker import TOKEN_SAVE_AT
 

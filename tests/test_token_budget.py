@@ -450,3 +450,27 @@ def test_token_budget_targets_are_not_rounded_to_the_world_size(unit) -> None:
         targets[world] = [controller.initial_global_batch(), controller.next_global_batch(ctx).global_batch]
     # A resume on another world size keeps the same targets, so the same steps.
     assert targets[1] == targets[2] == targets[3] == [100, 1001], targets
+
+
+@pytest.mark.parametrize("padding", ["pad_to_longest", "packed"])
+def test_a_single_pass_is_halved_for_a_noise_measurement(padding: str) -> None:
+    lengths = np.array([5, 9, 3, 7, 2, 8, 4])
+    sampler = TokenBudgetSampler(
+        SampleLengths(7, lengths=lengths), micro_batch_tokens=80, padding=padding, step_unit="samples"
+    )
+    step = sampler.next_step(5, 1)
+    assert step.passes == 1, step
+    halves = sampler.halve(step)
+    first, second = halves.micro_batches(0)
+    # The step's samples, order and counts: only the passes differ, the first holding the larger half.
+    assert first + second == step.micro_batches(0)[0] and (len(first), len(second)) == (3, 2)
+    assert np.array_equal(halves.indices, step.indices) and halves.tokens == step.tokens
+    assert halves.budget == step.budget and halves.passes == 2
+    cost = {int(i): int(n) for i, n in zip(step.indices, step.lengths)}
+    for part, paid in zip((first, second), halves.layouts[0].costs):
+        assert paid == micro_batch_cost([cost[i] for i in part], padding) <= 80
+    # Only a single pass on a single rank, of two samples or more.
+    with pytest.raises(ValueError, match="single pass"):
+        sampler.halve(halves)
+    with pytest.raises(ValueError, match="single pass"):
+        sampler.halve(sampler.next_step(2, 2))

@@ -394,7 +394,9 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     default warm-up, before the noise estimate is usable, it moves only to a batch that loses at no
     noise scale (its step costs at most ``hysteresis`` more). Where a larger batch is nearly free (a host-bound step) it grows to the large end;
     where the step time grows with the batch it settles near the noise scale. The LR follows
-    ``lr_scaling`` as for every schedule. See docs/schedules.md.
+    ``lr_scaling`` as for every schedule. With token budgets (``micro_batch_tokens``) the batch is still
+    in samples, packed into passes of the budget: a step's shape is its passes per rank, predicted for
+    every batch from the samples a pass held in the recent steps. See docs/schedules.md.
     """
 
     type: Literal["goodput"] = Field(description="Schedule type.")
@@ -487,15 +489,6 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
                     "is required by the goodput schedule (where a larger batch costs nothing more, goodput "
                     "grows with the batch without end): set the largest global batch to consider",
                     None,
-                )
-            )
-        if section.token_budget:
-            problems.append(
-                (
-                    "schedule.type",
-                    "goodput does not support token-budget steps (micro_batch_tokens) yet: use "
-                    "gradient_noise or a ramp with unit tokens, or drop micro_batch_tokens",
-                    "goodput",
                 )
             )
         return problems

@@ -189,17 +189,28 @@ class TokenBudgetLoader(RankLoader):
         """The same samples as ``step`` (already handed out by :meth:`next_step`), re-cut with the sampler's
         current :attr:`~ds_adabatch.data.tokens.TokenBudgetSampler.pass_budget` and collated again: an
         out-of-memory retry lowers that budget and runs the step's samples in smaller passes. Nothing is
-        committed again.
+        committed again. Where the budget gives one pass on one rank and ``plan`` asks for two passes of
+        the same samples (a noise measurement's half passes, ``runtime/core/draw.py``), the pass is
+        halved (:meth:`~ds_adabatch.data.tokens.TokenBudgetSampler.halve`).
 
         Raises:
             RuntimeError: the re-cut step's plan is not ``plan``.
         """
-        token_step = self._sampler.repack(step.global_batch)  # type: ignore[arg-type]
+        packed = step.global_batch
+        token_step = self._sampler.repack(packed)  # type: ignore[arg-type]
         if token_step.plan(self._sampler.max_micro_batch) != plan:
-            raise RuntimeError(
-                f"the step re-cut with a token budget of {token_step.budget} has plan "
-                f"{token_step.plan(self._sampler.max_micro_batch)}, not {plan}"
+            halves = (
+                token_step.world_size == 1
+                and token_step.passes == 1
+                and token_step.size >= 2
+                and (plan.global_batch_size, plan.gradient_accumulation_steps) == (token_step.size, 2)
             )
+            if not halves:
+                raise RuntimeError(
+                    f"the step re-cut with a token budget of {token_step.budget} has plan "
+                    f"{token_step.plan(self._sampler.max_micro_batch)}, not {plan}"
+                )
+            token_step = self._sampler.halve(token_step)
         # Loaded here, not by the workers: the step loading ahead stays queued for the next step.
         _, slots, pad = self._work(token_step)
         collated = self._steps.load_inline(slots, pad)

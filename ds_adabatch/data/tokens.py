@@ -32,7 +32,7 @@ from ds_adabatch.plan import BatchPlan
 
 from .lengths import SampleLengths
 from .order import MAX_NUM_SAMPLES, EpochOrder, epoch_order
-from .packing import PADDING_MODES, RankLayout, pack_step
+from .packing import PADDING_MODES, RankLayout, micro_batch_cost, pack_step
 
 __all__ = ["TOKEN_STATE_VERSION", "SampleLengths", "TokenBudgetSampler", "TokenStep"]
 
@@ -212,6 +212,29 @@ class TokenBudgetSampler:
             epoch=step.epoch, start=step.start, indices=step.indices, lengths=step.lengths,
             layouts=layouts, skipped=step.skipped, target_tokens=step.target_tokens,
             origin=step._origin, key=step._key, budget=budget,
+        )  # fmt: skip
+
+    def halve(self, step: TokenStep) -> TokenStep:
+        """The same samples as ``step``, a single pass on a single rank, cut into two passes: its first
+        half (rounded up) and the rest, each within the budget as any part of a pass is. A noise
+        measurement compares the two passes' gradients with the step's; the samples, their order, the
+        counts and the weights are the step's.
+
+        Raises:
+            ValueError: ``step`` is not one pass of two samples or more on one rank.
+        """
+        passes = step.layouts[0].micro_batches if step.world_size == 1 else ()
+        if len(passes) != 1 or len(passes[0]) < 2:
+            raise ValueError(f"only a single pass of 2 samples or more on 1 rank is halved, not {step!r}")
+        samples = passes[0]
+        cut = -(-len(samples) // 2)
+        parts = (samples[:cut], samples[cut:])
+        length_of = dict(zip(step.indices.tolist(), step.lengths.tolist()))
+        costs = tuple(micro_batch_cost([length_of[i] for i in part], self.padding) for part in parts)
+        return TokenStep(
+            epoch=step.epoch, start=step.start, indices=step.indices, lengths=step.lengths,
+            layouts=[RankLayout(parts, costs)], skipped=step.skipped, target_tokens=step.target_tokens,
+            origin=step._origin, key=step._key, budget=step.budget,
         )  # fmt: skip
 
     def _pack(

@@ -65,7 +65,10 @@ class ScheduleContext:
     """Learning rate of the latest step."""
     micro_batch_limit: int | None = None
     """The largest micro-batch per rank the next step may plan (samples; the learned limit where
-    ``max_micro_batch_per_gpu`` is ``"auto"``); None: unbounded."""
+    ``max_micro_batch_per_gpu`` is ``"auto"``); None: unbounded, or token-budget steps."""
+    pass_budget: int | None = None
+    """Token-budget steps (``micro_batch_tokens``): the token budget the next step's passes are cut
+    with (the learned one after an out-of-memory error); None: steps of whole micro-batches."""
 
 
 @runtime_checkable

@@ -47,6 +47,10 @@ left (usually a return to it), else from the trial's batch (on a flat cost, the 
 A trial whose cost was measured as predicted is kept even where the estimate's interval has widened
 meanwhile: what it tested was its cost.
 
+With token budgets (``micro_batch_tokens``) a batch's split is not planned but packed: it is rated by
+the passes per rank its packing is expected to take, at the token budget
+(:mod:`~ds_adabatch.schedules.goodput_tokens`), and a trial is its batch's next steps.
+
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
 the step's collective), the limit is agreed; so every rank takes the same decision without a collective
 of its own. Between two decisions at least ``decide_every`` steps run, and a move needs a predicted gain
@@ -64,6 +68,7 @@ from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
 from ..signals.efficiency import statistical_efficiency
 from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
+from .goodput_tokens import PackedShape, describe_split, packed_shape
 from .noise import auto_warmup_steps
 
 __all__ = ["GoodputSchedule"]
@@ -141,9 +146,10 @@ class GoodputSchedule:
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
         ``goodput`` of the batch it chose (held or moved to), for the step records."""
         self.moves = 0
-        self.trial: tuple[int, int, int, int, int] | None = None
-        """``(step, micro, gas, world, batch it left)`` of a move to a shape not measured before,
-        judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no trial open."""
+        self.trial: tuple[int, int, int, int, int, int] | None = None
+        """``(step, micro, gas, world, batch it left, batch it moved to)`` of a move to a shape not
+        measured before, judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no
+        trial open."""
         self.throughput = ThroughputModel(forget_after=config.remeasure_after)
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
 
@@ -169,16 +175,20 @@ class GoodputSchedule:
         (after an override or a resume) is closed."""
         if self.trial is None:
             return None
-        step, micro, gas, world, left = self.trial
-        plan = self._plan(ctx, int(ctx.global_batch))
-        if plan is None or (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, ctx.world_size) != (
-            micro,
-            gas,
-            world,
-        ):
+        step, micro, gas, world, left, moved = self.trial
+        if ctx.pass_budget is not None:
+            # Token budgets: the passes a batch takes vary with the lengths; the trial is its batch at
+            # that budget, and every step of it is one of its step times (the first of each pass count
+            # is not kept).
+            runs = (int(ctx.global_batch), ctx.pass_budget, ctx.world_size) == (moved, micro, world)
+            kept = ctx.step - step - self.throughput.skip_first
+        else:
+            plan = self._plan(ctx, int(ctx.global_batch))
+            runs = plan is not None and (*_shape(plan), ctx.world_size) == (micro, gas, world)
+            kept = self._kept((micro, gas), world)
+        if not runs:
             self.trial = None
             return None
-        kept = self._kept((micro, gas), world)
         # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
         overdue = ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
         if ctx.step <= step or (kept < self._trial_steps and not overdue):
@@ -190,7 +200,17 @@ class GoodputSchedule:
         """Step times kept of ``shape`` (micro, GAS) at ``world`` ranks."""
         return next((n for m, g, _, n in self.throughput.measured(world) if (m, g) == shape), 0)
 
+    def _kept_now(self, ctx: ScheduleContext, plan: Any) -> int:
+        """Step times kept of the shape ``plan`` runs; with token budgets, of every pass count at its
+        budget (the passes a batch takes vary from step to step)."""
+        if not isinstance(plan, PackedShape):
+            return self._kept(_shape(plan), ctx.world_size)
+        measured = self.throughput.measured(ctx.world_size)
+        return sum(n for m, _, _, n in measured if m == plan.micro_batch_per_gpu)
+
     def _plan(self, ctx: ScheduleContext, batch: int) -> Any:
+        if ctx.pass_budget is not None:  # token budgets: the passes the packing is expected to take
+            return packed_shape(self.throughput, batch, ctx.world_size, ctx.pass_budget)
         try:
             return plan_batch(batch, ctx.world_size, ctx.micro_batch_limit, allow_uneven=self.allow_uneven)
         except PlanError:
@@ -222,9 +242,8 @@ class GoodputSchedule:
         plan = self._plan(ctx, batch)
         if plan is None:
             return None
-        seconds = self.throughput.predict(
-            plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, ctx.world_size
-        )
+        passes = plan.passes if isinstance(plan, PackedShape) else plan.gradient_accumulation_steps
+        seconds = self.throughput.predict(plan.micro_batch_per_gpu, passes, ctx.world_size)
         if seconds is None or not seconds > 0:
             return None
         return batch / seconds, plan
@@ -428,7 +447,7 @@ class GoodputSchedule:
         shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
         if shape in {(m, g) for m, g, _, _ in self.throughput.measured(ctx.world_size)}:
             return ""
-        self.trial = (ctx.step, *shape, ctx.world_size, reference)
+        self.trial = (ctx.step, *shape, ctx.world_size, reference, int(plan.global_batch_size))
         return f" (a trial: judged again after {self._trial_steps} step times of it)"
 
     def _by_cost(self, ctx: ScheduleContext, current: int) -> float:
@@ -444,7 +463,7 @@ class GoodputSchedule:
             trial = f"trial of batch {current} (judged after {self._trial_steps} step times)"
             return self._hold(current, f"{why}: {trial}")
         now = self.speed(ctx, current)
-        if now is None or (judged is None and self._kept(_shape(now[1]), ctx.world_size) < self._trial_steps):
+        if now is None or (judged is None and self._kept_now(ctx, now[1]) < self._trial_steps):
             return self._hold(current, f"{why}: measuring batch {current}'s step time")
         reference, said, limit = current, f"{why}, by step cost alone: ", 1.0 + self.hysteresis
         before = self.speed(ctx, judged) if judged is not None and judged != current else None
@@ -504,6 +523,8 @@ class GoodputSchedule:
         check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
         self.moves = int(state["moves"])
         trial = state.get("trial")  # absent from states written before trials were judged early
+        if trial is not None and len(trial) == 5:  # written before a trial kept the batch it moved to
+            trial = [*trial, 0]  # (read only with token budgets, which such states never ran)
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.throughput.load_state_dict(state["throughput"])
 
@@ -528,12 +549,12 @@ def _step_cost(batch: int, speed: tuple[float, Any], ref: int, ref_speed: tuple[
 
 def _sped(speed: tuple[float, Any]) -> str:
     samples_per_s, plan = speed
-    return f"{samples_per_s:.4g} samples/s (micro {plan.micro_batch_per_gpu} x gas {plan.gradient_accumulation_steps})"
+    return f"{samples_per_s:.4g} samples/s ({describe_split(plan)})"
 
 
 def _rated(rating: tuple[float, float, Any]) -> str:
     samples_per_s, efficiency, plan = rating
     return (
         f"{samples_per_s:.4g} samples/s x efficiency {efficiency:.3f} = goodput {samples_per_s * efficiency:.4g} "
-        f"(micro {plan.micro_batch_per_gpu} x gas {plan.gradient_accumulation_steps})"
+        f"({describe_split(plan)})"
     )

@@ -214,7 +214,7 @@ class TrainerStep:
         if coupling is not None:
             state.last_lr = lr_used
         # Throughput point: the step's time with its shape, for the goodput schedule (runtime.step_times).
-        state.step_times.step_finished(plan, started, state.sync, retried=False)
+        state.step_times.step_finished(plan, started, state.sync, retried=False, step=inputs.step)
         if trainer._step_log is not None:  # made when training starts (_prepare_for_training)
             trainer._step_log.step_done(
                 completed=trainer.state.global_step + 1,

@@ -198,6 +198,7 @@ class StepCore:
             noise_scale_error=None if noise is None else noise.relative_error,
             lr=progress.lr,
             micro_batch_limit=None if self.token_budget else self.attach.memory.limit,
+            pass_budget=self.attach.memory.limit if self.token_budget else None,
         )
 
     def decide(self, step: int) -> Decision:

@@ -13,7 +13,9 @@ them the step's whole cost: the decision, the data, every pass, the optimizer st
 Every rank queues one value per step, its time (0 where the step was re-run after an out-of-memory
 error, or there is no time yet), in the step's :class:`~.step_sync.StepSync`: it rides the next
 collective the step issues anyway, and the sum over processes divided by their number (the ranks' mean,
-identical everywhere) is fed to :class:`~ds_adabatch.signals.ThroughputModel` with the step's shape.
+identical everywhere) is fed to :class:`~ds_adabatch.signals.ThroughputModel` with the step's shape:
+``(micro, GAS, world)``, or for a token-budget step (``micro_batch_tokens``) ``(its token budget, its
+passes per rank, world)`` with its samples.
 
 A simulated curve (``DS_ADABATCH_SIMULATED_STEP_TIME``, read when the engine is built, in
 :func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax) replaces the measured time by the curve's
@@ -35,7 +37,7 @@ import torch
 from ...signals import StepTimeFit, ThroughputModel, parse_step_time_curve
 from .sync import StepSync
 
-__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "step_times_for"]
+__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "step_shape", "step_times_for"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -51,7 +53,14 @@ class NoStepTimes:
         pass
 
     def step_finished(
-        self, plan: Any, started: float, sync: StepSync, *, retried: bool, measuring: bool = False
+        self,
+        plan: Any,
+        started: float,
+        sync: StepSync,
+        *,
+        retried: bool,
+        measuring: bool = False,
+        step: Any = None,
     ) -> None:
         pass
 
@@ -74,8 +83,8 @@ class StepTimes(NoStepTimes):
         self.curve = curve
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
-        # (start, end, plan, retried, measuring)
-        self._previous: tuple[Any, Any, Any, bool, bool] | None = None
+        # (start, end, shape, retried, measuring)
+        self._previous: tuple[Any, Any, tuple[int, int, int, int | None], bool, bool] | None = None
 
     def step_started(self) -> None:
         if self._cuda:
@@ -83,32 +92,51 @@ class StepTimes(NoStepTimes):
             self._start.record()
 
     def step_finished(
-        self, plan: Any, started: float, sync: StepSync, *, retried: bool, measuring: bool = False
+        self,
+        plan: Any,
+        started: float,
+        sync: StepSync,
+        *,
+        retried: bool,
+        measuring: bool = False,
+        step: Any = None,
     ) -> None:
         """Queue the step's time; ``measuring``: the step was split to measure the noise scale (its
-        time prices that measurement and is not fitted as its shape's, ThroughputModel)."""
+        time prices that measurement and is not fitted as its shape's, ThroughputModel); ``step``: the
+        step's :class:`~ds_adabatch.data.StepBatch` (a token-budget step is keyed by its budget)."""
+        shape = step_shape(plan, step)
         if self.curve is not None:
-            shape, seconds = (
-                plan,
-                0.0
-                if retried
-                else self.curve.predict(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps),
-            )
+            seconds = 0.0 if retried else self.curve.predict(shape[0], shape[1])
         elif self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            previous, self._previous = self._previous, (self._start, end, plan, retried, measuring)
-            shape, seconds = (previous[2], _elapsed(previous)) if previous is not None else (plan, 0.0)
+            previous, self._previous = self._previous, (self._start, end, shape, retried, measuring)
+            # The first step has no time yet, and its samples are counted with it a step later.
+            shape, seconds = (
+                (previous[2], _elapsed(previous)) if previous is not None else ((*shape[:3], None), 0.0)
+            )
             measuring = previous is not None and previous[4]
         else:
-            shape, seconds = plan, 0.0 if retried else time.perf_counter() - started
+            seconds = 0.0 if retried else time.perf_counter() - started
         model, processes = self.model, self.processes
-        micro, gas, world = shape.micro_batch_per_gpu, shape.gradient_accumulation_steps, shape.world_size
+        micro, gas, world, samples = shape
 
         def observe(sums: list[torch.Tensor]) -> None:
-            model.observe(micro, gas, world, float(sums[0]) / processes, measuring=measuring)
+            seconds = float(sums[0]) / processes
+            model.observe(micro, gas, world, seconds, measuring=measuring, samples=samples)
 
         sync.defer([float(seconds)], observe)
+
+
+def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None]:
+    """``(micro, GAS, world, samples)`` the throughput model keys a step of ``plan`` by: the plan's
+    micro-batch and GAS (samples None); for a token-budget step (``step.global_batch`` a
+    :class:`~ds_adabatch.data.tokens.TokenStep`) its token budget, its passes per rank and its samples."""
+    packed = getattr(step, "global_batch", None)
+    budget = getattr(packed, "budget", None)
+    if budget is None:
+        return plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, plan.world_size, None
+    return int(budget), plan.gradient_accumulation_steps, plan.world_size, int(packed.size)
 
 
 def _elapsed(measured: tuple[Any, Any, Any, bool, bool]) -> float:

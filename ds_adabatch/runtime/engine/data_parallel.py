@@ -212,7 +212,12 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         # for the step's collective and reaches the goodput schedule's model (step_times.py).
         split, self._unsplit_plan = self._unsplit_plan, None
         self._step_times.step_finished(
-            self.plan, started, sync, retried=self._step_ooms > 0, measuring=split is not None
+            self.plan,
+            started,
+            sync,
+            retried=self._step_ooms > 0,
+            measuring=split is not None,
+            step=self.last_step_batch,
         )
         if split is not None and not self._step_ooms:  # back to the plan the step was split from
             self._apply_plan(split, reason="noise measurement", record=False)
@@ -350,8 +355,10 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         if model is None:
             return None
         size = self.plan.global_batch_size
-        whole = model.predict(size, 1, 1)
-        split = model.predict_measuring(-(-size // 2), 2, 1)
+        # The shapes the model keys them by (step_times.step_shape): a token-budget step's is its budget.
+        micro, half = (self.micro_batch_limit,) * 2 if self.token_budget else (size, -(-size // 2))
+        whole = model.predict(micro, 1, 1)
+        split = model.predict_measuring(half, 2, 1)
         if whole is None or split is None or not whole > 0:
             return None
         return max(0.0, split / whole - 1.0)
