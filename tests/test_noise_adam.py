@@ -273,6 +273,13 @@ def test_zero_stages_agree_with_plain_torch(tmp_path):
         assert abs(ref["trace_sigma"] / pooled["trace_sigma"] - 1) > 1e-3, (
             f"ZeRO {stage}: shares not exercised"
         )
+    # DeepSpeed's FusedAdam keeps the step count in its group's last parameter's state only (every other
+    # state says 0): the geometry still reads the group's count, so the steps are measured once the
+    # second moments have settled, and equal the plain-AdamW reference of the same micro-batches.
+    fused, ref = doc["zero0_fused"], doc["referencefused"]
+    assert fused["count"] == STEPS - (SETTLED_STEPS - 1), f"FusedAdam, ZeRO 0: {fused['count']} measurements"
+    for name in ("grad_sq_norm", "trace_sigma"):
+        assert fused[name] == pytest.approx(ref[name], rel=1e-3), f"FusedAdam, ZeRO 0: smoothed {name}"
     # The SGD-geometry run of the same steps: a different estimate, so the geometry is really applied.
     sgd = doc["zero2_sgd"]
     assert abs(sgd["trace_sigma"] / doc["reference2"]["trace_sigma"] - 1) > 1e-2, (
@@ -284,8 +291,9 @@ def test_zero_stages_agree_with_plain_torch(tmp_path):
     assert with_sgd["auto"] == {"geometry": "sgd", "scale": 0.5}, f"SGD with geometry auto: {with_sgd}"
 
 
-def _ds_config(stage: int, geometry: str) -> dict:
-    """AdamW, clipping on, batch 8 = 2 ranks x micro 2 x GAS 2 held; ``geometry`` "auto" is left unset."""
+def _ds_config(stage: int, geometry: str, torch_adam: bool = True) -> dict:
+    """AdamW (torch's, or DeepSpeed's FusedAdam), clipping on, batch 8 = 2 ranks x micro 2 x GAS 2 held;
+    ``geometry`` "auto" is left unset."""
     return {
         "optimizer": {
             "type": "AdamW",
@@ -294,7 +302,7 @@ def _ds_config(stage: int, geometry: str) -> dict:
                 "betas": [0.9, 0.99],
                 "eps": 1e-3,
                 "weight_decay": 0.0,
-                "torch_adam": True,
+                "torch_adam": torch_adam,
             },
         },
         "gradient_clipping": CLIP,
@@ -354,14 +362,17 @@ def _owners(engine, stage: int) -> list[list[int]]:
     return [[(start[id(p)] + e) // width for e in range(n)] for p, n in zip(params, sizes)]
 
 
-def _run_engine(stage: int, geometry: str) -> tuple[dict, list[list[list[list[int]]]], list]:
+def _run_engine(
+    stage: int, geometry: str, torch_adam: bool = True
+) -> tuple[dict, list[list[list[list[int]]]], list]:
     """Train STEPS steps; the estimates after each, the final parameters, each rank's micro-batches per
     step and the owner of every element."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     import ds_adabatch
 
-    engine, *_ = ds_adabatch.initialize(_model(), _ds_config(stage, geometry), _Dataset(), loss_fn=_loss)
+    config = _ds_config(stage, geometry, torch_adam)
+    engine, *_ = ds_adabatch.initialize(_model(), config, _Dataset(), loss_fn=_loss)
     estimates, steps = [], []
     for _ in range(STEPS):
         engine.train_batch()
@@ -460,6 +471,8 @@ def _worker(out_dir: str) -> None:
         # ZeRO 3 leaves the geometry at its default, "auto": with AdamW it must measure as "adam".
         doc[f"zero{stage}"], *runs[stage] = _run_engine(stage, "auto" if stage == 3 else "adam")
     doc["zero2_sgd"], *_ = _run_engine(2, "sgd")
+    # DeepSpeed's FusedAdam under ZeRO 0: it counts its steps in the last parameter's state only.
+    doc["zero0_fused"], *runs["fused"] = _run_engine(0, "adam", torch_adam=False)
     doc["sgd_optimizer"] = {geometry: _with_sgd(geometry) for geometry in ("adam", "auto")}
     if torch.distributed.get_rank() == 0:
         for stage, (steps, owners) in runs.items():

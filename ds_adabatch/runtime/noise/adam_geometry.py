@@ -73,17 +73,29 @@ class _Unit:
         self.members, self.partitioned = members, partitioned
 
 
-def _adam_step_count(state: dict[str, Any], group: dict[str, Any]) -> float:
-    # torch Adam/AdamW keep a 0-d CPU tensor, DeepSpeed's FusedAdam and CPUAdam an int, in
-    # state["step"]; older FusedAdam states kept it in the group.
-    step = state.get("step", group.get("step", 0))
-    return float(step)
+def _adam_step_count(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float:
+    """The optimizer steps ``group`` has taken: the largest ``state["step"]`` of its parameters (or the
+    group's own ``"step"``, where older FusedAdam states kept it).
+
+    torch Adam/AdamW keep a 0-d CPU tensor in every parameter's state, DeepSpeed's CPUAdam an int. DeepSpeed
+    0.19.8's FusedAdam (``deepspeed.ops.adam.fused_adam``) counts in one state only: ``state["step"] += 1``
+    follows its loop over the group's parameters, so only the last parameter's count grows and every
+    other one stays 0, while the kernel applies that one count to the whole group. Under ZeRO 1-3 a group
+    is one flat tensor, so it made no difference; under ZeRO 0 a per-parameter read saw 0 forever.
+    """
+    count = float(group.get("step", 0))
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        if state and "step" in state:
+            count = max(count, float(state["step"]))
+    return count
 
 
-def _bias_correction(state: dict[str, Any], group: dict[str, Any]) -> float:
-    """Adam's ``1 - beta2^t`` for the step just taken (1 without bias correction or before any step)."""
-    t = _adam_step_count(state, group)
-    return 1.0 - float(group["betas"][1]) ** t if group.get("bias_correction", True) and t > 0 else 1.0
+def _bias_correction(count: float, group: dict[str, Any]) -> float:
+    """Adam's ``1 - beta2^t`` after ``count`` steps (1 without bias correction or before any step)."""
+    return (
+        1.0 - float(group["betas"][1]) ** count if group.get("bias_correction", True) and count > 0 else 1.0
+    )
 
 
 def _is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
@@ -400,12 +412,15 @@ class AdamPreconditioner:
         parts: list[torch.Tensor] = []
         self.unsettled = False
         for group in optimizer.param_groups:
+            count: float | None = None  # the group's step count, read once (_adam_step_count)
             for t in group["params"]:
                 runs = self._runs.get(id(t))
                 state = optimizer.state.get(t)
                 if runs is None or t.grad is None or not state:
                     continue
-                if _adam_step_count(state, group) < SETTLED_STEPS:
+                if count is None:
+                    count = _adam_step_count(optimizer, group)
+                if count < SETTLED_STEPS:
                     self.unsettled = True  # the step is not fed (SETTLED_STEPS)
                     return
                 v = state.get("exp_avg_sq")
@@ -417,7 +432,7 @@ class AdamPreconditioner:
                     )
                 v, g = v.detach().reshape(-1), t.grad.detach().reshape(-1)
                 # Adam's denominator after the update, sqrt(v_hat) + eps with v_hat = v / (1 - beta2^t).
-                root_correction = _bias_correction(state, group) ** -0.5
+                root_correction = _bias_correction(count, group) ** -0.5
                 eps = float(group["eps"])
                 for start, size, at in runs:
                     denom = v[start : start + size].float().sqrt().mul_(root_correction).add_(eps)
