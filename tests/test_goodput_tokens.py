@@ -196,3 +196,27 @@ def test_a_trial_state_written_before_token_budgets_loads():
     state["trial"] = [10, 8, 1, 2, 16]  # (step, micro, gas, world, batch it left), as before
     schedule.load_state_dict(state)
     assert schedule.trial == (10, 8, 1, 2, 16, 0)
+
+
+def test_a_token_step_is_kept_whatever_its_pass_count_only_the_first_at_a_budget_is_not():
+    model = ThroughputModel()
+    for passes in (1, 3, 2, 5, 4):
+        model.observe(BUDGET, passes, 2, 0.01 * passes, samples=10 * passes)
+    kept = {g: n for m, g, _, n in model.measured(2)}
+    assert kept == {3: 1, 2: 1, 5: 1, 4: 1}, "only the first step at the budget is left out"
+    assert model.predict(BUDGET, 6, 2) == pytest.approx(0.06)
+    model.observe(BUDGET // 2, 3, 2, 0.05, samples=20)  # a new budget: its first step is left out
+    assert (BUDGET // 2, 3) not in {(m, g) for m, g, _, _ in model.measured(2)}
+
+
+def test_the_default_warm_up_undoes_a_larger_batch_whose_passes_cost():
+    # Each step of a larger batch takes another number of passes: measured all the same, its trial is
+    # judged on its own steps and undone, as a trial of whole micro-batches is.
+    def curve(budget, passes):
+        return 0.01 + passes * 0.05
+
+    section = _section(schedule={"warmup_steps": None, "ema_beta": 0.95})
+    steps, controller = run_loop(section, curve, 4.0, steps=20)
+    batches = [b for b, _, _ in steps]
+    assert max(batches) > 16 and batches[-1] == 16, batches
+    assert any(r and "not kept" in r for r in controller.reasons), controller.reasons

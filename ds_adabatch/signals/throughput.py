@@ -47,7 +47,9 @@ planner, decides. Such observations also carry the step's samples, from which
 what is left), so ``B`` samples on ``W`` ranks take ``B / (W x q) + 1/2`` passes per rank (at least 1).
 A larger batch packs a little better (more samples of similar lengths share passes): predicted from
 the steps of a batch 2x to 8x smaller, its passes came out 6-10% too many (lengths 8-63 tokens, a
-budget of 256, pad_to_longest); its own steps then measure it.
+budget of 256, pad_to_longest); its own steps then measure it. The first steps not kept
+(``skip_first``) are those at a new budget, not at a new pass count: a batch's steps take a varying
+number of passes, and keying their first steps out would leave most of them unmeasured.
 
 World size: observations carry it. The fit uses the shapes measured at the world size asked about once
 it has any; until then those of every world size (a rank's passes cost the same; only the reduction's
@@ -211,8 +213,11 @@ class ThroughputModel:
         if measuring:
             self._measuring.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
             return
-        seen = self._seen.get(key, 0)
-        self._seen[key] = seen + 1
+        # A token-budget step's pass count varies from step to step while its tensors change with the
+        # lengths anyway: only the first steps at a budget pay one-off costs, not those of a new count.
+        first = key if samples is None else (key[0], 0, key[2])
+        seen = self._seen.get(first, 0)
+        self._seen[first] = seen + 1
         if seen < self.skip_first:
             return
         self._times.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
