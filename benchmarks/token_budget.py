@@ -12,13 +12,16 @@ per forward pass.
 ``count`` (default) measures what does not depend on the machine: padding fraction (padded tokens /
 processed tokens, zero-weight pad passes included) and forward passes per rank per step. ``train`` also
 runs both on ``--world`` gloo ranks with a small transformer and reports tokens/s and peak RSS; run it on
-an idle machine.
+an idle machine. ``goodput`` trains the same model with the ``goodput`` schedule over token-budget steps
+(from ``--first-batch`` samples, at most ``--max-batch``, measured step times) and reports its plan changes and,
+before every step, the passes its throughput model expected the step to take against those it took.
 
 Usage::
 
     python benchmarks/token_budget.py                              # count, writes results/token_budget.json
     python benchmarks/token_budget.py train --steps 30             # tokens/s on 2 CPU ranks (idle machine)
     python benchmarks/token_budget.py deepspeed --budget 4096      # against DeepSpeed's dynamic batching
+    python benchmarks/token_budget.py goodput --steps 150 --budget 4096   # goodput over token steps
 """
 
 from __future__ import annotations
@@ -215,7 +218,10 @@ def _worker(args: argparse.Namespace) -> None:
     micro = max(1, args.budget // max(lengths))
     per_step = max(1, round(args.step_tokens / (sum(lengths) / len(lengths))))
     section = {"loss_normalization": "token", "data": {"seed": args.seed}, "allow_uneven": True}
-    if fixed:
+    if args.mode == "goodput":
+        section |= {"schedule": {"type": "goodput", "start": args.first_batch}, "max_global_batch": args.max_batch,
+                    "micro_batch_tokens": args.budget, "bucket_window": args.window}  # fmt: skip
+    elif fixed:
         section |= {"schedule": {"type": "constant", "value": per_step}, "max_micro_batch_per_gpu": micro}
     else:
         section |= {"schedule": {"type": "constant", "unit": "tokens", "value": args.step_tokens},
@@ -226,6 +232,9 @@ def _worker(args: argparse.Namespace) -> None:
     count = lambda b: int((b["labels"] != -100).sum())  # noqa: E731
     engine, *_ = ds_adabatch.initialize(model, cfg, Data(), collate_fn=collate, loss_fn=loss_fn,
                                         token_count_fn=count, **extra)  # fmt: skip
+    if args.mode == "goodput":
+        _goodput_steps(engine, args)
+        return
     engine.train_batch()  # warm-up
     start, real = time.perf_counter(), 0
     for _ in range(args.steps):
@@ -242,6 +251,55 @@ def _worker(args: argparse.Namespace) -> None:
                "steps": args.steps, "seconds": elapsed, "peak_rss_mib_rank0": peak / 1024}  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     engine.close()
+
+
+def _goodput_steps(engine, args: argparse.Namespace) -> None:
+    """``goodput`` mode: every step's batch, passes taken and passes expected; the plan changes."""
+    schedule, world, rows = engine.controller.schedule, engine.world_size, []
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.next_plan()
+        expected = schedule.throughput.passes_for(engine.plan.global_batch_size, world)
+        engine.train_batch()
+        step = engine.last_step_batch.global_batch
+        rows.append(
+            {"samples": step.size, "tokens": step.tokens, "passes": step.passes, "expected": expected}
+        )
+    engine.resolve_losses()
+    elapsed = time.perf_counter() - start
+    if engine.global_rank == 0:
+        # Steps the model predicted, that did not run a noise measurement's two half passes.
+        errors = [abs(r["expected"] - r["passes"]) / r["passes"] for r in rows if r["expected"] is not None]
+        # The first step at each new batch: what the model expected before it had run that batch.
+        moved = [
+            {"step": e.step, "batch": rows[e.step]["samples"], "expected": rows[e.step]["expected"],
+             "passes": rows[e.step]["passes"]}
+            for e in engine.history if e.step < len(rows) and rows[e.step]["expected"] is not None
+        ]  # fmt: skip
+        out = {
+            "mode": "goodput", "steps": args.steps, "seconds": elapsed,
+            "tokens_per_s": sum(r["tokens"] for r in rows) / elapsed,
+            "final_batch": rows[-1]["samples"], "noise_scale": engine.noise.noise_scale,
+            "passes_expected_error": {"mean": float(np.mean(errors)), "max": float(np.max(errors))} if errors else None,
+            "first_steps_of_a_batch": moved,
+            "changes": [{"step": e.step, "from": e.old_global_batch, "to": e.new_global_batch, "reason": e.reason}
+                        for e in engine.history],
+            "steps_run": rows,
+        }  # fmt: skip
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    engine.close()
+
+
+def goodput(args: argparse.Namespace) -> dict:
+    out = HERE / "results" / "token_budget_goodput_run.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", __file__,
+           "_worker", "--mode", "goodput", "--out", str(out), "--steps", str(args.steps), "--budget",
+           str(args.budget), "--window", str(args.window), "--first-batch", str(args.first_batch), "--max-batch",
+           str(args.max_batch), "--seed", str(args.seed)]  # fmt: skip
+    subprocess.run(cmd, check=True, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -261,7 +319,7 @@ def train(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "what", nargs="?", default="count", choices=["count", "train", "deepspeed", "_worker"]
+        "what", nargs="?", default="count", choices=["count", "train", "deepspeed", "goodput", "_worker"]
     )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--budget", type=int, default=8192, help="peak tokens per forward pass")
@@ -269,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--window", type=int, default=1024, help="bucket_window of the bucketed row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-batch", type=int, default=16, help="goodput: its start (samples)")
+    parser.add_argument("--max-batch", type=int, default=1024, help="goodput: max_global_batch (samples)")
     parser.add_argument("--mode", default="tokens")
     parser.add_argument("--ds-samples", type=int, default=3000, help="samples of the DeepSpeed comparison")
     parser.add_argument(
@@ -279,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "_worker":
         _worker(args)
         return
-    result = {"count": count, "train": train, "deepspeed": deepspeed_compare}[args.what](args)
+    result = {"count": count, "train": train, "deepspeed": deepspeed_compare, "goodput": goodput}[args.what](
+        args
+    )
     out = HERE / "results" / f"token_budget{'' if args.what == 'count' else '_' + args.what}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
