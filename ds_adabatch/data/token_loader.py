@@ -196,8 +196,7 @@ class TokenBudgetLoader(RankLoader):
         Raises:
             RuntimeError: the re-cut step's plan is not ``plan``.
         """
-        packed = step.global_batch
-        token_step = self._sampler.repack(packed)  # type: ignore[arg-type]
+        token_step = self._sampler.repack(step.global_batch)  # type: ignore[arg-type]
         if token_step.plan(self._sampler.max_micro_batch) != plan:
             halves = (
                 token_step.world_size == 1

@@ -178,8 +178,8 @@ class GoodputSchedule:
         step, micro, gas, world, left, moved = self.trial
         if ctx.pass_budget is not None:
             # Token budgets: the passes a batch takes vary with the lengths; the trial is its batch at
-            # that budget, and every step of it is one of its step times (the first of each pass count
-            # is not kept).
+            # that budget, and every step of it is one of its step times (only the first at a new
+            # budget is not kept, ThroughputModel.observe).
             runs = (int(ctx.global_batch), ctx.pass_budget, ctx.world_size) == (moved, micro, world)
             kept = ctx.step - step - self.throughput.skip_first
         else:
