@@ -8,7 +8,7 @@ Subcommands::
     ds-adabatch config-docs [--output PATH | --check PATH]
     ds-adabatch elastic --max-batch B --world-sizes 1-16 --max-micro M [--min-micro] [--max-gas] [--top K]
     ds-adabatch simulate CONFIG --world-size W --samples N --out plan.png [--csv plan.csv] [--replay m.jsonl]
-        [--step-time fixed=0.03,per_sample=0.0004] [--noise-scale 40]
+        [--step-time fixed=0.03,per_sample=0.0004] [--noise-scale 40] [--lengths lengths.txt]
     ds-adabatch verify CKPT_DIR
 
 Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale, and from ``verify`` when a
@@ -278,6 +278,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         extra["step_time"] = args.step_time
     if args.noise_scale is not None:
         extra["noise_scale"] = args.noise_scale
+    if args.lengths is not None:
+        if not Path(args.lengths).is_file():
+            raise UsageError(f"--lengths {args.lengths}: file not found")
+        from .data.simulated_steps import PackedSteps, read_lengths
+
+        try:
+            extra["steps"] = PackedSteps(loaded, read_lengths(args.lengths))
+        except ValueError as err:
+            raise UsageError(f"--lengths {args.lengths}: {err}") from None
     try:
         # Imported here: the simulator may draw with matplotlib, which the other subcommands never need.
         from ds_adabatch.schedules.simulate import simulate
@@ -466,6 +475,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=None,
         metavar="B",
         help="a fixed gradient-noise scale (samples) in place of --replay's, for gradient_noise and goodput",
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="FILE",
+        help="with micro_batch_tokens: every sample's length in tokens, in dataset order (text with one "
+        "per line, a JSON list, or .npy); steps are packed from them as in a run",
     )
     p.set_defaults(func=_cmd_simulate)
 

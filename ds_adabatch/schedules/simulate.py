@@ -17,6 +17,14 @@ table ``"8:0.031,32:0.034"``), which stands in for the measured step times its t
 from (each simulated step is "measured" at the curve's value for its shape); and a noise scale, from
 ``--replay`` or fixed with ``noise_scale``.
 
+With token budgets (``micro_batch_tokens``) a step's passes come from its samples' lengths, so the
+run needs them: ``--lengths FILE`` (one length in tokens per sample, in dataset order; text, JSON or
+``.npy``), read by :class:`~ds_adabatch.data.simulated_steps.PackedSteps`, which forms every step with
+the runtime's own sampler and packer (the ``data`` section's order, the bucket window, padding and
+truncation). A row then holds the step's real samples and tokens, its largest pass in samples
+(``micro_batch_per_gpu``), its passes per rank (``gradient_accumulation_steps``) and the token budget
+they were cut with (``pass_budget``); ``goodput`` learns from those passes as in a run.
+
 The ``lr`` column is the learning rate the step would apply: the ds_config's ``scheduler`` section
 (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, or none: the optimizer's ``lr``) evaluated in
 samples under ``lr_schedule_unit: "samples"`` (in steps otherwise), times the batch's LR multiplier;
@@ -31,8 +39,9 @@ import csv
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..plan import plan_batch
 from .base import Schedule, ScheduleContext
@@ -43,7 +52,7 @@ from .lr import lr_multiplier
 if TYPE_CHECKING:  # pragma: no cover
     from ..signals.throughput import StepTimeFit
 
-__all__ = ["CSV_COLUMNS", "simulate"]
+__all__ = ["CSV_COLUMNS", "SimulatedStep", "StepSource", "simulate"]
 
 CSV_COLUMNS = (
     "step",
@@ -53,12 +62,52 @@ CSV_COLUMNS = (
     "micro_batch_per_gpu",
     "gradient_accumulation_steps",
     "even",
+    "pass_budget",
     "lr_multiplier",
     "lr",
     "desired",
     "reason",
 )
 """Columns of the CSV and keys of each returned row; ``samples`` / ``tokens`` are counted before the step."""
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """One optimizer step as a :class:`StepSource` forms it.
+
+    Attributes:
+        samples: Its real samples over all ranks (fewer than the global batch at an epoch's tail).
+        micro_batch_per_gpu, gradient_accumulation_steps, even: Its plan (with token budgets: the
+            largest pass in samples, the passes per rank, whether every rank holds the same samples).
+        budget: The token budget its passes were cut with; None for steps of whole micro-batches.
+    """
+
+    samples: int
+    micro_batch_per_gpu: int
+    gradient_accumulation_steps: int
+    even: bool
+    budget: int | None = None
+
+
+class StepSource(Protocol):
+    """What forms the simulated steps in place of the planner: with token budgets,
+    :class:`~ds_adabatch.data.simulated_steps.PackedSteps`."""
+
+    @property
+    def pass_budget(self) -> int | None:
+        """The token budget the next step is cut with (None: whole micro-batches)."""
+
+    @property
+    def tokens_consumed(self) -> int:
+        """Real tokens of the steps taken so far."""
+
+    @property
+    def fractional_epoch(self) -> float:
+        """Epochs completed, with the fraction of the current one."""
+
+    def take(self, global_batch: int, world_size: int) -> SimulatedStep:
+        """Form and take the next step of ``global_batch`` (samples, or tokens for a schedule in tokens)."""
+
 
 _SIGNALS = ("loss", "loss_ema", "grad_norm", "noise_scale", "lr", "epoch")
 _MEASURED = frozenset({"loss", "loss_ema", "grad_norm", "noise_scale", "lr"})
@@ -131,6 +180,7 @@ def simulate(
     max_steps: int = 2_000_000,
     step_time: str | None = None,
     noise_scale: float | None = None,
+    steps: StepSource | None = None,
 ) -> list[dict[str, Any]]:
     """Step the config's batch-size controller through ``samples`` samples and record every plan.
 
@@ -148,6 +198,9 @@ def simulate(
         max_steps: refuse to simulate more optimizer steps than this.
         step_time: the step-time curve a schedule reading step times (``goodput``) learns from.
         noise_scale: a fixed gradient-noise scale (samples), in place of a replay's.
+        steps: what forms the steps; required with token budgets (``micro_batch_tokens``), where it is a
+            :class:`~ds_adabatch.data.simulated_steps.PackedSteps` over the dataset's lengths. None:
+            the planner's split of every global batch.
 
     Returns:
         One dict per optimizer step with the keys of :data:`CSV_COLUMNS`.
@@ -158,17 +211,26 @@ def simulate(
     """
     _check_sizes(world_size=world_size, samples=samples, tokens_per_sample=tokens_per_sample)
     cfg = loaded_config.adabatch
-    if cfg.token_budget:
+    if cfg.token_budget and steps is None:
         raise ValueError(
-            "adabatch.micro_batch_tokens forms each step from the samples' lengths at run time, which "
-            "simulate does not have; see benchmarks/token_budget.py for the steps a corpus gives"
+            "adabatch.micro_batch_tokens forms each step from the samples' lengths: give them, "
+            "--lengths FILE (one length in tokens per sample, in dataset order), or steps=PackedSteps(...)"
+        )
+    if steps is not None and not cfg.token_budget:
+        raise ValueError(
+            "sample lengths only apply with adabatch.micro_batch_tokens (token-budget steps): set "
+            "micro_batch_tokens in the config, or drop the lengths"
         )
     controller = BatchSizeController(cfg, world_size)
     schedule = controller.schedule
     data = _Replay(replay) if replay is not None else None
     curve_of_steps = _step_time_curve(schedule, step_time, noise_scale)
     count_tokens = _check_measurements(
-        schedule, data, noise_scale=noise_scale, tokens_per_sample=tokens_per_sample
+        schedule,
+        data,
+        noise_scale=noise_scale,
+        tokens_per_sample=tokens_per_sample,
+        counted=steps is not None,
     )
     run = _Simulation(
         loaded_config,
@@ -179,6 +241,7 @@ def simulate(
         count_tokens=count_tokens,
         noise_scale=noise_scale,
         step_times=curve_of_steps,
+        steps=steps,
     )
     rows = run.rows(samples, max_steps)
     if out_csv is None and out_png is not None:
@@ -220,9 +283,15 @@ def _step_time_curve(
 
 
 def _check_measurements(
-    schedule: Schedule, data: _Replay | None, *, noise_scale: float | None, tokens_per_sample: int
+    schedule: Schedule,
+    data: _Replay | None,
+    *,
+    noise_scale: float | None,
+    tokens_per_sample: int,
+    counted: bool = False,
 ) -> bool:
-    """Refuse a schedule whose measurements nothing gives; whether the run counts tokens."""
+    """Refuse a schedule whose measurements nothing gives; whether the run counts tokens (``counted``:
+    the step source counts them)."""
     measured = sorted(schedule.requires & _MEASURED - ({"noise_scale"} if noise_scale is not None else set()))
     if measured and data is None:
         raise ValueError(
@@ -233,7 +302,7 @@ def _check_measurements(
     for key in measured:
         if data is not None and not data.has(key):
             raise ValueError(f"the {schedule.name} schedule reads {key!r}, which {data.path} never records")
-    count_tokens = tokens_per_sample > 0 or (data is not None and data.has("tokens"))
+    count_tokens = counted or tokens_per_sample > 0 or (data is not None and data.has("tokens"))
     if "tokens" in schedule.requires and not count_tokens:
         raise ValueError(
             f"the {schedule.name} schedule is keyed on tokens; give tokens_per_sample (e.g. the sequence "
@@ -256,8 +325,10 @@ class _Simulation:
         count_tokens: bool,
         noise_scale: float | None,
         step_times: StepTimeFit | None,
+        steps: StepSource | None = None,
     ) -> None:
         cfg = loaded_config.adabatch
+        self.steps = steps
         self.cfg, self.controller, self.schedule = cfg, controller, controller.schedule
         self.world_size, self.data, self.step_times = world_size, data, step_times
         self.tokens_per_sample, self.count_tokens, self.noise_scale = (
@@ -286,12 +357,15 @@ class _Simulation:
                     f"simulating {samples} samples takes more than {max_steps} optimizer steps; simulate "
                     f"fewer samples"
                 )
-            rows.append(self._step(step, consumed))
-            consumed += self.batch
+            row, taken = self._step(step, consumed)
+            rows.append(row)
+            consumed += taken
             step += 1
         return rows
 
     def _tokens(self, consumed: int) -> int | None:
+        if self.steps is not None:
+            return self.steps.tokens_consumed
         if self.tokens_per_sample:
             return consumed * self.tokens_per_sample
         if self.data is not None and self.count_tokens:
@@ -304,6 +378,9 @@ class _Simulation:
         if self.noise_scale is not None:
             signals["noise_scale"] = self.noise_scale
         epoch = signals.pop("epoch", None)
+        if self.steps is not None:
+            epoch = self.steps.fractional_epoch
+        budget = None if self.steps is None else self.steps.pass_budget
         return ScheduleContext(
             step=step,
             samples=consumed,
@@ -311,21 +388,35 @@ class _Simulation:
             epoch=epoch or 0.0,
             global_batch=self.batch,
             world_size=self.world_size,
-            micro_batch_limit=self.cfg.initial_micro_batch_limit,
+            micro_batch_limit=self.cfg.initial_micro_batch_limit if budget is None else None,
+            pass_budget=budget,
             **signals,
         )
 
-    def _step(self, step: int, consumed: int) -> dict[str, Any]:
-        """Decide and plan one step; its row."""
+    def _take(self, batch: int) -> SimulatedStep:
+        """The step of ``batch`` as it would run: from the step source, else the planner's split."""
+        if self.steps is not None:
+            return self.steps.take(batch, self.world_size)
+        plan = plan_batch(
+            batch, self.world_size, self.cfg.initial_micro_batch_limit, allow_uneven=self.allow_uneven
+        )
+        return SimulatedStep(batch, plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, plan.is_even)
+
+    def _step(self, step: int, consumed: int) -> tuple[dict[str, Any], int]:
+        """Decide and plan one step; its row and the samples it took."""
         tokens = self._tokens(consumed)
         context = self._context(step, consumed, tokens)
         decision = self.controller.next_global_batch(context)
         batch = self.batch = decision.global_batch
-        world = self.world_size
-        plan = plan_batch(batch, world, self.cfg.initial_micro_batch_limit, allow_uneven=self.allow_uneven)
+        taken = self._take(batch)
         if self.step_times is not None:  # the step "runs" and its time is measured on the curve
-            micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
-            self.schedule.throughput.observe(micro, gas, world, self.step_times.predict(micro, gas))
+            # keyed as the runtime keys it (runtime.core.step_times.step_shape): a token-budget step
+            # by its budget and passes, with its samples
+            gas = taken.gradient_accumulation_steps
+            micro = taken.micro_batch_per_gpu if taken.budget is None else taken.budget
+            seconds = self.step_times.predict(micro, gas)
+            samples = None if taken.budget is None else taken.samples
+            self.schedule.throughput.observe(micro, gas, self.world_size, seconds, samples=samples)
         multiplier = lr_multiplier(
             self.rule,
             batch,
@@ -343,14 +434,15 @@ class _Simulation:
             "samples": consumed,
             "tokens": tokens,
             "global_batch": batch,
-            "micro_batch_per_gpu": plan.micro_batch_per_gpu,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-            "even": plan.is_even,
+            "micro_batch_per_gpu": taken.micro_batch_per_gpu,
+            "gradient_accumulation_steps": taken.gradient_accumulation_steps,
+            "even": taken.even,
+            "pass_budget": taken.budget,
             "lr_multiplier": multiplier,
             "lr": lr,
             "desired": decision.desired,
             "reason": decision.reason,
-        }
+        }, taken.samples
 
 
 def _base_lr_curve(loaded_config: Any, reference: int, *, needed: bool) -> DeepSpeedSchedulerCurve | None:

@@ -37,10 +37,10 @@ from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.data import ElasticDataLoader
 from ds_adabatch.data.lengths import SampleLengths
 from ds_adabatch.data.loader_setup import DataOrder, build_rank_loader
+from ds_adabatch.data.token_config import sampler_for_config
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler
 from ds_adabatch.runtime.distributed.comm import broadcast_int
-from ds_adabatch.runtime.initialize.tokens import sampler_for_config
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.schedules.user import CallableSchedule
 

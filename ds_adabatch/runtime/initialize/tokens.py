@@ -9,6 +9,7 @@ import torch
 
 from ...config import AdaBatchConfig
 from ...data.lengths import SampleLengths
+from ...data.token_config import sampler_for_config
 from ...data.tokens import TokenBudgetSampler
 
 if TYPE_CHECKING:
@@ -54,25 +55,4 @@ def token_budget_sampler(
     )
     return sampler_for_config(
         cfg, sample_lengths, shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last
-    )
-
-
-def sampler_for_config(
-    cfg: AdaBatchConfig, lengths: SampleLengths, *, shuffle: bool, seed: int, drop_last: bool
-) -> TokenBudgetSampler:
-    """The :class:`TokenBudgetSampler` the token-budget keys of ``cfg`` describe, over ``lengths``
-    (the sample order's ``shuffle``, ``seed`` and ``drop_last`` come from the caller: the ``data``
-    section, or the Hugging Face ``TrainingArguments``)."""
-    micro = cfg.max_micro_batch_per_gpu
-    return TokenBudgetSampler(
-        lengths,
-        micro_batch_tokens=int(cfg.micro_batch_tokens),
-        padding=cfg.padding,
-        max_micro_batch=micro if isinstance(micro, int) else None,
-        bucket_window=cfg.bucket_window,
-        truncate=cfg.truncate_long_samples,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        step_unit=cfg.schedule.batch_unit,
     )
