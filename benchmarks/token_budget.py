@@ -259,7 +259,9 @@ def _goodput_steps(engine, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.next_plan()
-        expected = schedule.throughput.passes_for(engine.plan.global_batch_size, world)
+        expected = schedule.throughput.passes_for(
+            engine.plan.global_batch_size, world, engine.micro_batch_limit
+        )
         engine.train_batch()
         step = engine.last_step_batch.global_batch
         rows.append(
@@ -281,6 +283,12 @@ def _goodput_steps(engine, args: argparse.Namespace) -> None:
             "tokens_per_s": sum(r["tokens"] for r in rows) / elapsed,
             "final_batch": rows[-1]["samples"], "noise_scale": engine.noise.noise_scale,
             "passes_expected_error": {"mean": float(np.mean(errors)), "max": float(np.max(errors))} if errors else None,
+            # From step 20 on: the passes expected over those taken, summed (a fractional expectation
+            # against whole passes has a per-step error however right its mean is).
+            "passes_expected_over_taken_from_step_20": (
+                sum(r["expected"] for r in rows[20:] if r["expected"] is not None)
+                / max(1, sum(r["passes"] for r in rows[20:] if r["expected"] is not None))
+            ),
             "first_steps_of_a_batch": moved,
             "changes": [{"step": e.step, "from": e.old_global_batch, "to": e.new_global_batch, "reason": e.reason}
                         for e in engine.history],

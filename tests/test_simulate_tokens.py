@@ -108,16 +108,18 @@ def test_goodput_learns_the_passes_a_batch_takes():
     assert flat[-1]["global_batch"] == 256
     assert flat[-1]["gradient_accumulation_steps"] >= 10
     assert any("passes of 512 tokens" in row["reason"] for row in flat)
-    # A pass costs its tokens (a compute-bound device) and the noise scale is small: the samples/s of
-    # a larger batch barely grow while its efficiency falls, so the batch stays at start.
+    # A pass costs its tokens (a compute-bound device) and the noise scale is small: a batch that takes
+    # more passes gains little samples/s and loses efficiency, so the batch stays within what start's
+    # passes hold (16 samples, or a few more that the packed lengths say take as many passes).
     cfg = goodput()
     costly = simulate(
         cfg, world_size=2, samples=8000, out_png=None, steps=PackedSteps(cfg, LENGTHS),
         step_time="fixed=0.001,per_pass=0.001,per_sample=0.0001", noise_scale=20.0,
     )  # fmt: skip
-    assert {row["global_batch"] for row in costly[20:]} == {16}
+    assert {row["global_batch"] for row in costly[:10]} == {16}
+    assert max(row["global_batch"] for row in costly[20:]) <= 24
     passes = {row["gradient_accumulation_steps"] for row in costly}
-    assert len(passes) > 1 and max(passes) <= 3, passes  # each step's 16 samples packed by their lengths
+    assert len(passes) > 1 and max(passes) <= 4, passes  # each step's samples packed by their lengths
 
 
 def test_read_lengths_takes_text_json_and_npy(tmp_path):

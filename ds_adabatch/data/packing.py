@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PADDING_MODES", "RankLayout", "micro_batch_cost", "pack_step"]
+__all__ = ["PADDING_MODES", "RankLayout", "count_passes", "micro_batch_cost", "pack_step"]
 
 PADDING_MODES = ("pad_to_longest", "packed")
 
@@ -90,6 +90,25 @@ def _form_micro_batches(
             bins.append([pos])
             loads.append(length)
     return bins
+
+
+def count_passes(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    budget: int,
+    padding: str = "pad_to_longest",
+    max_samples: int | None = None,
+) -> int:
+    """Passes per rank :func:`pack_step` gives a step of samples of ``lengths`` (a sample longer than
+    ``budget`` counted alone in its pass), without laying it out: the micro-batches it forms dealt to
+    ``world_size`` ranks."""
+    if padding not in PADDING_MODES:
+        raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return 0
+    return -(-len(_form_micro_batches(lengths, budget, padding, max_samples)) // world_size)
 
 
 def pack_step(

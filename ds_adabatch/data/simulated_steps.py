@@ -82,6 +82,10 @@ class PackedSteps:
         self.max_micro = cfg.max_micro_batch_per_gpu if isinstance(cfg.max_micro_batch_per_gpu, int) else None
 
     @property
+    def bucket_window(self) -> int:
+        return self.sampler.bucket_window
+
+    @property
     def pass_budget(self) -> int:
         """The token budget the steps are cut with (``micro_batch_tokens``: a simulation has no
         out-of-memory error to lower it)."""
@@ -105,4 +109,9 @@ class PackedSteps:
             gradient_accumulation_steps=step.passes,
             even=plan.is_even,
             budget=step.budget,
+            lengths=step.lengths,
         )
+
+    def passes_of(self, lengths: Any, world_size: int, budget: int) -> int:
+        """Passes per rank samples of ``lengths`` pack into, as the runtime's sampler packs them."""
+        return self.sampler.passes_of(lengths, world_size, budget)

@@ -32,7 +32,7 @@ from ds_adabatch.plan import BatchPlan
 
 from .lengths import SampleLengths
 from .order import MAX_NUM_SAMPLES, EpochOrder, epoch_order
-from .packing import PADDING_MODES, RankLayout, micro_batch_cost, pack_step
+from .packing import PADDING_MODES, RankLayout, count_passes, micro_batch_cost, pack_step
 
 __all__ = ["TOKEN_STATE_VERSION", "SampleLengths", "TokenBudgetSampler", "TokenStep"]
 
@@ -235,6 +235,15 @@ class TokenBudgetSampler:
             epoch=step.epoch, start=step.start, indices=step.indices, lengths=step.lengths,
             layouts=[RankLayout(parts, costs)], skipped=step.skipped, target_tokens=step.target_tokens,
             origin=step._origin, key=step._key, budget=step.budget,
+        )  # fmt: skip
+
+    def passes_of(self, lengths: np.ndarray, world_size: int, budget: int) -> int:
+        """Passes per rank a step of samples of ``lengths`` takes on ``world_size`` ranks, cut with
+        ``budget`` as this sampler cuts its steps (padding, samples cap); the goodput schedule's
+        throughput model packs recent lengths with it to predict other batches' passes."""
+        return count_passes(
+            lengths, world_size=world_size, budget=min(int(budget), self.budget), padding=self.padding,
+            max_samples=self.max_micro_batch,
         )  # fmt: skip
 
     def _pack(

@@ -5,8 +5,9 @@ step's samples are packed into passes of at most the token budget, longest first
 ranks (:mod:`ds_adabatch.data.tokens`). A pass costs about its budget whatever its samples, so what a
 batch costs is the number of passes it takes. The goodput schedule rates a batch ``B`` by a
 :class:`PackedShape`: micro-batch = the token budget, GAS = the passes per rank the recent steps say
-``B`` takes (:meth:`~ds_adabatch.signals.ThroughputModel.passes_for`: the samples a full pass held, each
-rank's last pass counted half full). Its time is predicted at that expected number of passes (not an
+``B`` takes (:meth:`~ds_adabatch.signals.ThroughputModel.passes_for`: the recent samples' lengths packed
+by the runtime's packer in runs of ``B``, or before 64 lengths are known the samples a full pass held,
+each rank's last pass counted half full). Its time is predicted at that expected number of passes (not an
 integer: the packing varies with the lengths); the nearest whole number keys the shape, so a batch
 that takes as many passes as one measured is rated from that measurement and a batch that takes more
 than any measured is a trial, as with whole micro-batches.
@@ -42,7 +43,7 @@ def packed_shape(throughput: Any, batch: int, world: int, budget: int) -> Packed
     """The :class:`PackedShape` of ``batch`` samples on ``world`` ranks with passes of ``budget`` tokens,
     from ``throughput`` (a :class:`~ds_adabatch.signals.ThroughputModel`); None before it has seen a
     token-budget step."""
-    passes = throughput.passes_for(batch, world)
+    passes = throughput.passes_for(batch, world, budget)
     if passes is None:
         return None
     return PackedShape(int(batch), int(world), int(budget), max(1, round(passes)), passes)

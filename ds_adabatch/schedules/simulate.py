@@ -80,6 +80,7 @@ class SimulatedStep:
         micro_batch_per_gpu, gradient_accumulation_steps, even: Its plan (with token budgets: the
             largest pass in samples, the passes per rank, whether every rank holds the same samples).
         budget: The token budget its passes were cut with; None for steps of whole micro-batches.
+        lengths: Its samples' lengths in tokens, in order (token budgets; None otherwise).
     """
 
     samples: int
@@ -87,6 +88,7 @@ class SimulatedStep:
     gradient_accumulation_steps: int
     even: bool
     budget: int | None = None
+    lengths: Any = None
 
 
 class StepSource(Protocol):
@@ -107,6 +109,13 @@ class StepSource(Protocol):
 
     def take(self, global_batch: int, world_size: int) -> SimulatedStep:
         """Form and take the next step of ``global_batch`` (samples, or tokens for a schedule in tokens)."""
+
+    bucket_window: int
+    """Samples of the order sorted by length together (0: none)."""
+
+    def passes_of(self, lengths: Any, world_size: int, budget: int) -> int:
+        """Passes per rank samples of ``lengths`` pack into (what the runtime binds to the goodput
+        schedule's throughput model)."""
 
 
 _SIGNALS = ("loss", "loss_ema", "grad_norm", "noise_scale", "lr", "epoch")
@@ -329,6 +338,10 @@ class _Simulation:
     ) -> None:
         cfg = loaded_config.adabatch
         self.steps = steps
+        throughput = getattr(controller.schedule, "throughput", None)
+        if steps is not None and throughput is not None:
+            # as the runtime's step core binds its sampler's
+            throughput.bind_packer(steps.passes_of, min_lengths=steps.bucket_window)
         self.cfg, self.controller, self.schedule = cfg, controller, controller.schedule
         self.world_size, self.data, self.step_times = world_size, data, step_times
         self.tokens_per_sample, self.count_tokens, self.noise_scale = (
@@ -416,7 +429,9 @@ class _Simulation:
             micro = taken.micro_batch_per_gpu if taken.budget is None else taken.budget
             seconds = self.step_times.predict(micro, gas)
             samples = None if taken.budget is None else taken.samples
-            self.schedule.throughput.observe(micro, gas, self.world_size, seconds, samples=samples)
+            self.schedule.throughput.observe(
+                micro, gas, self.world_size, seconds, samples=samples, lengths=taken.lengths
+            )
         multiplier = lr_multiplier(
             self.rule,
             batch,

@@ -102,6 +102,10 @@ class TokenStepLoader(Protocol):
 class _TokenSampler(Protocol):
     pass_budget: int
 
+    bucket_window: int
+
+    def passes_of(self, lengths: Any, world_size: int, budget: int) -> int: ...
+
 
 @dataclass
 class StepAttachments:
@@ -158,6 +162,11 @@ class StepCore:
         self.allow_uneven = allow_uneven
         self.token_budget = token_budget
         self.token_loader = token_loader
+        model = getattr(attach.step_times, "model", None)
+        if token_loader is not None and model is not None:
+            # goodput rates a batch by the passes its samples pack into: packed as this loader packs
+            sampler = token_loader.sampler
+            model.bind_packer(sampler.passes_of, min_lengths=sampler.bucket_window)
         self.scheduled_batch = scheduled_batch
         """The global batch the schedule chose for the latest decided step (before an epoch-tail or
         out-of-memory re-plan): samples, or a token target."""

@@ -15,7 +15,8 @@ error, or there is no time yet), in the step's :class:`~.step_sync.StepSync`: it
 collective the step issues anyway, and the sum over processes divided by their number (the ranks' mean,
 identical everywhere) is fed to :class:`~ds_adabatch.signals.ThroughputModel` with the step's shape:
 ``(micro, GAS, world)``, or for a token-budget step (``micro_batch_tokens``) ``(its token budget, its
-passes per rank, world)`` with its samples.
+passes per rank, world)`` with its samples and their lengths (which the model packs, with the token
+sampler's packer bound by the step core, to predict other batches' passes).
 
 A simulated curve (``DS_ADABATCH_SIMULATED_STEP_TIME``, read when the engine is built, in
 :func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax) replaces the measured time by the curve's
@@ -84,7 +85,7 @@ class StepTimes(NoStepTimes):
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
         # (start, end, shape, retried, measuring)
-        self._previous: tuple[Any, Any, tuple[int, int, int, int | None], bool, bool] | None = None
+        self._previous: tuple[Any, Any, tuple[int, int, int, int | None, Any], bool, bool] | None = None
 
     def step_started(self) -> None:
         if self._cuda:
@@ -113,30 +114,31 @@ class StepTimes(NoStepTimes):
             previous, self._previous = self._previous, (self._start, end, shape, retried, measuring)
             # The first step has no time yet, and its samples are counted with it a step later.
             shape, seconds = (
-                (previous[2], _elapsed(previous)) if previous is not None else ((*shape[:3], None), 0.0)
+                (previous[2], _elapsed(previous)) if previous is not None else ((*shape[:3], None, None), 0.0)
             )
             measuring = previous is not None and previous[4]
         else:
             seconds = 0.0 if retried else time.perf_counter() - started
         model, processes = self.model, self.processes
-        micro, gas, world, samples = shape
+        micro, gas, world, samples, lengths = shape
 
         def observe(sums: list[torch.Tensor]) -> None:
             seconds = float(sums[0]) / processes
-            model.observe(micro, gas, world, seconds, measuring=measuring, samples=samples)
+            model.observe(micro, gas, world, seconds, measuring=measuring, samples=samples, lengths=lengths)
 
         sync.defer([float(seconds)], observe)
 
 
-def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None]:
-    """``(micro, GAS, world, samples)`` the throughput model keys a step of ``plan`` by: the plan's
-    micro-batch and GAS (samples None); for a token-budget step (``step.global_batch`` a
-    :class:`~ds_adabatch.data.tokens.TokenStep`) its token budget, its passes per rank and its samples."""
+def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None, Any]:
+    """``(micro, GAS, world, samples, lengths)`` the throughput model keys a step of ``plan`` by: the
+    plan's micro-batch and GAS (samples and lengths None); for a token-budget step (``step.global_batch``
+    a :class:`~ds_adabatch.data.tokens.TokenStep`) its token budget, its passes per rank, its samples
+    and their lengths."""
     packed = getattr(step, "global_batch", None)
     budget = getattr(packed, "budget", None)
     if budget is None:
-        return plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, plan.world_size, None
-    return int(budget), plan.gradient_accumulation_steps, plan.world_size, int(packed.size)
+        return plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, plan.world_size, None, None
+    return int(budget), plan.gradient_accumulation_steps, plan.world_size, int(packed.size), packed.lengths
 
 
 def _elapsed(measured: tuple[Any, Any, Any, bool, bool]) -> float:
