@@ -16,6 +16,7 @@ pytestmark = pytest.mark.multirank
 HERE = Path(__file__).parent
 WORKER = HERE / "token_worker.py"
 N, BUDGET = 60, 64
+TARGETS = [150, 300, 90, 40, 500, 64, 200, 120]  # token_worker.TARGETS: the targets it sets in turn
 
 
 def _launch(nproc: int, phase: str, out: Path) -> None:
@@ -55,8 +56,11 @@ def test_token_budget_steps_are_exact_and_exactly_once(results, case):
     # This rank ran as many passes as the plan's accumulation steps, the same on every rank.
     assert all(n == gas for n, gas in r["counts"]) and [c[0] for c in r["counts"]] == r["passes"]
     assert any(p > 1 for p in r["passes"]), "some step must need several passes"
-    # Only target changes are recorded, not every step's varying sample count.
+    # Only target changes are recorded, not every step's varying sample count; the line says the
+    # schedule's targets, in tokens (not the sample counts of the steps around the change).
     assert len(r["history"]) == 7
+    said = [line.split("global batch ")[1].split(" (")[0] for line in r["plan_lines"]]
+    assert said == [f"{a} -> {b} tokens" for a, b in zip(TARGETS, TARGETS[1:])], r["plan_lines"]
 
 
 def test_same_stream_on_every_stage_and_with_length_fn(results):

@@ -9,6 +9,7 @@ PHASE "resume" (1 rank): continues the 2-rank checkpoint. Rank 0 writes OUT_DIR/
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -163,7 +164,13 @@ def write(out_dir: str, name: str, record: dict) -> None:
 
 def train(out_dir: str) -> None:
     data = Sequences()
+    lines: list[str] = []  # rank 0's plan-change lines (INFO, the "ds_adabatch" logger)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda entry: lines.append(entry.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ds_adabatch").addHandler(handler)
+    logging.getLogger("ds_adabatch").setLevel(logging.INFO)
     for stage, normalization in ((0, "token"), (1, "token"), (2, "token"), (3, "token"), (0, "sample")):
+        lines.clear()
         loss_fn = token_mean_loss if normalization == "token" else sample_mean_loss
         engine, *_ = ds_adabatch.initialize(
             make_model(), config(stage, normalization), data, collate_fn=collate, loss_fn=loss_fn,
@@ -185,6 +192,7 @@ def train(out_dir: str) -> None:
         record["params"] = got.tolist()
         record["lengths"] = data.lengths
         record["history"] = [e.to_dict() for e in engine.history]
+        record["plan_lines"] = [line for line in lines if " -> " in line and "global batch" in line]
         write(out_dir, f"train_z{stage}_{normalization}", record)
         engine.close()
         dist.barrier()

@@ -77,15 +77,30 @@ class StepMetrics:
 
 
 def format_plan_change(
-    old: BatchPlan, new: BatchPlan, step: int, lr_ratio: float, reason: str, *, unit: str = "rank"
+    old: BatchPlan,
+    new: BatchPlan,
+    step: int,
+    lr_ratio: float,
+    reason: str,
+    *,
+    unit: str = "rank",
+    scheduled: tuple[int, int, str] | None = None,
 ) -> str:
     """``step 120: global batch 64 -> 128 (micro 8 x gas 4 -> micro 16 x gas 4 on 2 ranks), lr x1.41, ...``.
 
     ``unit`` names what the plan's world size counts (``"replica"`` for a pipeline's data-parallel replicas).
+    ``scheduled``: with token budgets, the schedule's batch before and after and its unit (``"samples"``
+    or ``"tokens"``), said in place of the two steps' sample counts (the step before may be an epoch's
+    smaller tail; a step's samples vary with a token target).
     """
     ranks = unit if new.world_size == 1 else unit + "s"
+    if scheduled is None:
+        batches = f"{old.global_batch_size} -> {new.global_batch_size}"
+    else:
+        before, after, batch_unit = scheduled
+        batches = f"{before} -> {after}" + (" tokens" if batch_unit == "tokens" else "")
     return (
-        f"step {step}: global batch {old.global_batch_size} -> {new.global_batch_size} "
+        f"step {step}: global batch {batches} "
         f"(micro {old.micro_batch_per_gpu} x gas {old.gradient_accumulation_steps} -> "
         f"micro {new.micro_batch_per_gpu} x gas {new.gradient_accumulation_steps} on {new.world_size} "
         f"{ranks}), lr x{lr_ratio:.3g}, {reason}"

@@ -88,6 +88,9 @@ class Decision:
     """Why: the schedule's reason, ``"hold until step N"``, or the override's reason."""
     plan: BatchPlan
     """The plan of ``batch`` (a token target: the step the loader laid out)."""
+    said: tuple[int, int, str] | None = None
+    """With token budgets: ``(previous, batch, unit)`` for the plan-change line, which then says the
+    schedule's batches rather than two steps' samples (the step before may be an epoch's tail)."""
 
 
 class TokenStepLoader(Protocol):
@@ -235,7 +238,8 @@ class StepCore:
             if evaluates and self._agrees:
                 batch = self.agree_schedule(batch)
         previous, self.scheduled_batch = self.scheduled_batch, batch
-        return Decision(step=step, batch=batch, previous=previous, reason=reason, plan=self.plan_for(batch))
+        said = (previous, batch, self.controller.config.schedule.batch_unit) if self.token_budget else None
+        return Decision(step, batch, previous, reason, self.plan_for(batch), said)
 
     def set_override(self, batch: int | None, reason: str = "manual") -> None:
         """From the next decision on the global batch is ``batch`` (agreed once); None: the schedule."""

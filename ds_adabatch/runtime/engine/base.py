@@ -477,17 +477,20 @@ class AdaptiveEngineBase:
             reason = decision.reason
             if memory_reason is not None and decision.batch == self.plan.global_batch_size:
                 reason = memory_reason
-            self._apply_plan(plan, reason=reason, record=record)
+            self._apply_plan(plan, reason=reason, record=record, said=decision.said)
         elif self.lr_coupling.follows_noise:
             self.lr_coupling.set_global_batch(self.core.lr_batch(plan))
 
-    def _apply_plan(self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None) -> None:
-        """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only)."""
+    def _apply_plan(
+        self, plan: BatchPlan, *, reason: str, record: bool, line: str | None = None, said: Any = None
+    ) -> None:
+        """Make DeepSpeed's view of the batch match ``plan`` (between optimizer steps only); ``said``:
+        the batches the plan-change line says (``Decision.said``)."""
         old = self.plan
         self._apply_shape(plan)
         old_mult = self.lr_coupling.multiplier
         new_mult = self.lr_coupling.set_global_batch(self.core.lr_batch(plan))
-        self.plan = plan
+        ratio, self.plan = new_mult / old_mult, plan
         if not record:
             return
         self.history.append(
@@ -504,7 +507,7 @@ class AdaptiveEngineBase:
             logger.info(
                 line
                 or format_plan_change(
-                    old, plan, self.global_steps, new_mult / old_mult, reason, unit=self._plan_unit
+                    old, plan, self.global_steps, ratio, reason, unit=self._plan_unit, scheduled=said
                 )
             )
 
@@ -526,12 +529,9 @@ class AdaptiveEngineBase:
         # DeepSpeed adds train_batch_size (the padded nominal shape) per step; keep the exact count.
         self.deepspeed.global_samples = self.global_samples
         self.lr_coupling.set_samples(self.global_samples)
-        # The learned limit counts samples per pass, or tokens per pass with a token budget.
-        largest = (
-            self.last_step_batch.global_batch.largest_pass
-            if self.token_budget
-            else self.plan.micro_batch_per_gpu
-        )
+        largest = self.plan.micro_batch_per_gpu  # the learned limit's unit: samples per pass,
+        if self.token_budget:  # or tokens per pass with a token budget
+            largest = self.last_step_batch.global_batch.largest_pass
         if count_memory:  # a limit that grows back is logged with the plan change it causes
             self.core.clean_step(largest)
 
