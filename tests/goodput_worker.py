@@ -255,10 +255,31 @@ def run_token_case(
             "noise": engine.noise.noise_scale,
             "measuring": [[m, g] for m, g, _, _ in schedule.throughput.state_dict()["measuring"]],
         }
+        if name == "tokens":  # what `ds-adabatch simulate --lengths` says this run does, step by step
+            payload["simulated"] = simulated_token_steps(budget, data.lengths, sum(len(s) for s in steps))
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(payload, f)
     engine.close()
     del os.environ[SIMULATED_STEP_TIME_ENV]
+
+
+def simulated_token_steps(budget: int, lengths: list[int], samples: int) -> list[list[int]]:
+    """``[samples, passes per rank]`` of every step ``simulate`` forms for the "tokens" case's config on 2
+    ranks over the same lengths and curve (the noise scale is given: the warm-up's decisions on step
+    cost do not read it)."""
+    from ds_adabatch.config import load_ds_config
+    from ds_adabatch.data.simulated_steps import PackedSteps
+    from ds_adabatch.schedules import simulate
+
+    cfg = token_config("unused.jsonl", budget)
+    cfg["adabatch"]["log"]["jsonl"] = None
+    loaded = load_ds_config(cfg, world_size=2)
+    rows = simulate(
+        loaded, world_size=2, samples=samples, out_png=None, steps=PackedSteps(loaded, lengths),
+        step_time=FLAT, noise_scale=100.0,
+    )  # fmt: skip
+    taken = [b["samples"] - a["samples"] for a, b in zip(rows, rows[1:])]
+    return [[n, row["gradient_accumulation_steps"]] for n, row in zip(taken, rows)]
 
 
 def main() -> None:

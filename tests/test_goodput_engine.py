@@ -188,6 +188,12 @@ def test_token_budgets_a_flat_cost_climbs_by_passes_and_every_step_is_exact(laun
     assert moves and all("passes of 64 tokens" in h["reason"] for h in moves), moves
     assert "-> batch 48:" in moves[-1]["reason"] and moves[-1]["step"] < 20, moves
     assert max(len(s) for s in r["steps"]) == 48 and max(r["passes"]) > 1, r["passes"]
+    # `ds-adabatch simulate --lengths` over the same lengths, config and curve forms the same steps,
+    # samples and passes, epoch tails included: the warm-up decides on step cost alone, and then the
+    # batch is at max_global_batch, where the noise scale (given to simulate, measured by the run)
+    # cannot move it.
+    ran = [[len(s), p] for s, p in zip(r["steps"], r["passes"])]
+    assert len(r["simulated"]) >= 30 and r["simulated"] == ran[: len(r["simulated"])], (r["simulated"], ran)
 
 
 def test_token_budgets_resume_on_one_rank_continues_the_model_exactly(launches):
