@@ -309,9 +309,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     if isinstance(rows, list) and rows and isinstance(rows[0], dict) and "global_batch" in rows[0]:
         batches = [row["global_batch"] for row in rows]
+        packed = (
+            ""
+            if rows[0].get("pass_budget") is None
+            else (
+                f"; {min(r['gradient_accumulation_steps'] for r in rows)}.."
+                f"{max(r['gradient_accumulation_steps'] for r in rows)} passes of {rows[0]['pass_budget']} tokens "
+                f"per rank"
+            )
+        )
         print(
             f"{len(rows)} optimizer steps over {args.samples} samples on {args.world_size} ranks: global batch "
-            f"{batches[0]} -> {batches[-1]} (range {min(batches)}..{max(batches)})"
+            f"{batches[0]} -> {batches[-1]} (range {min(batches)}..{max(batches)}){packed}"
         )
     csv = args.csv or str(Path(args.out).with_suffix(".csv"))
     written = [path for path in (args.out, csv) if Path(path).is_file()]

@@ -138,7 +138,7 @@ def test_read_lengths_takes_text_json_and_npy(tmp_path):
             read_lengths(tmp_path / name)
 
 
-def test_the_command_line(tmp_path):
+def test_the_command_line(tmp_path, capsys):
     config = json.loads((ROOT / "ds_configs" / "goodput.json").read_text())
     section = config["adabatch"]
     section.pop("max_micro_batch_per_gpu")
@@ -151,6 +151,9 @@ def test_the_command_line(tmp_path):
     args = ["simulate", str(path), "--world-size", "2", "--samples", "3000", "--out", str(out)]
     args += ["--step-time", "fixed=0.02,per_pass=0.01", "--noise-scale", "100", "--lengths", str(lengths)]
     assert cli.main(args) == 0
+    said = capsys.readouterr().out
+    assert "optimizer steps over 3000 samples on 2 ranks: global batch 16 -> " in said, said
+    assert " passes of 512 tokens per rank" in said, said
     with open(tmp_path / "plan.csv", newline="") as handle:
         table = list(csv.DictReader(handle))
     assert {row["pass_budget"] for row in table} == {str(BUDGET)}

@@ -490,10 +490,11 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     x = [row["samples"] for row in rows]
     lr_known = all(row["lr"] is not None for row in rows)
+    packed = rows[0]["pass_budget"] is not None  # token budgets: passes of the budget, packed
     panels = (
         ("global_batch", "global batch"),
-        ("micro_batch_per_gpu", "micro-batch / GPU"),
-        ("gradient_accumulation_steps", "GAS"),
+        ("micro_batch_per_gpu", "largest pass (samples)" if packed else "micro-batch / GPU"),
+        ("gradient_accumulation_steps", "passes per rank" if packed else "GAS"),
         ("lr", "applied learning rate") if lr_known else ("lr_multiplier", "LR multiplier"),
     )
     fig = Figure(figsize=(9, 9), layout="constrained")
