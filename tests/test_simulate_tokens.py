@@ -43,6 +43,10 @@ def test_token_budgets_need_the_lengths():
         PackedSteps(plain, LENGTHS)
     with pytest.raises(ValueError, match="only apply with adabatch.micro_batch_tokens"):
         simulate(plain, world_size=2, samples=100, out_png=None, steps=PackedSteps(cfg, LENGTHS))
+    with pytest.raises(ValueError, match="tokens_per_sample does not apply with sample lengths"):
+        simulate(
+            cfg, world_size=2, samples=100, out_png=None, steps=PackedSteps(cfg, LENGTHS), tokens_per_sample=8
+        )
     with pytest.raises(ValueError, match=r"sample \d+ has length \d+ tokens, above micro_batch_tokens 512"):
         PackedSteps(cfg, np.concatenate([LENGTHS, [600]]))
 

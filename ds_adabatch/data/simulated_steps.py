@@ -83,6 +83,7 @@ class PackedSteps:
 
     @property
     def bucket_window(self) -> int:
+        """The config's ``bucket_window`` (the goodput model packs recent lengths after a whole one)."""
         return self.sampler.bucket_window
 
     @property

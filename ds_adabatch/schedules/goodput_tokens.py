@@ -6,8 +6,8 @@ ranks (:mod:`ds_adabatch.data.tokens`). A pass costs about its budget whatever i
 batch costs is the number of passes it takes. The goodput schedule rates a batch ``B`` by a
 :class:`PackedShape`: micro-batch = the token budget, GAS = the passes per rank the recent steps say
 ``B`` takes (:meth:`~ds_adabatch.signals.ThroughputModel.passes_for`: the recent samples' lengths packed
-by the runtime's packer in runs of ``B``, or before 64 lengths are known the samples a full pass held,
-each rank's last pass counted half full). Its time is predicted at that expected number of passes (not an
+by the runtime's packer in runs of ``B``; until enough lengths were seen, the samples a full pass
+held, each rank's last pass counted half full). Its time is predicted at that expected number of passes (not an
 integer: the packing varies with the lengths); the nearest whole number keys the shape, so a batch
 that takes as many passes as one measured is rated from that measurement and a batch that takes more
 than any measured is a trial, as with whole micro-batches.

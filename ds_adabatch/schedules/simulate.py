@@ -95,6 +95,9 @@ class StepSource(Protocol):
     """What forms the simulated steps in place of the planner: with token budgets,
     :class:`~ds_adabatch.data.simulated_steps.PackedSteps`."""
 
+    bucket_window: int
+    """Samples of the order sorted by length together (0: none)."""
+
     @property
     def pass_budget(self) -> int | None:
         """The token budget the next step is cut with (None: whole micro-batches)."""
@@ -109,9 +112,6 @@ class StepSource(Protocol):
 
     def take(self, global_batch: int, world_size: int) -> SimulatedStep:
         """Form and take the next step of ``global_batch`` (samples, or tokens for a schedule in tokens)."""
-
-    bucket_window: int
-    """Samples of the order sorted by length together (0: none)."""
 
     def passes_of(self, lengths: Any, world_size: int, budget: int) -> int:
         """Passes per rank samples of ``lengths`` pack into (what the runtime binds to the goodput
@@ -224,6 +224,10 @@ def simulate(
         raise ValueError(
             "adabatch.micro_batch_tokens forms each step from the samples' lengths: give them, "
             "--lengths FILE (one length in tokens per sample, in dataset order), or steps=PackedSteps(...)"
+        )
+    if steps is not None and tokens_per_sample:
+        raise ValueError(
+            "tokens_per_sample does not apply with sample lengths, which count the tokens: drop one"
         )
     if steps is not None and not cfg.token_budget:
         raise ValueError(

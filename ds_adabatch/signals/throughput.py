@@ -49,13 +49,13 @@ will), are packed as a step would be and their passes averaged (at quarter-octav
 between). Measured after 40 steps on lengths 8-63 tokens, 2 ranks, at batches 8 to 1000: within 5% of
 the passes taken with a budget of 256 (steps of 48 ran); with a budget of 2048, where the steps of 16
 ran one pass that was never full, exact at 8 of the 10 batches and at most 16% off. Without a packer,
-or before enough lengths were seen (:meth:`ThroughputModel.bind_packer`), a full pass holds ``q`` samples, measured over the recent steps
-with each rank's last pass counted half full (it holds what is left), so ``B`` samples on ``W`` ranks
-take ``B / (W x q) + 1/2`` passes per rank (at least 1): up to 7% too many in the first case (a larger
-batch packs better), and up to 3.2x too many in the second (64 samples: 2.5 passes, where they take
-1). The first steps not kept
-(``skip_first``) are those at a new budget, not at a new pass count: a batch's steps take a varying
-number of passes, and keying their first steps out would leave most of them unmeasured.
+or before enough lengths were seen (:meth:`ThroughputModel.bind_packer`), a full pass holds ``q``
+samples, measured over the recent steps with each rank's last pass counted half full (it holds what
+is left), so ``B`` samples on ``W`` ranks take ``B / (W x q) + 1/2`` passes per rank (at least 1): up
+to 7% too many in the first case (a larger batch packs better), and up to 3.2x too many in the second
+(64 samples: 2.5 passes, where they take 1). The first steps not kept (``skip_first``) are those at a
+new budget, not at a new pass count: a batch's steps take a varying number of passes, and keying
+their first steps out would leave most of them unmeasured.
 
 World size: observations carry it. The fit uses the shapes measured at the world size asked about once
 it has any; until then those of every world size (a rank's passes cost the same; only the reduction's
