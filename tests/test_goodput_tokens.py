@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.config.errors import ConfigError
 from ds_adabatch.config.loader import load_ds_config
 from ds_adabatch.data.packing import count_passes, pack_step
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
@@ -159,6 +160,13 @@ def test_the_config_takes_goodput_with_token_budgets():
         }
     )
     assert cfg.adabatch.token_budget and cfg.adabatch.schedule.type == "goodput"
+    # Its batch counts samples: a unit in tokens is refused, saying which schedules take one.
+    for kind in ("goodput", "gradient_noise"):
+        section = {"schedule": {"type": kind, "start": 16, "unit": "tokens"}, "micro_batch_tokens": 512}
+        with pytest.raises(
+            ConfigError, match="counts its global batch in samples.*linear, step and piecewise"
+        ):
+            load_ds_config({"adabatch": {**section, "max_global_batch": 256}})
 
 
 def test_a_flat_cost_goes_to_the_large_end():

@@ -103,6 +103,12 @@ def _message(error: Any, parts: list[str | int], data: object, root: type[BaseMo
         if model is None:
             return "is not a known key: remove it"
         valid = sorted(model.model_fields)
+        if parts[-1] == "unit" and "type" in valid:  # a schedule whose batch counts samples only
+            return (
+                "is not a key of this schedule: it counts its global batch in samples (with "
+                "micro_batch_tokens, each step's samples are packed into passes of the token budget); "
+                "unit 'tokens' is for the constant, linear, step and piecewise schedules: remove it"
+            )
         close = difflib.get_close_matches(str(parts[-1]), valid, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         return f"is not a known key: {hint}valid keys here are {', '.join(valid)}"
