@@ -186,3 +186,18 @@ def test_the_command_line(tmp_path, capsys):
         )
         == 2
     )
+
+
+def test_a_noise_driven_schedule_over_packed_steps():
+    # gradient_noise keeps its batch in samples; the steps are still packed from the lengths.
+    cfg = loaded(
+        {"type": "gradient_noise", "start": 16, "warmup_steps": 5, "max_relative_error": None, "scale": 0.2},
+        max_global_batch=256,
+    )
+    rows = simulate(
+        cfg, world_size=2, samples=5000, out_png=None, steps=PackedSteps(cfg, LENGTHS), noise_scale=100.0
+    )
+    assert rows[-1]["global_batch"] == 20, rows[-1]  # scale x B_noise
+    assert len({r["gradient_accumulation_steps"] for r in rows}) > 1 and {r["pass_budget"] for r in rows} == {
+        BUDGET
+    }
