@@ -34,6 +34,7 @@ import resource
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -299,7 +300,7 @@ def _goodput_steps(engine, args: argparse.Namespace) -> None:
 
 
 def goodput(args: argparse.Namespace) -> dict:
-    out = HERE / "results" / "token_budget_goodput_run.json"
+    out = Path(tempfile.mkdtemp(prefix="token_budget_goodput_")) / "run.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", __file__,
            "_worker", "--mode", "goodput", "--out", str(out), "--steps", str(args.steps), "--budget",
            str(args.budget), "--window", str(args.window), "--first-batch", str(args.first_batch), "--max-batch",
@@ -307,6 +308,7 @@ def goodput(args: argparse.Namespace) -> dict:
     subprocess.run(cmd, check=True, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
     result = json.loads(out.read_text())
     out.unlink()
+    out.parent.rmdir()
     return result
 
 
@@ -342,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ds-gas", type=int, default=4, help="DeepSpeed side: micro-batches per rank per step"
     )
-    parser.add_argument("--out", default=str(HERE / "results" / "token_budget.json"))
+    parser.add_argument(
+        "--out", default=None, help="where the results go (default: results/token_budget[_MODE].json)"
+    )
     args = parser.parse_args(argv)
     if args.what == "_worker":
         _worker(args)
@@ -350,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"count": count, "train": train, "deepspeed": deepspeed_compare, "goodput": goodput}[args.what](
         args
     )
-    out = HERE / "results" / f"token_budget{'' if args.what == 'count' else '_' + args.what}.json"
+    default = HERE / "results" / f"token_budget{'' if args.what == 'count' else '_' + args.what}.json"
+    out = Path(args.out) if args.out else default
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

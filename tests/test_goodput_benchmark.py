@@ -238,3 +238,21 @@ def test_the_short_memory_policy_is_goodput_with_a_five_measurement_estimate_tak
     loaded = load_ds_config(ds_config(short, args), world_size=1)
     schedule = loaded.adabatch.schedule
     assert (schedule.type, schedule.ema_beta, schedule.max_relative_error) == ("goodput", 0.8, None)
+
+
+def test_token_budget_goodput_smoke(tmp_path):
+    # benchmarks/token_budget.py goodput: 2 gloo ranks, goodput over token-budget steps on the stdlib's
+    # paragraphs; every step's expected and taken passes and the plan changes come out well formed.
+    out = tmp_path / "goodput.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "token_budget.py"), "goodput", "--steps", "6"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, "--budget", "4096", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"the smoke run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    rows = result["steps_run"]
+    assert len(rows) == 6 and all(r["passes"] >= 1 and r["samples"] >= 1 for r in rows), rows
+    assert all(r["expected"] is None or r["expected"] >= 1.0 for r in rows), rows
+    assert rows[0]["samples"] == 16 and result["tokens_per_s"] > 0, result
