@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -299,9 +300,24 @@ def _goodput_steps(engine, args: argparse.Namespace) -> None:
     engine.close()
 
 
+def _launcher(world: int) -> list[str]:
+    """torchrun on ``world`` ranks at a free port: DeepSpeed's CPU shared-memory allreduce names its
+    buffers by the master port, so two launches at the default port on one machine would share them."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world}",
+        f"--master-port={port}",
+    ]
+
+
 def goodput(args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(prefix="token_budget_goodput_")) / "run.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", __file__,
+    cmd = [*_launcher(args.world), __file__,
            "_worker", "--mode", "goodput", "--out", str(out), "--steps", str(args.steps), "--budget",
            str(args.budget), "--window", str(args.window), "--first-batch", str(args.first_batch), "--max-batch",
            str(args.max_batch), "--seed", str(args.seed)]  # fmt: skip
@@ -316,7 +332,7 @@ def train(args: argparse.Namespace) -> dict:
     rows = {}
     for mode in ("fixed", "tokens"):
         out = HERE / "results" / f"token_budget_{mode}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", __file__,
+        cmd = [*_launcher(args.world), __file__,
                "_worker", "--mode", mode, "--out", str(out), "--steps", str(args.steps),
                "--budget", str(args.budget), "--step-tokens", str(args.step_tokens), "--window", str(args.window)]  # fmt: skip
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

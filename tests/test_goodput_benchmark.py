@@ -245,7 +245,7 @@ def test_token_budget_goodput_smoke(tmp_path):
     # paragraphs; every step's expected and taken passes and the plan changes come out well formed.
     out = tmp_path / "goodput.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "token_budget.py"), "goodput", "--steps", "6"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run(
         [*cmd, "--budget", "4096", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=900,
