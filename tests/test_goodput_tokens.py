@@ -284,3 +284,25 @@ def test_the_default_warm_up_undoes_a_larger_batch_whose_passes_cost():
     assert any(r and "not kept" in r for r in controller.reasons), controller.reasons
     start_passes = max(p for b, p, _ in steps[:4])
     assert all(p <= start_passes for _, p, _ in steps[-8:]), steps
+
+
+def test_packed_passes_depend_on_the_state_alone_within_a_refresh():
+    # Past 4,096 lengths the oldest kept ones drop out with every step. A rating remembered early in a
+    # refresh (512 samples) must equal the rating a resumed run computes later in it, from the state.
+    model = ThroughputModel()
+    model.bind_packer(packer)
+    position = 0
+    for _ in range(130):  # 130 x 48 = 6,240 lengths: the kept ones have wrapped
+        passes, n = packed_passes(position, 48, 2)
+        model.observe(BUDGET, passes, 2, 0.1, samples=n, lengths=LENGTHS[position : position + n])
+        position += n
+    early = {b: model.passes_for(b, 2, BUDGET) for b in (40, 96, 700, 3000)}
+    for _ in range(8):  # 384 more: the same refresh (6,240 -> 6,624 stays within 6,144..6,655)
+        passes, n = packed_passes(position, 48, 2)
+        model.observe(BUDGET, passes, 2, 0.1, samples=n, lengths=LENGTHS[position : position + n])
+        position += n
+    resumed = ThroughputModel()
+    resumed.load_state_dict(model.state_dict())
+    resumed.bind_packer(packer)
+    assert {b: resumed.passes_for(b, 2, BUDGET) for b in early} == early
+    assert {b: model.passes_for(b, 2, BUDGET) for b in early} == early

@@ -206,7 +206,7 @@ class ThroughputModel:
         self._lengths_seen = 0
         self._packer: Callable[[Any, int, int], int] | None = None
         self._packing_after = PACKING_MIN
-        self._passes_memo: tuple[int, dict[tuple[int, int, int], float]] = (-1, {})
+        self._passes_memo: tuple[int, list[int], dict[tuple[int, int, int], float]] = (-1, [], {})
 
     def bind_packer(self, packer: Callable[[Any, int, int], int] | None, min_lengths: int = 0) -> None:
         """Token-budget steps: ``packer(lengths, world, budget)`` gives the passes per rank the runtime's
@@ -218,7 +218,7 @@ class ThroughputModel:
         shortest and would rate any batch too cheap until a whole window went by."""
         self._packer = packer
         self._packing_after = max(PACKING_MIN, int(min_lengths))
-        self._passes_memo = (-1, {})
+        self._passes_memo = (-1, [], {})
 
     def observe(
         self,
@@ -337,19 +337,21 @@ class ThroughputModel:
     def _pack_recent(self, batch: int, world: int, budget: int) -> float:
         """The mean passes of the runs of ``batch`` consecutive lengths the kept ones hold (the data's
         order, so a sorted bucket packs as it will; the newest runs, as many as fit), or of the kept
-        lengths repeated to ``batch`` where fewer are kept. The lengths read are those up to the latest
-        multiple of :data:`PACKING_REFRESH` samples seen (all of them before the first), so the values
-        are remembered across the steps in between and depend on the model's state alone."""
+        lengths repeated to ``batch`` where fewer are kept. The lengths read are the latest
+        ``LENGTHS_KEPT - PACKING_REFRESH`` up to the latest multiple of :data:`PACKING_REFRESH` samples
+        seen (all of them before the first): still kept until the next refresh, so the values are
+        remembered across the steps in between and depend on the model's state alone."""
         seen = self._lengths_seen
         upto = seen if seen < PACKING_REFRESH else seen - seen % PACKING_REFRESH
-        memo_at, memo = self._passes_memo
-        if memo_at != upto:
-            memo = {}
-            self._passes_memo = (upto, memo)
+        if self._passes_memo[0] != upto:
+            # The lengths up to ``upto``, at most as many as stay kept until the next refresh: the same
+            # list whenever in this refresh it is read (a resumed run reads what the first run did).
+            kept = list(self._lengths)
+            end = len(kept) - (seen - upto)
+            self._passes_memo = (upto, kept[max(0, end - (LENGTHS_KEPT - PACKING_REFRESH)) : end], {})
+        _, kept, memo = self._passes_memo
         key = (batch, world, budget)
         if key not in memo:
-            kept = list(self._lengths)
-            kept = kept[: len(kept) - (seen - upto)]
             chunks = len(kept) // batch
             if chunks == 0:
                 runs = [(kept * (batch // len(kept) + 1))[:batch]]
@@ -414,7 +416,7 @@ class ThroughputModel:
         )
         self._lengths = deque((int(n) for n in state.get("lengths", [])), maxlen=LENGTHS_KEPT)
         self._lengths_seen = int(state.get("lengths_seen", len(self._lengths)))
-        self._passes_memo = (-1, {})
+        self._passes_memo = (-1, [], {})
         self._fits.clear()
 
 
