@@ -475,8 +475,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--step-time",
         default=None,
         metavar="CURVE",
-        help="what a step costs, for goodput: fixed=S,per_pass=S,per_sample=S (seconds) or a table of "
-        "one-pass step times by micro-batch, MICRO:S,MICRO:S,...",
+        help="what a step costs, for goodput: fixed=S,per_pass=S,per_sample=S (seconds), optionally with "
+        "jitter=S (each step measured within a lognormal factor whose log has that standard deviation, "
+        "as a real device's times scatter), or a table of one-pass step times by micro-batch, "
+        "MICRO:S,MICRO:S,...",
     )
     p.add_argument(
         "--noise-scale",

@@ -95,9 +95,24 @@ def test_parse_step_time_curve():
     assert fit.predict(10, 2) == pytest.approx(0.03 + 2 * 0.004)
     table = parse_step_time_curve("8:0.034,32:0.046,128:0.094")
     assert table.predict(64, 1) == pytest.approx(0.030 + 0.0005 * 64)
-    for bad in ["fixed=x", "speed=1", "8:0.1,oops", "", "fixed=0"]:
+    for bad in ["fixed=x", "speed=1", "8:0.1,oops", "", "fixed=0", "jitter=0.2", "fixed=0.03,jitter=-0.1"]:
         with pytest.raises(ValueError):
             parse_step_time_curve(bad)
+    assert fit.jitter == 0.0 and fit.measure(10, 2, random.Random(0)) == fit.predict(10, 2)
+
+
+def test_a_jittered_curve_measures_noisy_times_about_its_value():
+    curve = parse_step_time_curve("fixed=0.04, jitter=0.25")
+    assert curve.jitter == 0.25 and curve.predict(64, 1) == pytest.approx(0.04)
+    assert "exp(+-0.25)" in curve.describe()
+    rng = random.Random(3)
+    logs = [math.log(curve.measure(64, 1, rng) / 0.04) for _ in range(20000)]
+    spread = math.sqrt(sum(x * x for x in logs) / len(logs) - (sum(logs) / len(logs)) ** 2)
+    assert spread == pytest.approx(0.25, rel=0.03)  # the log's standard deviation
+    mean = sum(math.exp(x) for x in logs) / len(logs)
+    assert mean == pytest.approx(1.0, abs=0.01)  # the curve's value on average
+    again = random.Random(3)
+    assert [curve.measure(8, 2, again) for _ in range(3)] != [curve.measure(8, 2, again) for _ in range(3)]
 
 
 def test_statistical_efficiency():

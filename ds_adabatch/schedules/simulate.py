@@ -14,7 +14,8 @@ values that are ``null`` or ``NaN`` are skipped.
 The ``goodput`` schedule also needs what a step costs: ``step_time``, a curve in
 :func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax (``"fixed=0.03,per_sample=0.0004"`` or a
 table ``"8:0.031,32:0.034"``), which stands in for the measured step times its throughput model learns
-from (each simulated step is "measured" at the curve's value for its shape); and a noise scale, from
+from (each simulated step is "measured" at the curve's value for its shape, within the curve's
+``jitter``); and a noise scale, from
 ``--replay`` or fixed with ``noise_scale``.
 
 With token budgets (``micro_batch_tokens``) a step's passes come from its samples' lengths, so the
@@ -39,6 +40,7 @@ import csv
 import json
 import math
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -348,6 +350,7 @@ class _Simulation:
             throughput.bind_packer(steps.passes_of, min_lengths=steps.bucket_window)
         self.cfg, self.controller, self.schedule = cfg, controller, controller.schedule
         self.world_size, self.data, self.step_times = world_size, data, step_times
+        self._measured = random.Random(0)  # a curve's jitter: the same draws in every simulation
         self.tokens_per_sample, self.count_tokens, self.noise_scale = (
             tokens_per_sample,
             count_tokens,
@@ -431,7 +434,7 @@ class _Simulation:
             # by its budget and passes, with its samples
             gas = taken.gradient_accumulation_steps
             micro = taken.micro_batch_per_gpu if taken.budget is None else taken.budget
-            seconds = self.step_times.predict(micro, gas)
+            seconds = self.step_times.measure(micro, gas, self._measured)
             samples = None if taken.budget is None else taken.samples
             self.schedule.throughput.observe(
                 micro, gas, self.world_size, seconds, samples=samples, lengths=taken.lengths

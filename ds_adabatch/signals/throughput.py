@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -98,16 +99,31 @@ class StepTimeFit:
     per_sample: float
     shapes: int
     """Distinct shapes the fit rests on."""
+    jitter: float = 0.0
+    """A simulated curve's measurement noise (:func:`parse_step_time_curve`'s ``jitter``): each step is
+    measured at the curve's value times a lognormal factor of mean 1 whose log has this standard
+    deviation (:meth:`measure`); 0 for a fit and for a curve without it."""
 
     def predict(self, micro: int, gas: int) -> float:
         """Seconds of one optimizer step of ``gas`` passes of ``micro`` samples (tokens) per rank."""
         return self.fixed + gas * (self.per_pass + self.per_sample * micro)
+
+    def measure(self, micro: int, gas: int, rng: random.Random) -> float:
+        """What one step of that shape is measured at on the simulated device: :meth:`predict`, times
+        ``exp(jitter x z - jitter^2 / 2)`` for a standard normal ``z`` drawn from ``rng`` (the curve's
+        value on average)."""
+        seconds = self.predict(micro, gas)
+        if not self.jitter:
+            return seconds
+        return seconds * math.exp(self.jitter * rng.gauss(0.0, 1.0) - self.jitter**2 / 2)
 
     def describe(self) -> str:
         curve = (
             f"{self.fixed * 1e3:.3g} ms + GAS x ({self.per_pass * 1e3:.3g} ms + micro x "
             f"{self.per_sample * 1e3:.3g} ms)"
         )
+        if self.jitter:
+            curve += f", each step measured within a factor exp(+-{self.jitter:g}) about it (one sigma)"
         return (
             curve if not self.shapes else f"{curve} from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
         )
@@ -427,6 +443,11 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
     are 0), or a table of one-pass step times by micro-batch, ``"8:0.031,32:0.034,128:0.052"``, which is
     fitted as the runtime fits measured steps.
 
+    With the coefficients, ``jitter=S`` (unitless, default 0) makes the simulated steps' measured times
+    noisy, as a real device's are: each is the curve's value times a lognormal factor of mean 1 whose log
+    has standard deviation ``S`` (:meth:`StepTimeFit.measure`; 0.25: about +-25%). The curve itself is
+    the mean; ``jitter`` is what the goodput schedule's measurements see, not a cost.
+
     Raises:
         ValueError: the text is neither, naming what is wrong.
     """
@@ -436,21 +457,20 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
             "an empty step-time curve: give fixed=...,per_pass=...,per_sample=... or micro:seconds pairs"
         )
     if all("=" in item for item in items):
-        values = {"fixed": 0.0, "per_pass": 0.0, "per_sample": 0.0}
+        values = {"fixed": 0.0, "per_pass": 0.0, "per_sample": 0.0, "jitter": 0.0}
         for item in items:
             name, _, value = item.partition("=")
             name = name.strip()
             if name not in values:
-                raise ValueError(f"unknown step-time term {name!r} in {text!r}; known: {', '.join(_TERMS)}")
+                raise ValueError(f"unknown step-time term {name!r} in {text!r}; known: {', '.join(values)}")
+            unit = "" if name == "jitter" else " seconds"
             try:
                 values[name] = float(value)
             except ValueError:
-                raise ValueError(
-                    f"step-time term {name} must be a number of seconds, got {value!r}"
-                ) from None
-            if not values[name] >= 0:
-                raise ValueError(f"step-time term {name} must be >= 0 seconds, got {value!r}")
-        if not any(values.values()):
+                raise ValueError(f"step-time term {name} must be a number{unit}, got {value!r}") from None
+            if not values[name] >= 0 or not math.isfinite(values[name]):
+                raise ValueError(f"step-time term {name} must be >= 0{unit}, got {value!r}")
+        if not any(values[term] for term in _TERMS):
             raise ValueError(
                 f"the step-time curve {text!r} is zero everywhere: give at least one positive term"
             )

@@ -20,8 +20,8 @@ sampler's packer bound by the step core, to predict other batches' passes).
 
 A simulated curve (``DS_ADABATCH_SIMULATED_STEP_TIME``, read when the engine is built, in
 :func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax) replaces the measured time by the curve's
-value for the step's shape: tests and demonstrations make the cost flat (host-bound) or growing
-(compute-bound) on any machine.
+value for the step's shape (with its ``jitter``, a noisy measurement of that value): tests and
+demonstrations make the cost flat (host-bound) or growing (compute-bound) on any machine.
 
 When the schedule does not read step times the engine holds :class:`NoStepTimes`, which does nothing.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from typing import Any
 
@@ -82,6 +83,8 @@ class StepTimes(NoStepTimes):
         self.model = model
         self.processes = max(1, int(processes))
         self.curve = curve
+        # A simulated curve's jitter: drawn from the run's torch seed, so a run repeats with its seed.
+        self._jitter = random.Random(torch.initial_seed())
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
         # (start, end, shape, retried, measuring)
@@ -107,7 +110,7 @@ class StepTimes(NoStepTimes):
         step's :class:`~ds_adabatch.data.StepBatch` (a token-budget step is keyed by its budget)."""
         shape = step_shape(plan, step)
         if self.curve is not None:
-            seconds = 0.0 if retried else self.curve.predict(shape[0], shape[1])
+            seconds = 0.0 if retried else self.curve.measure(shape[0], shape[1], self._jitter)
         elif self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
