@@ -67,6 +67,46 @@ def test_fit_with_noise_and_outliers_stays_close():
         assert fit.predict(micro, gas) == pytest.approx(curve(micro, gas), rel=0.1), fit.describe()
 
 
+def test_the_flat_fit_stays_where_the_step_times_scatter_more_than_the_slope_between_shapes():
+    from ds_adabatch.signals.throughput import fit_step_time
+
+    # Two shapes' medians 12% apart: with exact times that is a slope, per_sample > 0.
+    points = [(32, 1, 0.040, 8), (64, 1, 0.0448, 8)]
+    assert fit_step_time(points).per_sample > 0
+    # Where one step's log time scatters by 0.25 (a host-bound GPU's first steps), a median of 8 scatters
+    # by about 0.11, and 12% is noise: the fit stays flat, so 128 is predicted to cost no more and tried.
+    flat = fit_step_time(points, spread=0.25**2)
+    assert (flat.per_pass, flat.per_sample) == (0.0, 0.0) and 0.04 < flat.fixed < 0.0448, flat
+    # A difference noise cannot draw (1.7x) keeps its slope at that spread,
+    steep = fit_step_time([(8, 1, 0.025, 8), (16, 1, 0.0425, 8)], spread=0.25**2)
+    assert steep.predict(16, 1) == pytest.approx(0.0425) and steep.per_sample > 0, steep
+    # and noise never earns a fit without a fixed cost (in proportion to the samples, which would rule out
+    # ever trying a larger batch) the benefit of the doubt: the flat fit or the best one.
+    for spread in (0.0, 0.01, 0.1, 1.0):
+        fit = fit_step_time([(8, 1, 0.025, 8), (16, 1, 0.049, 8)], spread=spread)
+        assert fit.fixed > 0, (spread, fit)
+
+
+def test_the_spread_of_step_times_is_read_robustly_and_prices_a_ratio_of_two_shapes():
+    model = ThroughputModel(window=8, skip_first=0)
+    rng = random.Random(5)
+    for shape in ((32, 1), (64, 1)):
+        for _ in range(8):
+            model.observe(*shape, 1, 0.04 * math.exp(0.2 * rng.gauss(0.0, 1.0)))
+    assert math.sqrt(model.log_spread()) == pytest.approx(0.2, rel=0.35)
+    error = model.ratio_error((32, 1), (64, 1), 1)
+    assert error == pytest.approx(math.sqrt(model.log_spread() * (1 / 8 + 1 / 8)))
+    # One step 10x slower (a checkpoint, a page fault) leaves the spread where it was.
+    before = model.log_spread()
+    model.observe(32, 1, 1, 0.4)
+    assert model.log_spread() == pytest.approx(before, rel=0.3)
+    # Exact times (no spread to read) and a shape without times price a ratio at 0.
+    exact = ThroughputModel(skip_first=0)
+    for _ in range(3):
+        exact.observe(8, 1, 1, 0.01)
+    assert exact.log_spread() == 0.0 and exact.ratio_error((8, 1), (16, 1), 1) == 0.0
+
+
 def test_first_step_of_a_shape_is_not_kept_and_one_shape_predicts_flat():
     model = ThroughputModel()
     model.observe(8, 1, 1, 5.0)  # the first step of the shape: one-off costs
@@ -673,6 +713,41 @@ def test_the_default_warm_up_undoes_a_trial_whose_step_costs_more_and_leaves_the
     assert reasons[8].endswith("-> back to batch 8"), reasons[8]
     assert "by step cost alone: batch 8:" in reasons[12] and reasons[12].endswith(": hold"), reasons[12]
     assert controller.schedule.trial is None and controller.schedule.moves == 2
+
+
+def test_a_trial_whose_step_times_scatter_is_measured_again_not_undone_on_noise():
+    # A host-bound device (every batch costs 40 ms) whose step times scatter by 0.25 in log: the warm-up
+    # climbs by step cost alone. A trial's 3 step times can read +20% where the truth is +0%; undone on
+    # them, the batch falls back and climbs again from there. A verdict within two standard errors of
+    # the measured ratio is not taken: the trial is measured again, up to the model's window (8 step
+    # times), and kept where that window does not tell either.
+    def runs(seed):
+        rng = random.Random(seed)
+
+        def noisy_flat(m, g):
+            return 0.04 * math.exp(0.25 * rng.gauss(0.0, 1.0) - 0.25**2 / 2)
+
+        return _trial_loop(noisy_flat, error=None, noise=lambda step: None, steps=24, warmup=None)
+
+    # Over 100 seeds: 80 reach 128 by the warm-up's end (19 trials undone); judged on 3 step times
+    # alone, with the slope between two noisy medians taken as real, 32 did (78 undone).
+    undone, again, top = 0, 0, []
+    for seed in range(12):
+        batches, _, reasons, _ = runs(seed)
+        undone += sum("not kept" in r for r in reasons)
+        again += sum("measured again" in r for r in reasons)
+        top.append(batches[-1])
+        for r in reasons:
+            if "measured again" in r:
+                assert "within two standard errors (" in r and r.endswith(": measured again: hold"), r
+    assert again > 0, "no trial read slower than its prediction: the case is not exercised"
+    assert undone <= 2, undone
+    assert top.count(128) >= 8, top
+    # Exact step times (the CPU's trial measured +88%) are judged at once, as before.
+    batches, _, reasons, _ = _trial_loop(
+        lambda m, g: 0.0033 + g * 0.003 * m, error=None, noise=lambda step: None, steps=12, warmup=None
+    )
+    assert batches[4:8] == [16] * 4 and batches[8] == 8 and "not kept" in reasons[8], reasons[8]
 
 
 def test_a_shape_not_run_for_forget_after_steps_is_forgotten_and_predicted_anew():

@@ -390,7 +390,8 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     and moves to the best one when its predicted goodput beats the current batch's by more than
     ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one
     did (the model is flat until it knows better), are tried at most ``explore_factor`` beyond the
-    largest measured, and a move to one is a trial, judged again after 3 of its step times. During the
+    largest measured, and a move to one is a trial, judged again after 3 of its step times (and measured
+    again, up to 8, where those scatter too much to tell). During the
     default warm-up, before the noise estimate is usable, it moves only to a batch that loses at no
     noise scale (its step costs at most ``hysteresis`` more). Where a larger batch is nearly free (a host-bound step) it grows to the large end;
     where the step time grows with the batch it settles near the noise scale. The LR follows
@@ -410,7 +411,8 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         ge=1,
         description="Optimizer steps between two goodput decisions. A move to a shape never run "
         "before is a trial, judged again after 3 of its step times (its first step is not kept; "
-        "decide_every - 1 where fewer) instead of at the next decision; shorter cadences judge the measured shapes on fewer steps "
+        "decide_every - 1 where fewer; measured again, up to 8, where their scatter does not tell) "
+        "instead of at the next decision; shorter cadences judge the measured shapes on fewer steps "
         "and move more often.",
     )
     hysteresis: float = Field(

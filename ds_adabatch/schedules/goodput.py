@@ -45,7 +45,8 @@ next ``decide_every`` step) judges it: where going back to the batch it left gai
 hysteresis (as any move must; toward start at the estimate), the decision is taken from the batch it
 left (usually a return to it), else from the trial's batch (on a flat cost, the next doubling at once).
 A trial whose cost was measured as predicted is kept even where the estimate's interval has widened
-meanwhile: what it tested was its cost.
+meanwhile: what it tested was its cost. A verdict within the scatter of the step times is measured
+again (:mod:`~ds_adabatch.schedules.goodput_verdict`).
 
 With token budgets (``micro_batch_tokens``) a batch's split is not planned but packed: it is rated by
 the passes per rank its packing is expected to take, at the token budget
@@ -69,6 +70,7 @@ from ..signals.efficiency import statistical_efficiency
 from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
 from .goodput_tokens import PackedShape, describe_split, packed_shape
+from .goodput_verdict import TRIAL_STEPS, within_the_scatter
 from .noise import auto_warmup_steps
 
 __all__ = ["GoodputSchedule"]
@@ -77,12 +79,6 @@ _STATE_VERSION = 1
 _MAX_CANDIDATES = 512
 _WIDEST_ERROR = 5.0
 """Relative errors above this bound nothing (a factor exp(10) either way): the schedule holds."""
-TRIAL_STEPS = 3
-"""Kept step times of a shape never run before after which a move to it is judged again (a trial),
-without waiting for the next ``decide_every`` step: a larger batch predicted from a flat fit costs, where
-it is not free, every step it is kept (10 steps of 16 at the 2-core CPU benchmark's step 20 put the
-validation loss about 100 samples behind batch 8's for the next thousands). Three, so that the median is
-not one slow step's."""
 
 
 class GoodputSchedule:
@@ -150,6 +146,7 @@ class GoodputSchedule:
         """``(step, micro, gas, world, batch it left, batch it moved to)`` of a move to a shape not
         measured before, judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no
         trial open."""
+        self._judging: tuple[int, int, int, int, int, int] | None = None  # the trial this step judges
         self.throughput = ThroughputModel(forget_after=config.remeasure_after)
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
 
@@ -189,12 +186,33 @@ class GoodputSchedule:
         if not runs:
             self.trial = None
             return None
-        # Bounded: steps with no time (re-run after an out-of-memory error) judge it at the cadence.
-        overdue = ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
-        if ctx.step <= step or (kept < self._trial_steps and not overdue):
+        if ctx.step <= step or (kept < self._trial_steps and not self._overdue(ctx, step)):
             return None
-        self.trial = None
+        self.trial, self._judging = None, self.trial
         return left
+
+    def _overdue(self, ctx: ScheduleContext, step: int) -> bool:
+        """Whether a trial opened at ``step`` is judged now however few of its step times are kept:
+        steps with no time (re-run after an out-of-memory error) judge it at the cadence."""
+        return ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
+
+    def _measure_again(self, ctx: ScheduleContext, gain: float, threshold: float) -> tuple[bool, str] | None:
+        """Where the trial just judged would be undone (going back gains ``gain`` > ``threshold``): None
+        to undo it (a clear verdict, or token budgets, whose steps vary in passes); ``(True, why)``: it
+        stays open for more step times (:mod:`~ds_adabatch.schedules.goodput_verdict`); ``(False,
+        why)``: a full window of them (or ``decide_every`` steps) did not tell either, and it is kept."""
+        trial, self._judging = self._judging, None
+        plan = None if trial is None or ctx.pass_budget is not None else self._plan(ctx, trial[4])
+        if trial is None or plan is None:
+            return None
+        step, micro, gas, world, left, _ = trial
+        said = within_the_scatter(self.throughput, (micro, gas), _shape(plan), world, gain, threshold)
+        if said is None:
+            return None
+        if self._kept((micro, gas), world) >= self.throughput.window or self._overdue(ctx, step):
+            return False, f"{said} and batch {left}'s: kept"
+        self.trial = trial
+        return True, f"{said} and batch {left}'s: measured again"
 
     def _kept(self, shape: tuple[int, int], world: int) -> int:
         """Step times kept of ``shape`` (micro, GAS) at ``world`` ranks."""
@@ -284,8 +302,17 @@ class GoodputSchedule:
             before = self.rate(ctx, judged, noise)
             back = None if before is None else self._gain(judged, before, current, now, noise, band)
             if back is not None and back > 1.0:
-                reference, now = judged, before
-                said = f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
+                unclear = self._measure_again(ctx, back, 1.0)
+                if unclear is None:
+                    reference, now = judged, before
+                    said = (
+                        f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
+                    )
+                elif unclear[0]:
+                    why = f"going back to batch {judged} gains {back - 1:+.1%}, {unclear[1]}"
+                    return self._hold(current, f"goodput trial of batch {current}: {why}")
+                else:
+                    said = f"trial of batch {current}: going back to batch {judged} gains {back - 1:+.1%}, {unclear[1]}; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
         if band:
             said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
@@ -467,9 +494,19 @@ class GoodputSchedule:
             return self._hold(current, f"{why}: measuring batch {current}'s step time")
         reference, said, limit = current, f"{why}, by step cost alone: ", 1.0 + self.hysteresis
         before = self.speed(ctx, judged) if judged is not None and judged != current else None
-        if before is not None and max(_cost_gains(judged, before, current, now)) > limit:
-            said += f"trial of batch {current} costs {_step_cost(current, now, judged, before)} a step, not kept; "
-            reference, now = judged, before
+        back = 0.0 if before is None else max(_cost_gains(judged, before, current, now))
+        if before is not None and back > limit:
+            cost = _step_cost(current, now, judged, before)
+            unclear = self._measure_again(ctx, back, limit)
+            if unclear is None:
+                said += f"trial of batch {current} costs {cost} a step, not kept; "
+                reference, now = judged, before
+            elif unclear[0]:
+                return self._hold(
+                    current, f"{why}: trial of batch {current} costs {cost} a step, {unclear[1]}"
+                )
+            else:
+                said += f"trial of batch {current} costs {cost} a step, {unclear[1]}; "
         best, best_speed, best_gain = reference, now, 1.0
         tried = self.throughput.largest_tried(ctx.world_size)
         for batch, speed in self._reachable(ctx, current, reference, tried):

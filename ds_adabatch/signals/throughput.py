@@ -24,6 +24,18 @@ therefore flat: an untried larger micro-batch is predicted to cost what the trie
 optimistic on purpose: the goodput schedule explores at most a bounded factor beyond what it measured,
 measures, and the next fit corrects the guess.
 
+Measured step times scatter (a host-bound GPU's early steps by 20-40% from one to the next), and two
+shapes' medians of a few such steps differ by that much where their costs do not. The model reads the
+scatter from the kept times (:meth:`ThroughputModel.log_spread`: the variance of a step's log time about
+its shape's, from the median absolute deviation, so one slow step does not widen it) and keeps the flat
+fit wherever the best fit improves on it by no more than that scatter explains
+(:func:`fit_step_time`'s ``spread``). Only the flat fit gets this benefit of the doubt, for the reason
+above: it leads to a trial that measures, where a fit in proportion to the samples would rule out ever
+trying a larger batch. With exact times (a simulated curve without ``jitter``) the spread is 0 and
+nothing changes. On a simulated 40 ms host-bound step scattered by 0.25 in log, 80 of 100 runs of the
+default warm-up climbed from 8 to 128 in its 20 steps, where 32 did when the slope between two noisy
+medians was taken as real (``tests/test_goodput.py``).
+
 Steps that also measure the noise scale (a one-pass step run as two half passes, with the probe's
 hooks working) are kept apart: their time is the shape's plus the measurement's, and fitted with the
 ordinary steps it would read as a per-pass cost (on the 2-core CPU benchmark a split step of batch 8
@@ -155,8 +167,16 @@ def _solve(
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def fit_step_time(points: Iterable[tuple[int, int, float, int]]) -> StepTimeFit | None:
-    """Non-negative weighted least squares over ``(micro, gas, seconds, count)`` points (module docstring)."""
+def fit_step_time(points: Iterable[tuple[int, int, float, int]], spread: float = 0.0) -> StepTimeFit | None:
+    """Non-negative weighted least squares over ``(micro, gas, seconds, count)`` points (module docstring).
+
+    ``spread``: the variance of one step's log time about its shape's (0: exact times). The flat fit
+    (``fixed`` alone) is then kept wherever the best fit lowers the weighted residual by no more than
+    noise would, two standard errors of a median of such times for each term it adds (``4 x (pi / 2)
+    x spread`` per term): a slope that noise alone could have drawn between two shapes' medians is not
+    taken for one. Only the flat fit has that benefit of the doubt, as one measured shape has it: it
+    predicts a larger batch to cost no more, which the goodput schedule then tries and measures, where
+    a fit without ``fixed`` (cost in proportion to the samples) would rule out ever trying one."""
     pts = [p for p in points if p[2] > 0]
     if not pts:
         return None
@@ -164,6 +184,7 @@ def fit_step_time(points: Iterable[tuple[int, int, float, int]]) -> StepTimeFit 
     ys = [t for _, _, t, _ in pts]
     ws = [n / (t * t) for _, _, t, n in pts]
     best: tuple[float, tuple[int, ...], list[float]] | None = None
+    flat: tuple[float, tuple[int, ...], list[float]] | None = None
     total = sum(w * y * y for w, y in zip(ws, ys))
     # Subsets in order of preference: fewer terms first, then fixed < per_pass < per_sample.
     for size in (1, 2, 3):
@@ -174,9 +195,14 @@ def fit_step_time(points: Iterable[tuple[int, int, float, int]]) -> StepTimeFit 
             resid = sum(
                 w * (y - sum(c * row[i] for c, i in zip(coef, cols))) ** 2 for row, y, w in zip(rows, ys, ws)
             )
+            if cols == (0,):
+                flat = (resid, cols, coef)
             # A richer fit must be better by more than rounding to displace a simpler one.
             if best is None or resid < best[0] - 1e-9 * total:
                 best = (resid, cols, coef)
+    noise = 2.0 * math.pi * max(0.0, spread)
+    if flat is not None and best is not None and flat[0] <= best[0] + noise * (len(best[1]) - 1):
+        best = flat  # the data do not tell the best fit's slope from noise (always the flat one at 0)
     if best is None:
         return None
     values = [0.0, 0.0, 0.0]
@@ -296,11 +322,38 @@ class ThroughputModel:
             if ts and (world is None or w == world)
         ]
 
+    def ratio_error(self, a: tuple[int, int], b: tuple[int, int], world: int) -> float:
+        """The standard error of ``log(time of shape a / time of shape b)`` (shapes ``(micro, GAS)`` at
+        ``world``) that their kept step times allow: the spread of the log times about each shape's mean,
+        pooled over both (:meth:`log_spread`), times ``sqrt(1/n_a + 1/n_b)``; 0 where either has no time."""
+        keys = [(int(m), int(g), int(world)) for m, g in (a, b)]
+        n_a, n_b = (len(self._times.get(key, ())) for key in keys)
+        if not n_a or not n_b:
+            return 0.0
+        return math.sqrt(self.log_spread(keys) * (1.0 / n_a + 1.0 / n_b))
+
+    def log_spread(self, keys: Iterable[tuple[int, int, int]] | None = None) -> float:
+        """The variance of one step's log time about its shape's, pooled over the shapes ``keys``
+        (``(micro, GAS, world)``; default: every measured one) from their kept times, read robustly as a
+        normal distribution's from the median absolute deviation (1.4826 x MAD about each shape's median
+        log time, squared), so a slow step now and then does not widen it; 0 with no shape of 2 or more
+        times (no spread to read: the times are then taken as exact)."""
+        deviations: list[float] = []
+        for key in self._times if keys is None else keys:
+            logs = [math.log(t) for t in self._times.get(key, ())]
+            if len(logs) >= 2:
+                middle = statistics.median(logs)
+                deviations.extend(abs(x - middle) for x in logs)
+        if not deviations:
+            return 0.0
+        return (1.4826 * statistics.median(deviations)) ** 2
+
     def fit(self, world: int) -> StepTimeFit | None:
         """The fit for ``world`` ranks (its own shapes once any is measured); None before any step."""
         if world not in self._fits:
             own = self.measured(world)
-            self._fits[world] = fit_step_time(own if own else self.measured())
+            keys = [key for key in self._times if key[2] == world] if own else None
+            self._fits[world] = fit_step_time(own if own else self.measured(), self.log_spread(keys))
         return self._fits[world]
 
     def predict(self, micro: int, gas: int, world: int) -> float | None:
