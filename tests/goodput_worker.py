@@ -183,6 +183,7 @@ def run_case(
             "shapes": [[m, g] for m, g, _, _ in schedule.throughput.measured(engine.world_size)],
             "measuring": [[m, g] for m, g, _, _ in schedule.throughput.state_dict()["measuring"]],
             "curve": curve,
+            "spread": schedule.throughput.log_spread(),
             "resumed": resumed,
         }
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
@@ -318,6 +319,18 @@ def main() -> None:
         out_dir,
         "flat_warmup",
         FLAT,
+        24,
+        loop=False,
+        max_micro=8,
+        start=8,
+        max_batch=64,
+        schedule=default_warmup,
+    )
+    # The same with the flat cost's step times scattered (jitter: what the schedule measures, not a cost).
+    run_case(
+        out_dir,
+        "flat_jitter",
+        FLAT + ",jitter=0.25",
         24,
         loop=False,
         max_micro=8,
