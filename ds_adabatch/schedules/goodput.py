@@ -170,6 +170,7 @@ class GoodputSchedule:
         kept step times, or ``decide_every`` steps more have passed; the trial is then closed); None
         otherwise. A trial the batch no longer runs
         (after an override or a resume) is closed."""
+        self._judging = None
         if self.trial is None:
             return None
         step, micro, gas, world, left, moved = self.trial
