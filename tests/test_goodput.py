@@ -716,38 +716,55 @@ def test_the_default_warm_up_undoes_a_trial_whose_step_costs_more_and_leaves_the
 
 
 def test_a_trial_whose_step_times_scatter_is_measured_again_not_undone_on_noise():
-    # A host-bound device (every batch costs 40 ms) whose step times scatter by 0.25 in log: the warm-up
-    # climbs by step cost alone. A trial's 3 step times can read +20% where the truth is +0%; undone on
-    # them, the batch falls back and climbs again from there. A verdict within two standard errors of
-    # the measured ratio is not taken: the trial is measured again, up to the model's window (8 step
-    # times), and kept where that window does not tell either.
-    def runs(seed):
+    # Batch 8's kept step times 40/42/38 ms, its trial 16's first three (after the one not kept)
+    # 47/43.5/45.5: +13.8% at the medians, a slope the fit keeps (the two shapes' scatter, about 5%
+    # a step, does not explain it), but within two standard errors of the ratio (8.9%) above the
+    # warm-up's +5%. So the trial is measured again, not undone; its next time (40.5 ms) makes it free.
+    times = {8: [0.050, 0.040, 0.042, 0.038], 16: [0.06, 0.047, 0.0435, 0.0455, 0.0405]}
+    used: dict[int, int] = {}
+
+    def scripted(m, g):
+        i = used[m] = used.get(m, -1) + 1
+        sequence = times.get(m, [0.040])
+        return sequence[min(i, len(sequence) - 1)]
+
+    batches, _, reasons, _ = _trial_loop(scripted, error=None, noise=lambda step: None, steps=14, warmup=None)
+    assert batches[4:9] == [16] * 5 and batches[9] == 32, batches
+    assert reasons[8] == (
+        "goodput warm-up (step 8 < 20): trial of batch 16 costs +13.8% a step, over 0.05 more by less than "
+        "two standard errors (8.9%) of its 3 step times and batch 8's: measured again: hold"
+    ), reasons[8]
+    assert "by step cost alone: batch 16:" in reasons[9] and "-> batch 32" in reasons[9], reasons[9]
+    # The same times without scatter (each shape at its median) are a clear verdict: undone at once.
+    used.clear()
+    times = {8: [0.040], 16: [0.0455]}
+    batches, _, reasons, _ = _trial_loop(scripted, error=None, noise=lambda step: None, steps=10, warmup=None)
+    assert batches[8] < 16 and "trial of batch 16 costs +13.8% a step, not kept" in reasons[8], reasons[8]
+
+
+def test_a_flat_cost_measured_with_scatter_climbs_as_an_exact_one_does():
+    # A host-bound device (every batch costs 40 ms) whose step times scatter by 0.25 in log (a GPU's early
+    # steps): the default warm-up climbs by step cost alone. Over 100 seeds 96 reach 128 in its 20 steps
+    # (3 trials undone in all); taking the slope between two noisy medians as real and undoing a trial on
+    # 3 step times, 32 did (78 undone). Where the cost grows (the CPU's trial of 16: +88%, its step times
+    # scattered by a CPU's few percent) it is undone at its third step time.
+    def batches_of(seed, curve, scatter=0.25):
         rng = random.Random(seed)
 
-        def noisy_flat(m, g):
-            return 0.04 * math.exp(0.25 * rng.gauss(0.0, 1.0) - 0.25**2 / 2)
+        def noisy(m, g):
+            return curve(m, g) * math.exp(scatter * rng.gauss(0.0, 1.0) - scatter**2 / 2)
 
-        return _trial_loop(noisy_flat, error=None, noise=lambda step: None, steps=24, warmup=None)
+        return _trial_loop(noisy, error=None, noise=lambda step: None, steps=24, warmup=None)
 
-    # Over 100 seeds: 80 reach 128 by the warm-up's end (19 trials undone); judged on 3 step times
-    # alone, with the slope between two noisy medians taken as real, 32 did (78 undone).
-    undone, again, top = 0, 0, []
-    for seed in range(12):
-        batches, _, reasons, _ = runs(seed)
+    tops, undone = [], 0
+    for seed in range(20):
+        batches, _, reasons, _ = batches_of(seed, lambda m, g: 0.04)
+        tops.append(batches[-1])
         undone += sum("not kept" in r for r in reasons)
-        again += sum("measured again" in r for r in reasons)
-        top.append(batches[-1])
-        for r in reasons:
-            if "measured again" in r:
-                assert "within two standard errors (" in r and r.endswith(": measured again: hold"), r
-    assert again > 0, "no trial read slower than its prediction: the case is not exercised"
-    assert undone <= 2, undone
-    assert top.count(128) >= 8, top
-    # Exact step times (the CPU's trial measured +88%) are judged at once, as before.
-    batches, _, reasons, _ = _trial_loop(
-        lambda m, g: 0.0033 + g * 0.003 * m, error=None, noise=lambda step: None, steps=12, warmup=None
-    )
-    assert batches[4:8] == [16] * 4 and batches[8] == 8 and "not kept" in reasons[8], reasons[8]
+    assert tops.count(128) >= 17 and undone <= 2, (tops, undone)
+    for seed in range(5):
+        batches, _, reasons, _ = batches_of(seed, lambda m, g: 0.0033 + g * 0.003 * m, scatter=0.05)
+        assert batches[4:8] == [16] * 4 and batches[8] == 8 and "not kept" in reasons[8], (seed, reasons[8])
 
 
 def test_a_shape_not_run_for_forget_after_steps_is_forgotten_and_predicted_anew():

@@ -497,17 +497,15 @@ class GoodputSchedule:
         before = self.speed(ctx, judged) if judged is not None and judged != current else None
         back = 0.0 if before is None else max(_cost_gains(judged, before, current, now))
         if before is not None and back > limit:
-            cost = _step_cost(current, now, judged, before)
+            cost = f"trial of batch {current} costs {_step_cost(current, now, judged, before)} a step"
             unclear = self._measure_again(ctx, back, limit)
             if unclear is None:
-                said += f"trial of batch {current} costs {cost} a step, not kept; "
+                said += f"{cost}, not kept; "
                 reference, now = judged, before
             elif unclear[0]:
-                return self._hold(
-                    current, f"{why}: trial of batch {current} costs {cost} a step, {unclear[1]}"
-                )
+                return self._hold(current, f"{why}: {cost}, over {self.hysteresis:g} more by {unclear[1]}")
             else:
-                said += f"trial of batch {current} costs {cost} a step, {unclear[1]}; "
+                said += f"{cost}, over {self.hysteresis:g} more by {unclear[1]}; "
         best, best_speed, best_gain = reference, now, 1.0
         tried = self.throughput.largest_tried(ctx.world_size)
         for batch, speed in self._reachable(ctx, current, reference, tried):

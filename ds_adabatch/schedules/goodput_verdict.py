@@ -37,10 +37,9 @@ def within_the_scatter(
 ) -> str | None:
     """None where the kept step times of the trial's shape and of the shape it left (``(micro, GAS)``
     at ``world`` ranks) tell going back's ``gain`` above ``threshold``: by more than two standard errors
-    of their cost ratio (undo the trial). Else how far within those the verdict lies, as the reason
-    says it."""
+    of their cost ratio (undo the trial). Else the reason's words for by how little it is above."""
     error = throughput.ratio_error(trial, left, world)
     if math.log(gain / threshold) > 2.0 * error:
         return None
     kept = next((n for m, g, _, n in throughput.measured(world) if (m, g) == trial), 0)
-    return f"within two standard errors ({math.expm1(2.0 * error):.1%}) of its {kept} step times"
+    return f"less than two standard errors ({math.expm1(2.0 * error):.1%}) of its {kept} step times"
