@@ -197,23 +197,24 @@ class GoodputSchedule:
         steps with no time (re-run after an out-of-memory error) judge it at the cadence."""
         return ctx.step >= step + self.throughput.skip_first + self._trial_steps + self.decide_every
 
-    def _measure_again(self, ctx: ScheduleContext, gain: float, threshold: float) -> tuple[bool, str] | None:
-        """Where the trial just judged would be undone (going back gains ``gain`` > ``threshold``): None
-        to undo it (a clear verdict, or token budgets, whose steps vary in passes); ``(True, why)``: it
-        stays open for more step times (:mod:`~ds_adabatch.schedules.goodput_verdict`); ``(False,
-        why)``: a full window of them (or ``decide_every`` steps) did not tell either, and it is kept."""
+    def _measure_again(self, ctx: ScheduleContext, gain: float, threshold: float) -> str | None:
+        """Where the trial just judged would be undone (going back gains ``gain`` > ``threshold``) on
+        step times whose scatter does not tell that gain from ``threshold``
+        (:mod:`~ds_adabatch.schedules.goodput_verdict`): reopen it for more of them and say why. None: undo
+        it now (a clear verdict, a full window of its step times, ``decide_every`` steps past its
+        judgement, or token budgets, whose steps vary in passes)."""
         trial, self._judging = self._judging, None
         plan = None if trial is None or ctx.pass_budget is not None else self._plan(ctx, trial[4])
         if trial is None or plan is None:
             return None
         step, micro, gas, world, left, _ = trial
+        if self._kept((micro, gas), world) >= self.throughput.window or self._overdue(ctx, step):
+            return None
         said = within_the_scatter(self.throughput, (micro, gas), _shape(plan), world, gain, threshold)
         if said is None:
             return None
-        if self._kept((micro, gas), world) >= self.throughput.window or self._overdue(ctx, step):
-            return False, f"{said} and batch {left}'s: kept"
         self.trial = trial
-        return True, f"{said} and batch {left}'s: measured again"
+        return f"{said} and batch {left}'s: measured again"
 
     def _kept(self, shape: tuple[int, int], world: int) -> int:
         """Step times kept of ``shape`` (micro, GAS) at ``world`` ranks."""
@@ -303,17 +304,12 @@ class GoodputSchedule:
             before = self.rate(ctx, judged, noise)
             back = None if before is None else self._gain(judged, before, current, now, noise, band)
             if back is not None and back > 1.0:
-                unclear = self._measure_again(ctx, back, 1.0)
-                if unclear is None:
-                    reference, now = judged, before
-                    said = (
-                        f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
-                    )
-                elif unclear[0]:
-                    why = f"going back to batch {judged} gains {back - 1:+.1%}, {unclear[1]}"
+                again = self._measure_again(ctx, back, 1.0)
+                if again is not None:
+                    why = f"going back to batch {judged} gains {back - 1:+.1%}, {again}"
                     return self._hold(current, f"goodput trial of batch {current}: {why}")
-                else:
-                    said = f"trial of batch {current}: going back to batch {judged} gains {back - 1:+.1%}, {unclear[1]}; "
+                reference, now = judged, before
+                said = f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
         if band:
             said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
@@ -498,14 +494,11 @@ class GoodputSchedule:
         back = 0.0 if before is None else max(_cost_gains(judged, before, current, now))
         if before is not None and back > limit:
             cost = f"trial of batch {current} costs {_step_cost(current, now, judged, before)} a step"
-            unclear = self._measure_again(ctx, back, limit)
-            if unclear is None:
-                said += f"{cost}, not kept; "
-                reference, now = judged, before
-            elif unclear[0]:
-                return self._hold(current, f"{why}: {cost}, over {self.hysteresis:g} more by {unclear[1]}")
-            else:
-                said += f"{cost}, over {self.hysteresis:g} more by {unclear[1]}; "
+            again = self._measure_again(ctx, back, limit)
+            if again is not None:
+                return self._hold(current, f"{why}: {cost}, over {self.hysteresis:g} more by {again}")
+            said += f"{cost}, not kept; "
+            reference, now = judged, before
         best, best_speed, best_gain = reference, now, 1.0
         tried = self.throughput.largest_tried(ctx.world_size)
         for batch, speed in self._reachable(ctx, current, reference, tried):

@@ -4,9 +4,8 @@ A move to a shape never measured is a trial (:mod:`~ds_adabatch.schedules.goodpu
 its step times are kept. Step times scatter, so a trial is undone only where going back gains by more
 than two standard errors of the measured cost ratio
 (:meth:`~ds_adabatch.signals.ThroughputModel.ratio_error`, from the scatter of both shapes' kept step
-times). Otherwise it is measured again, one step at a time, until the model keeps a full window of its
-step times (8), and kept where they still do not tell: measurements that do not contradict its
-prediction. On a CPU, where a trial of 2x costs 50-90% more with a few percent of scatter, the verdict
+times). Otherwise it is measured again, one step at a time, until the verdict is clear or the model
+keeps a full window of its step times (8), and then judged on them as any trial is. On a CPU, where a trial of 2x costs 50-90% more with a few percent of scatter, the verdict
 is as clear at 3 step times as before; on a host-bound GPU, whose early steps scatter by 20-40%, 3 step
 times of a free batch read +6% to +42% in 4 of 8 trials of the H200 runs, and each undid it.
 """
