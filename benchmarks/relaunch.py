@@ -57,7 +57,7 @@ def job(args) -> None:
             print(f"IN_PLACE_CHANGE_S {h.median(costs):.6f}", flush=True)
         engine.save_checkpoint(args.dir)
     engine.close()
-    dist.destroy_process_group()
+    ds_adabatch.finish()  # a gloo group can abort a finished rank in the interpreter's teardown
 
 
 def launch(nproc: int, *extra: str) -> tuple[float, str]:

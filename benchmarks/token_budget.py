@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.what == "_worker":
         _worker(args)
-        return
+        import ds_adabatch
+
+        ds_adabatch.finish()  # a gloo group can abort a finished rank in the interpreter's teardown
     result = {"count": count, "train": train, "deepspeed": deepspeed_compare, "goodput": goodput}[args.what](
         args
     )
