@@ -6,8 +6,8 @@ than two standard errors of the measured cost ratio
 (:meth:`~ds_adabatch.signals.ThroughputModel.ratio_error`, from the scatter of both shapes' kept step
 times). Otherwise it is measured again, one step at a time, until the verdict is clear or the model
 keeps a full window of its step times (8), and then judged on them as any trial is. On a CPU, where a trial of 2x costs 50-90% more with a few percent of scatter, the verdict
-is as clear at 3 step times as before; on a host-bound GPU, whose early steps scatter by 20-40%, 3 step
-times of a free batch read +6% to +42% in 4 of 7 trials of the H200 runs, and each undid it.
+is as clear at 3 step times as before; on one H200 (a host-bound step), 3 step times of a free batch
+read +6% to +42% in 4 of 7 warm-up trials, and each undid it.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ therefore flat: an untried larger micro-batch is predicted to cost what the trie
 optimistic on purpose: the goodput schedule explores at most a bounded factor beyond what it measured,
 measures, and the next fit corrects the guess.
 
-Measured step times scatter (a host-bound GPU's early steps by 20-40% from one to the next), and two
-shapes' medians of a few such steps differ by that much where their costs do not. The model reads the
+Measured step times scatter, and two shapes' medians of a few steps can differ where their costs do
+not: on one H200 the medians of 3 early steps of a free batch read +6% to +42% against another's. The model reads the
 scatter from the kept times (:meth:`ThroughputModel.log_spread`: the variance of a step's log time about
-its shape's, from the median difference of two times of a shape, so one slow step does not widen it) and keeps the flat
-fit wherever the best fit improves on it by no more than that scatter explains
+its shape's, from the median difference of two times of a shape, so one slow step does not widen it)
+and keeps the flat fit wherever the best fit improves on it by no more than that scatter explains
 (:func:`fit_step_time`'s ``spread``). Only the flat fit gets this benefit of the doubt, for the reason
 above: it leads to a trial that measures, where a fit in proportion to the samples would rule out ever
 trying a larger batch. With exact times (a simulated curve without ``jitter``) the spread is 0 and
@@ -202,7 +202,7 @@ def fit_step_time(points: Iterable[tuple[int, int, float, int]], spread: float =
                 best = (resid, cols, coef)
     noise = 2.0 * math.pi * max(0.0, spread)
     if flat is not None and best is not None and flat[0] <= best[0] + noise * (len(best[1]) - 1):
-        best = flat  # the data do not tell the best fit's slope from noise (always the flat one at 0)
+        best = flat  # the data do not tell the best fit's slope from noise (at spread 0: no slope at all)
     if best is None:
         return None
     values = [0.0, 0.0, 0.0]
@@ -324,8 +324,8 @@ class ThroughputModel:
 
     def ratio_error(self, a: tuple[int, int], b: tuple[int, int], world: int) -> float:
         """The standard error of ``log(time of shape a / time of shape b)`` (shapes ``(micro, GAS)`` at
-        ``world``) that their kept step times allow: the spread of the log times about each shape's mean,
-        pooled over both (:meth:`log_spread`), times ``sqrt(1/n_a + 1/n_b)``; 0 where either has no time."""
+        ``world``) that their kept step times allow: the scatter of one step's log time pooled over both
+        (:meth:`log_spread`), times ``sqrt(1/n_a + 1/n_b)``; 0 where either has no time."""
         keys = [(int(m), int(g), int(world)) for m, g in (a, b)]
         n_a, n_b = (len(self._times.get(key, ())) for key in keys)
         if not n_a or not n_b:
