@@ -315,29 +315,12 @@ def main() -> None:
     run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)
     # The default warm-up (20 steps at ema_beta 0.95): a free larger batch is taken on its cost alone.
     default_warmup = {"warmup_steps": None, "ema_beta": 0.95}
-    run_case(
-        out_dir,
-        "flat_warmup",
-        FLAT,
-        24,
-        loop=False,
-        max_micro=8,
-        start=8,
-        max_batch=64,
-        schedule=default_warmup,
-    )
-    # The same with the flat cost's step times scattered (jitter: what the schedule measures, not a cost).
-    run_case(
-        out_dir,
-        "flat_jitter",
-        FLAT + ",jitter=0.25",
-        24,
-        loop=False,
-        max_micro=8,
-        start=8,
-        max_batch=64,
-        schedule=default_warmup,
-    )
+    # Then the same with the flat cost's step times scattered (jitter: what the schedule measures, not a
+    # cost).
+    for name, curve in (("flat_warmup", FLAT), ("flat_jitter", FLAT + ",jitter=0.25")):
+        run_case(
+            out_dir, name, curve, 24, loop=False, max_micro=8, start=8, max_batch=64, schedule=default_warmup
+        )
     # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
     run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
     run_token_case(out_dir, "tokens")
