@@ -24,6 +24,9 @@ device synchronised around it, and its time is left out (so is engine start-up).
                             (``ema_beta`` 0.8), taken as it is (``max_relative_error`` null): the estimate
                             of one rank at GAS 1, measured one step in about 17, then lags some 85 steps
                             rather than 340 (only where ``--only`` names it)
+``goodput-no-pause``        ``goodput`` whose runtime never flags a pause (``PAUSE_SECONDS`` infinite in its
+                            process): the slower steps after a validation or another policy's turn are
+                            kept as any (only where ``--only`` names it)
 ``NAME+again``               policy NAME once more, in a process of its own beside it: the same weights,
                             data and schedule, so what differs is the clock (the machine's noise). Not a
                             fixed batch of the sweep (never its best or median), reported as a policy
@@ -105,7 +108,7 @@ SHORT_MEMORY = {"ema_beta": 0.8, "max_relative_error": None}
 """The keys of ``goodput-short-memory`` over ``goodput``'s: a noise estimate of about 1 / (1 - 0.8) = 5
 measurements, used without the confidence test (with ~5 measurements it would rarely pass)."""
 
-ON_REQUEST = frozenset({"goodput-pollux", "goodput-short-memory", *ADASCALE_POWERS})
+ON_REQUEST = frozenset({"goodput-pollux", "goodput-short-memory", "goodput-no-pause", *ADASCALE_POWERS})
 """Policies run only where ``--only`` names them."""
 
 
@@ -133,6 +136,7 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # Pollux's efficiency, where the default (sqrt scaling here) takes its square root: the two side by side.
     out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
     out["goodput-short-memory"] = {**out["goodput"], **SHORT_MEMORY}
+    out["goodput-no-pause"] = out["goodput"]  # the runtime's constant differs (train_policy)
     for name in ADASCALE_POWERS:  # the schedule of goodput (its square-root efficiency); the LR by ds_config
         out[name] = {**out["goodput"], "efficiency": "sqrt"}
     return out
@@ -189,6 +193,10 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ds_adabatch.runtime.noise import probe
 
         probe.SPLIT_BUDGET = args.split_budget
+    if base_policy(name) == "goodput-no-pause":  # likewise: no step follows a pause
+        from ds_adabatch.runtime.core import step_times
+
+        step_times.PAUSE_SECONDS = math.inf
     engine, *_ = ds_adabatch.initialize(model, cfg, train)
     module = engine.module
     cuda = args.device == "cuda"

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N tests/goodput_worker.py OUT_DIR [resume]
 On 2 ranks: a flat curve (host-bound: a larger batch costs nothing more) through ``train_batch``, with a
-fixed warm-up and with the default one, and an affine one (compute-bound) through DeepSpeed's forward /
+fixed warm-up and with the default one, the host's own clock with one rank pausing, and an affine one (compute-bound) through DeepSpeed's forward /
 backward / step loop. On 1 rank: micro = batch
 (one pass per step), where the noise scale is measured by splitting a step in two, and AdaScale's gain as
 the LR multiplier (``lr_scaling.rule`` "adascale") through the loop; with ``resume``, the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -115,9 +116,10 @@ def run_case(
     resume_from: str | None = None,
     schedule: dict | None = None,
     lr_scaling: dict | None = None,
+    pause_at: int | None = None,
     **shape: int,
 ) -> None:
-    os.environ[SIMULATED_STEP_TIME_ENV] = curve
+    os.environ[SIMULATED_STEP_TIME_ENV] = curve  # "": the host's clock
     data = GaussianRegression()
     jsonl = os.path.join(out_dir, f"{name}.jsonl")
     cfg = config(0, lr=lr, jsonl=jsonl, schedule=schedule, lr_scaling=lr_scaling, **shape)
@@ -151,6 +153,8 @@ def run_case(
                 break
     else:
         while engine.global_steps < steps:
+            if engine.global_steps == pause_at and engine.global_rank == 1:
+                time.sleep(0.5)  # rank 1 alone pauses (an evaluation): every rank's model hears of it
             engine.next_plan()
             seen.append(engine.noise.noise_scale_or_inf)
             engine.train_batch()
@@ -161,6 +165,12 @@ def run_case(
     got = full_params(engine)
     schedule = engine.controller.schedule
     fit = schedule.throughput.fit(engine.world_size)
+    if pause_at is not None:  # each rank's model, and the pauses each rank saw and each model heard of
+        state = schedule.throughput.state_dict()
+        mine = {"state": state, "rank_pauses": engine._step_times.pauses}
+        mine.update(model_pauses=schedule.throughput.pauses, settled_out=schedule.throughput.settled_out)
+        with open(os.path.join(out_dir, f"{name}_rank{engine.global_rank}.json"), "w") as f:
+            json.dump(mine, f)
     if engine.global_rank == 0:
         before: list[list[int]] = []
         if resume_from is not None:  # the saving run's steps up to the checkpoint, then these
@@ -321,6 +331,8 @@ def main() -> None:
         run_case(
             out_dir, name, curve, 24, loop=False, max_micro=8, start=8, max_batch=64, schedule=default_warmup
         )
+    # The host's clock (no simulated curve), rank 1 pausing before step 10.
+    run_case(out_dir, "paused", "", 16, loop=False, max_micro=8, start=8, max_batch=64, pause_at=10)
     # A small LR keeps the noise scale near its value at w = 0 (17), which the affine cost's peak follows.
     run_case(out_dir, "affine", AFFINE, 48, loop=True, lr=0.002, max_micro=8, start=8, max_batch=64)
     run_token_case(out_dir, "tokens")

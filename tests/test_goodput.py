@@ -17,6 +17,7 @@ from ds_adabatch.config.loader import load_ds_config
 from ds_adabatch.plan import plan_batch
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import ThroughputModel, parse_step_time_curve, statistical_efficiency
+from ds_adabatch.signals.throughput import SETTLE_STEPS
 
 
 def _fed(curve, shapes, *, world=2, steps=6, noise=0.0, seed=0) -> ThroughputModel:
@@ -814,6 +815,33 @@ def test_a_shape_not_run_for_forget_after_steps_is_forgotten_and_predicted_anew(
     assert {m for m, _, _, _ in older.measured()} == {8, 16}
     with pytest.raises(ValueError, match="forget_after"):
         ThroughputModel(forget_after=0)
+
+
+def test_the_slower_steps_after_a_pause_are_not_kept_until_one_runs_as_before():
+    def kept(model):
+        return sorted(t for _, _, _, times in model.state_dict()["times"] for t in times)
+
+    model = ThroughputModel()
+    for t in (0.021, 0.022, 0.020, 0.022):  # the first is not kept (a new shape)
+        model.observe(8, 1, 1, t)
+    model.observe(8, 1, 1, 0.031, paused=True)  # after an evaluation: 1.4x, then slower for a while
+    model.observe(8, 1, 1, 0.028)
+    model.observe(8, 1, 1, 0.026)
+    assert kept(model) == [0.020, 0.022, 0.022] and model.pauses == 1 and model.settled_out == 3
+    model.observe(8, 1, 1, 0.021)  # no slower than the median before the pause: it is over
+    model.observe(8, 1, 1, 0.030)  # an ordinary slow step, kept
+    assert kept(model) == [0.020, 0.021, 0.022, 0.022, 0.030] and model.settled_out == 3
+    # A device that stays slower: after SETTLE_STEPS its times are the news. A paused split step (it
+    # measured the noise) starts the wait as well.
+    model.observe(8, 1, 1, 0.040, measuring=True, paused=True)
+    for _ in range(SETTLE_STEPS + 3):
+        model.observe(8, 1, 1, 0.033)
+    assert kept(model).count(0.033) == 3 and model.settled_out == 3 + SETTLE_STEPS
+    # A resumed job's first steps follow a pause: a slower one is not kept.
+    again = ThroughputModel()
+    again.load_state_dict(model.state_dict())
+    again.observe(8, 1, 1, 0.045)
+    assert kept(again) == kept(model) and again.settled_out == 1
 
 
 def _unlucky_loop(remeasure_after, steps=400):

@@ -1,7 +1,7 @@
 """The goodput schedule in the engine, closed loop on real ranks with a simulated step-time curve.
 
-One 2-rank launch (a flat curve through ``train_batch``, an affine one through DeepSpeed's forward /
-backward / step loop, a flat one over token-budget steps), then its step-20 and step-12 checkpoints
+One 2-rank launch (a flat curve through ``train_batch``, the host's own clock with one rank pausing, an
+affine one through DeepSpeed's forward / backward / step loop, a flat one over token-budget steps), then its step-20 and step-12 checkpoints
 resumed on one rank; beside them one 1-rank launch
 (micro = batch: the noise scale measured by splitting a step in two; AdaScale's gain as the LR through
 the loop), on the two cores
@@ -95,6 +95,23 @@ def test_a_flat_cost_measured_with_scatter_still_climbs_and_every_step_is_exact(
     assert batches[-1] >= 32 and batches.index(batches[-1]) < 20, batches
     undone = [m for m in r["history"] if "not kept" in m["reason"]]
     assert len(undone) <= 1, undone
+
+
+def test_a_pause_on_one_rank_reaches_every_ranks_model_and_the_step_stays_exact(launches):
+    out = outcome(launches, "two")
+    r = read_result(out, "paused")
+    _exact_and_once(r, "host's clock, rank 1 pausing")
+    ranks = [json.loads((out / f"paused_rank{rank}.json").read_text()) for rank in (0, 1)]
+    # Rank 1 slept 0.5 s before step 10: it saw a pause (rank 0 waited for it inside that step's
+    # collective), and both models heard of it from the step's collective and hold the same times.
+    assert ranks[1]["rank_pauses"] >= 1, ranks
+    heard = ranks[0]["model_pauses"]
+    assert heard == ranks[1]["model_pauses"] >= max(r["rank_pauses"] for r in ranks), ranks
+    assert ranks[0]["settled_out"] == ranks[1]["settled_out"], ranks
+    assert ranks[0]["state"] == ranks[1]["state"]
+    # The step after the pause (rank 0 waited 0.5 s in it) is not among the kept times.
+    kept = [t for _, _, _, times in ranks[0]["state"]["times"] for t in times]
+    assert kept and max(kept) < 0.1, kept
 
 
 def test_affine_cost_follows_the_noise_scale(launches):

@@ -43,6 +43,15 @@ cost 36 ms against 27 ms whole, which made the fit put 7 ms per pass and rate ba
 where it ran 290). They price the measurement (:meth:`ThroughputModel.predict_measuring`) and nothing
 else.
 
+Steps after a pause run slower for a while: on the 2-core CPU benchmark, whose policies train in turns,
+the first step of batch 8 after another's turn cost 1.40x the steady one (median of 120 pauses; 1.70x at
+the 90th percentile) and the next three up to 1.27x; after an idle second, eight steps in a row cost
+1.3-1.4x, their window's median read 27 ms for a 22 ms step, and the fit rated batch 19 above 8. So the
+runtime says which steps follow a pause (``observe(paused=True)``: an evaluation, a checkpoint, the
+job waiting on something else), and from there times are not kept until one measures no slower than
+its shape's median (the pause is over), or :data:`SETTLE_STEPS` have gone by (the device itself got
+slower: its times are the news). Loading a state is such a pause.
+
 A shape's times can go stale: a few unlucky steps (a pause, a neighbour on the machine, a GPU's first
 steps at a new size) can rate a shape slower than it runs, and a shape left is never measured again.
 With ``forget_after`` N, a shape that has not run for N steps (observations of other shapes) is
@@ -86,10 +95,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
+__all__ = ["SETTLE_STEPS", "StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
 
 _STATE_VERSION = 1
 _TERMS = ("fixed", "per_pass", "per_sample")
+SETTLE_STEPS = 16
+"""After a pause, step times are not kept until one measures no slower than its shape's median, or this
+many steps have gone by (module docstring)."""
 PACKED_STEPS = 32
 """Token-budget steps whose samples and passes :meth:`ThroughputModel.passes_for` reads without a packer:
 the recent ones, so that a length distribution that drifts over the data is followed."""
@@ -234,6 +246,10 @@ class ThroughputModel:
         self.skip_first = int(skip_first)
         self.forget_after = None if forget_after is None else int(forget_after)
         self._clock = 0  # observations so far
+        self._settling = 0  # steps left after a pause whose slower times are not kept
+        self.pauses = 0
+        self.settled_out = 0
+        """Steps observed as the first after a pause, and step times not kept for following one."""
         self._last: dict[tuple[int, int, int], int] = {}  # each shape's latest observation
         self.forgotten = 0
         """Shapes forgotten so far (``forget_after``)."""
@@ -272,12 +288,16 @@ class ThroughputModel:
         measuring: bool = False,
         samples: int | None = None,
         lengths: Iterable[int] | None = None,
+        paused: bool = False,
     ) -> None:
         """One optimizer step of ``gas`` passes of ``micro`` samples on each of ``world`` ranks took
         ``seconds``; ``measuring``: it was split to measure the noise scale (kept apart, not fitted).
         ``samples``: a token-budget step's real samples (``micro`` is then its token budget), which
         :meth:`passes_for` counts whatever its time; ``lengths``: their lengths in tokens, in the
-        step's order (kept for a bound packer)."""
+        step's order (kept for a bound packer). ``paused``: the step is the first after a pause (it and
+        the slower ones that follow are not kept: the module docstring)."""
+        if paused:
+            self._settling, self.pauses = SETTLE_STEPS, self.pauses + 1
         if samples is not None and samples > 0 and gas >= 1 and world >= 1 and not measuring:
             self._packed.append((int(samples), int(gas), int(world)))
         if lengths is not None:
@@ -300,7 +320,14 @@ class ThroughputModel:
         self._seen[first] = seen + 1
         if seen < self.skip_first:
             return
-        self._times.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+        kept = self._times.setdefault(key, deque(maxlen=self.window))
+        if self._settling and kept:
+            self._settling -= 1
+            if seconds > statistics.median(kept):
+                self.settled_out += 1
+                return
+            self._settling = 0  # no slower than before the pause: it is over
+        kept.append(float(seconds))
         self._fits.clear()
 
     def _forget_stale(self) -> None:
@@ -503,6 +530,7 @@ class ThroughputModel:
         self._lengths_seen = int(state.get("lengths_seen", len(self._lengths)))
         self._passes_memo = (-1, [], {})
         self._fits.clear()
+        self._settling = SETTLE_STEPS  # a resumed job's first steps follow a pause
 
 
 def parse_step_time_curve(text: str) -> StepTimeFit:

@@ -10,6 +10,12 @@ them the step's whole cost: the decision, the data, every pass, the optimizer st
   step's events), when its work has long finished, so reading it adds no host synchronisation to a
   steady step (``Event.synchronize()`` on a finished event returns at once).
 
+A step that starts after a pause (a gap since the previous step's end longer than the step itself, than
+:data:`PAUSE_FACTOR` times the recent gaps' median and than :data:`PAUSE_SECONDS`: an evaluation, a
+checkpoint, the job waiting on something else) is flagged, in the same collective (flagged where any
+rank paused), and the model keeps the slower times that follow out of its fit
+(:data:`~ds_adabatch.signals.throughput.SETTLE_STEPS`).
+
 Every rank queues one value per step, its time (0 where the step was re-run after an out-of-memory
 error, or there is no time yet), in the step's :class:`~.step_sync.StepSync`: it rides the next
 collective the step issues anyway, and the sum over processes divided by their number (the ranks' mean,
@@ -31,7 +37,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import statistics
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -44,6 +52,13 @@ __all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "step_shape", 
 logger = logging.getLogger("ds_adabatch")
 
 SIMULATED_STEP_TIME_ENV = "DS_ADABATCH_SIMULATED_STEP_TIME"
+PAUSE_FACTOR = 4.0
+"""A gap between two steps is a pause where it is longer than the step after it, than this many times
+the median of the last 16 gaps (what a loop does between its steps, however long, is its normal) and
+than :data:`PAUSE_SECONDS`."""
+PAUSE_SECONDS = 0.05
+"""The shortest gap that is a pause: shorter ones are the host's own hiccups (steps of a few ms see them
+at random)."""
 
 
 class NoStepTimes:
@@ -87,8 +102,12 @@ class StepTimes(NoStepTimes):
         self._jitter = random.Random(torch.initial_seed())
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
-        # (start, end, shape, retried, measuring)
-        self._previous: tuple[Any, Any, tuple[int, int, int, int | None, Any], bool, bool] | None = None
+        # (start, end, shape, retried, measuring, paused)
+        self._previous: tuple[Any, Any, tuple[int, int, int, int | None, Any], bool, bool, bool] | None = None
+        self._ended: float | None = None  # when the previous step finished (perf_counter)
+        self._gaps: deque[float] = deque(maxlen=16)
+        self.pauses = 0
+        """Steps that started after a pause on this rank (:data:`PAUSE_FACTOR`)."""
 
     def step_started(self) -> None:
         if self._cuda:
@@ -109,17 +128,18 @@ class StepTimes(NoStepTimes):
         time prices that measurement and is not fitted as its shape's, ThroughputModel); ``step``: the
         step's :class:`~ds_adabatch.data.StepBatch` (a token-budget step is keyed by its budget)."""
         shape = step_shape(plan, step)
+        paused = self.curve is None and self._after_pause(started)
         if self.curve is not None:
             seconds = 0.0 if retried else self.curve.measure(shape[0], shape[1], self._jitter)
         elif self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            previous, self._previous = self._previous, (self._start, end, shape, retried, measuring)
+            previous, self._previous = self._previous, (self._start, end, shape, retried, measuring, paused)
             # The first step has no time yet, and its samples are counted with it a step later.
             shape, seconds = (
                 (previous[2], _elapsed(previous)) if previous is not None else ((*shape[:3], None, None), 0.0)
             )
-            measuring = previous is not None and previous[4]
+            measuring, paused = (previous[4], previous[5]) if previous is not None else (False, False)
         else:
             seconds = 0.0 if retried else time.perf_counter() - started
         model, processes = self.model, self.processes
@@ -127,9 +147,30 @@ class StepTimes(NoStepTimes):
 
         def observe(sums: list[torch.Tensor]) -> None:
             seconds = float(sums[0]) / processes
-            model.observe(micro, gas, world, seconds, measuring=measuring, samples=samples, lengths=lengths)
+            model.observe(
+                micro,
+                gas,
+                world,
+                seconds,
+                measuring=measuring,
+                samples=samples,
+                lengths=lengths,
+                paused=float(sums[1]) > 0,
+            )
 
-        sync.defer([float(seconds)], observe)
+        sync.defer([float(seconds), float(paused)], observe)
+        self._ended = time.perf_counter()
+
+    def _after_pause(self, started: float) -> bool:
+        """Whether the step that started at ``started`` (and has just finished) followed a pause."""
+        if self._ended is None:
+            return False
+        gap = started - self._ended
+        usual = PAUSE_FACTOR * statistics.median(self._gaps) if self._gaps else 0.0
+        self._gaps.append(max(gap, 0.0))
+        paused = gap > max(time.perf_counter() - started, usual, PAUSE_SECONDS)
+        self.pauses += paused
+        return paused
 
 
 def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None, Any]:
@@ -144,9 +185,9 @@ def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None, 
     return int(budget), plan.gradient_accumulation_steps, plan.world_size, int(packed.size), packed.lengths
 
 
-def _elapsed(measured: tuple[Any, Any, Any, bool, bool]) -> float:
+def _elapsed(measured: tuple[Any, ...]) -> float:
     """Seconds between a finished step's events (0 for a retried step or a missing start)."""
-    start, end, _, retried, _ = measured
+    start, end, _, retried = measured[:4]
     if retried or start is None:
         return 0.0
     end.synchronize()  # recorded a whole step ago: finished, so this does not wait
