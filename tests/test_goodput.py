@@ -15,6 +15,7 @@ import pytest
 from ds_adabatch.config import AdaBatchConfig, ConfigError
 from ds_adabatch.config.loader import load_ds_config
 from ds_adabatch.plan import plan_batch
+from ds_adabatch.runtime.core.step_times import is_pause
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
 from ds_adabatch.signals import ThroughputModel, parse_step_time_curve, statistical_efficiency
 from ds_adabatch.signals.throughput import SETTLE_STEPS
@@ -842,6 +843,14 @@ def test_the_slower_steps_after_a_pause_are_not_kept_until_one_runs_as_before():
     again.load_state_dict(model.state_dict())
     again.observe(8, 1, 1, 0.045)
     assert kept(again) == kept(model) and again.settled_out == 1
+
+
+def test_a_pause_is_a_gap_longer_than_the_step_the_loops_usual_gaps_and_50_ms():
+    assert is_pause(0.06, 0.02, [])
+    assert not is_pause(0.04, 0.02, [])  # a host's hiccup
+    assert not is_pause(0.2, 0.3, [0.001] * 16)  # shorter than the step after it
+    assert not is_pause(0.3, 0.02, [0.1] * 16)  # a loop that spends 0.1 s between its steps
+    assert is_pause(0.5, 0.02, [0.1] * 15 + [2.0])  # one earlier pause does not raise the bar
 
 
 def _unlucky_loop(remeasure_after, steps=400):

@@ -45,12 +45,13 @@ else.
 
 Steps after a pause run slower for a while: on the 2-core CPU benchmark, whose policies train in turns,
 the first step of batch 8 after another's turn cost 1.40x the steady one (median of 120 pauses; 1.70x at
-the 90th percentile) and the next three up to 1.27x; after an idle second, eight steps in a row cost
-1.3-1.4x, their window's median read 27 ms for a 22 ms step, and the fit rated batch 19 above 8. So the
-runtime says which steps follow a pause (``observe(paused=True)``: an evaluation, a checkpoint, the
-job waiting on something else), and from there times are not kept until one measures no slower than
-its shape's median (the pause is over), or :data:`SETTLE_STEPS` have gone by (the device itself got
-slower: its times are the news). Loading a state is such a pause.
+the 90th percentile) and the next three 1.02-1.07x (1.27x); after a second of evaluation, other work or
+idling (``benchmarks/pause_steps.py``) the first cost 1.23-1.31x and the next three up to 1.08x, and the
+median of the kept times, read 4 or 8 steps after the pause, up to 1.19x the steady step. So the runtime
+says which steps follow a pause (``observe(paused=True)``: an evaluation, a checkpoint, the job waiting
+on something else), and from there times are not kept until one measures no slower than its shape's
+median (the pause is over), or :data:`SETTLE_STEPS` have gone by (the device itself got slower: its
+times are the news). Loading a state is such a pause.
 
 A shape's times can go stale: a few unlucky steps (a pause, a neighbour on the machine, a GPU's first
 steps at a new size) can rate a shape slower than it runs, and a shape left is never measured again.

@@ -40,6 +40,7 @@ import random
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ import torch
 from ...signals import StepTimeFit, ThroughputModel, parse_step_time_curve
 from .sync import StepSync
 
-__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "step_shape", "step_times_for"]
+__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "is_pause", "step_shape", "step_times_for"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -166,11 +167,19 @@ class StepTimes(NoStepTimes):
         if self._ended is None:
             return False
         gap = started - self._ended
-        usual = PAUSE_FACTOR * statistics.median(self._gaps) if self._gaps else 0.0
+        paused = is_pause(gap, time.perf_counter() - started, self._gaps)
         self._gaps.append(max(gap, 0.0))
-        paused = gap > max(time.perf_counter() - started, usual, PAUSE_SECONDS)
         self.pauses += paused
         return paused
+
+
+def is_pause(gap: float, step: float, recent_gaps: Iterable[float]) -> bool:
+    """Whether ``gap`` seconds between a step's predecessor's end and its start, before a step of ``step``
+    seconds, is a pause: longer than the step, than :data:`PAUSE_FACTOR` times the median of
+    ``recent_gaps`` (the loop's normal between steps) and than :data:`PAUSE_SECONDS`."""
+    recent = list(recent_gaps)
+    usual = PAUSE_FACTOR * statistics.median(recent) if recent else 0.0
+    return gap > max(step, usual, PAUSE_SECONDS)
 
 
 def step_shape(plan: Any, step: Any = None) -> tuple[int, int, int, int | None, Any]:
