@@ -12,7 +12,8 @@ seconds, the kinds in turns:
 
 Every step's time and the gap before it are recorded and then fed, in order, to two
 :class:`~ds_adabatch.signals.ThroughputModel`\\ s as the runtime feeds them: one with the pause flag the
-runtime computes (:func:`ds_adabatch.runtime.core.step_times.is_pause`, on the same gaps), one without.
+runtime computes (:func:`ds_adabatch.runtime.core.step_times.is_pause`, on the same gaps, for every
+step), one without.
 Printed, per pause kind, over its rounds:
 
 * the median of the k-th step after the pause, k = 0..9, divided by the steady step (the median of every
@@ -38,7 +39,7 @@ from goodput_step_cost import config  # the same single-device setting
 from time_to_target import MODELS  # the model sizes the time-to-target runs train
 
 import ds_adabatch
-from ds_adabatch.runtime.core.step_times import is_pause
+from ds_adabatch.runtime.core.step_times import PAUSE_GAPS, is_pause
 from ds_adabatch.signals import ThroughputModel
 from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model
 
@@ -100,10 +101,12 @@ def main() -> None:
     gaps: list[float] = []
     read: dict[tuple[str, int, bool], list[float]] = {}
     flags = 0
-    for r, i, seconds, gap in steps:
-        paused = i == 0 and r > 0 and is_pause(gap, seconds, gaps[-16:])
+    for k, (r, i, seconds, gap) in enumerate(steps):
+        # As the runtime: every step but the run's first (no gap before it), against the recent gaps.
+        paused = k > 0 and is_pause(gap, seconds, gaps[-PAUSE_GAPS:])
         flags += paused
-        gaps.append(gap)
+        if k:
+            gaps.append(gap)
         flagged.observe(args.batch, 1, 1, seconds, paused=paused)
         plain.observe(args.batch, 1, 1, seconds)
         if r and i + 1 in READ_AT:

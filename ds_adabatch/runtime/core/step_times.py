@@ -48,15 +48,25 @@ import torch
 from ...signals import StepTimeFit, ThroughputModel, parse_step_time_curve
 from .sync import StepSync
 
-__all__ = ["SIMULATED_STEP_TIME_ENV", "NoStepTimes", "StepTimes", "is_pause", "step_shape", "step_times_for"]
+__all__ = [
+    "PAUSE_GAPS",
+    "SIMULATED_STEP_TIME_ENV",
+    "NoStepTimes",
+    "StepTimes",
+    "is_pause",
+    "step_shape",
+    "step_times_for",
+]
 
 logger = logging.getLogger("ds_adabatch")
 
 SIMULATED_STEP_TIME_ENV = "DS_ADABATCH_SIMULATED_STEP_TIME"
 PAUSE_FACTOR = 4.0
 """A gap between two steps is a pause where it is longer than the step after it, than this many times
-the median of the last 16 gaps (what a loop does between its steps, however long, is its normal) and
-than :data:`PAUSE_SECONDS`."""
+the median of the last :data:`PAUSE_GAPS` gaps (what a loop does between its steps, however long, is its
+normal) and than :data:`PAUSE_SECONDS`."""
+PAUSE_GAPS = 16
+"""The recent gaps between steps whose median is the loop's normal (:data:`PAUSE_FACTOR`)."""
 PAUSE_SECONDS = 0.05
 """The shortest gap that is a pause: shorter ones are the host's own hiccups (steps of a few ms see them
 at random)."""
@@ -106,7 +116,7 @@ class StepTimes(NoStepTimes):
         # (start, end, shape, retried, measuring, paused)
         self._previous: tuple[Any, Any, tuple[int, int, int, int | None, Any], bool, bool, bool] | None = None
         self._ended: float | None = None  # when the previous step finished (perf_counter)
-        self._gaps: deque[float] = deque(maxlen=16)
+        self._gaps: deque[float] = deque(maxlen=PAUSE_GAPS)
         self.pauses = 0
         """Steps that started after a pause on this rank (:data:`PAUSE_FACTOR`)."""
 
