@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nnodes 2:3 --nproc-per-node 1 --rdzv-backend c10d ... \\
         live_worker.py run OUT STAGE           # one node's worker
     python live_worker.py reference OUT STAGE  # the same job on one process (the exact reference)
+    python live_worker.py replay OUT STAGE     # the batches OUT/ledger.jsonl trained, on one process
     torchrun --nproc-per-node 2 live_worker.py checks OUT 0   # what is covered / refused (one node)
 
 The job: a small regression MLP, Adam with a warm-up LR schedule, a global batch ramping 6 -> 24 in
@@ -18,6 +19,8 @@ moment (both buddies; a node's second rank). ``LIVE_KILL_SIGNAL=STOP`` stops the
 its sockets stay open). ``LIVE_KILL_WHAT=worker`` kills the worker alone (a crash on a healthy node:
 torchrun restarts the workers). ``LIVE_UNEVEN=1`` lets a global batch split unevenly (4 ranks);
 ``LIVE_BF16=1`` trains in bf16.
+``LIVE_SCHEDULE=goodput`` trains the ``goodput`` schedule (up to 48 samples) on the step-time curve of
+``DS_ADABATCH_SIMULATED_STEP_TIME``; every process's end record then holds its throughput model.
 ``LIVE_WAIT_FOR=STEP:WORLD`` holds rank 0 before step STEP while the world is smaller than WORLD (until
 torchrun restarts the workers for a node that rejoins).
 """
@@ -82,6 +85,9 @@ def config(stage: int, live: bool = True, persist: bool = False) -> dict:
         if fixed
         else {"type": "linear", "start": 6, "end": 24, "ramp_samples": 120}
     )
+    goodput = os.environ.get("LIVE_SCHEDULE") == "goodput"
+    if goodput:  # its step times from DS_ADABATCH_SIMULATED_STEP_TIME (the job's environment)
+        schedule = {"type": "goodput", "start": 6, "decide_every": 4}
     return {
         # LIVE_TORCH_ADAM=1: torch's Adam (on a GPU, no FusedAdam build: tests/gpu_live_check.py).
         "optimizer": {
@@ -110,6 +116,7 @@ def config(stage: int, live: bool = True, persist: bool = False) -> dict:
             "schedule": schedule,
             "granularity": 6,
             "max_micro_batch_per_gpu": 4,
+            **({"max_global_batch": 48} if goodput else {}),
             "lr_schedule_unit": "samples",
             "allow_uneven": os.environ.get("LIVE_UNEVEN") == "1",
             "data": {"shuffle": True, "seed": 5},
@@ -232,9 +239,32 @@ def run(out: str, stage: int) -> None:
             "snapshot_bytes": snapshot_bytes,
             "snapshot_every": engine.live_snapshot_every,
             "history": [h.reason for h in engine.history],
+            **_goodput_state(engine),
         },
     )
     engine.close()
+
+
+def _goodput_state(engine) -> dict:
+    """The goodput schedule's moves and throughput model (every rank's must be the same), if it runs."""
+    schedule = engine.controller.schedule
+    if getattr(schedule, "name", None) != "goodput":
+        return {}
+    model = schedule.throughput
+    measured = {w: [[m, g, n] for m, g, _, n in model.measured(w)] for w in (1, 2, 3)}
+    return {"goodput": {"moves": schedule.moves, "measured": measured, "state": model.state_dict()}}
+
+
+def replayed(ledger: str) -> dict:
+    """A schedule that trains the batches a live job trained (the last record of each step in its
+    ledger), by samples: the exact reference of a job whose batches follow its world and its clock."""
+    last: dict[int, dict] = {}
+    with open(ledger) as f:
+        for line in f:
+            row = json.loads(line)
+            last[row["step"]] = row
+    points = [[last[s]["samples"] - len(last[s]["indices"]), len(last[s]["indices"])] for s in sorted(last)]
+    return {"type": "piecewise", "unit": "samples", "points": points}
 
 
 def whole_parameters(engine) -> dict:
@@ -357,9 +387,12 @@ def _kill_node(out: str, agent: int) -> None:
     os.kill(os.getpid(), sig)
 
 
-def reference(out: str, stage: int) -> None:
-    """The same job, uninterrupted, in one process."""
-    engine, *_ = ds_adabatch.initialize(make_model(), config(stage, live=False), Regression(), loss_fn=mse)
+def reference(out: str, stage: int, schedule: dict | None = None) -> None:
+    """The same job, uninterrupted, in one process (``schedule``: in place of the job's)."""
+    cfg = config(stage, live=False)
+    if schedule is not None:
+        cfg["adabatch"]["schedule"] = schedule
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(), loss_fn=mse)
     rows = []
     while engine.global_samples < SAMPLES:
         loss = float(engine.train_batch())
@@ -383,6 +416,8 @@ if __name__ == "__main__":
         run(out_dir, zero)
     elif mode == "checks":
         checks(out_dir)
+    elif mode == "replay":
+        reference(out_dir, zero, replayed(os.path.join(out_dir, "ledger.jsonl")))
     else:
         for s in [zero] if zero >= 0 else [0, 1, 2, 3]:
             reference(out_dir, s)

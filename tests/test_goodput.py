@@ -140,11 +140,32 @@ def test_world_size_change_predicts_from_the_old_world_then_its_own():
     for _ in range(4):
         model.observe(8, 1, 2, 0.030)
     assert model.predict(8, 1, 2) == pytest.approx(0.030)  # its own shapes once measured
+    # One shape there: world 4's slope (a rank's passes cost the same), its fixed cost from that shape.
+    assert model.predict(16, 1, 2) == pytest.approx(0.038)
+    assert model.predict(16, 2, 2) == pytest.approx(0.022 + 2 * 0.016)
+    for _ in range(4):
+        model.observe(16, 1, 2, 0.050)
+    assert model.predict(32, 1, 2) == pytest.approx(0.090)  # two shapes there: its own fit alone
     restored = ThroughputModel()
     restored.load_state_dict(model.state_dict())
     assert restored.predict(16, 1, 4) == pytest.approx(model.predict(16, 1, 4))
     with pytest.raises(ValueError, match="version"):
         restored.load_state_dict({**model.state_dict(), "version": 99})
+
+
+def test_a_new_world_keeps_the_old_slope_scaled_to_its_one_shape_or_flat_where_the_old_was_flat():
+    model = _fed(lambda m, g: 0.01 + 0.001 * m, [(8, 1), (16, 1)], world=4)
+    for _ in range(4):
+        model.observe(8, 1, 2, 0.004)  # cheaper than world 4's slope alone (0.008): scaled down to it
+    assert model.predict(8, 1, 2) == pytest.approx(0.004)
+    assert model.predict(16, 1, 2) == pytest.approx(0.008)
+    flat = _fed(lambda m, g: 0.05, [(8, 1)], world=4)  # one shape at world 4: nothing says it has a slope
+    for _ in range(4):
+        flat.observe(16, 1, 2, 0.06)
+    assert flat.predict(32, 2, 2) == pytest.approx(0.06)
+    restored = ThroughputModel()
+    restored.load_state_dict(model.state_dict())
+    assert restored.predict(16, 1, 2) == pytest.approx(0.008)
 
 
 def test_parse_step_time_curve():

@@ -12,7 +12,7 @@ milliseconds into a step chosen from a seed. Checked for every job:
   (fp32, 1e-5 relative): the rollback and the re-done steps lose and repeat nothing;
 - at most one step is trained again.
 
-Launch 1 runs six jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 3,
+Launch 1 runs seven jobs side by side: ZeRO 1 on two nodes x two ranks loses a node (two ranks); ZeRO 3,
 two nodes x two ranks, loses a node (its partitioned model made whole from the snapshots and partitioned
 again over the two survivors); ZeRO 0
 has node 2 hang (its sockets stay open: the watchdog must catch it, long before the collective
@@ -20,7 +20,9 @@ timeout); ZeRO 2 loses nodes 1 and 2 at once (node 2's partition and its only co
 survivor takes the restart path and resumes from the last complete checkpoint, still exact; ZeRO 1
 loses node 0, the store's host: the launch ends in seconds, and launched again on nodes 1 and 2 the
 job restores from their host memory; on one node x two ranks, ZeRO 2, a worker crashes: torchrun
-restarts both, and they restore from the node's host memory. Launch 2: ZeRO 2 loses node 2, then node 2 comes back: torchrun
+restarts both, and they restore from the node's host memory; the ``goodput`` schedule on a simulated
+step-time curve, ZeRO 2, loses node 2 and goes on deciding on the survivors, its throughput model right on
+the smaller world (checked exact against one process replaying its batches). Launch 2: ZeRO 2 loses node 2, then node 2 comes back: torchrun
 restarts every worker, they restore from the survivors' host memory (no checkpoint, no step redone)
 and finish on three ranks.
 
@@ -51,6 +53,8 @@ from _cluster_checks import (
     wait_processes,
     why_no_netns,
 )
+
+from ds_adabatch.signals import ThroughputModel, parse_step_time_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "live_worker.py"
@@ -136,8 +140,13 @@ def cluster():
 def reference(tmp_path_factory) -> dict:
     """The same job uninterrupted in one process, ZeRO 0, 1, 2 and 3 (one launch)."""
     out = tmp_path_factory.mktemp("live_reference")
+    return one_process(out, "reference", -1, (0, 1, 2, 3))
+
+
+def one_process(out: Path, mode: str, stage: int, stages: tuple[int, ...]) -> dict:
+    """``live_worker.py MODE OUT STAGE`` in one process (-1: every stage), and the reference it wrote."""
     proc = subprocess.run(
-        [sys.executable, str(JOB), "reference", str(out), "-1"],
+        [sys.executable, str(JOB), mode, str(out), str(stage)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -145,9 +154,10 @@ def reference(tmp_path_factory) -> dict:
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return load_reference(out, (0, 1, 2, 3))
+    return load_reference(out, stages)
 
 
+GOODPUT_CURVE = "fixed=0.02,per_sample=0.002"
 # name: (ZeRO stage, rendezvous port, ranks per node, nodes, environment)
 JOBS = {
     # Two nodes x two ranks: node 1 (ranks 2 and 3) lost; their copies are on node 0.
@@ -163,6 +173,19 @@ JOBS = {
     # One node x two ranks, ZeRO 2: rank 1's worker crashes (its node is healthy): torchrun restarts
     # both workers, which restore from the node's host memory.
     "crash": (2, 29717, 2, 1, {"LIVE_KILL": f"1:{kill_point(7)}", "LIVE_KILL_WHAT": "worker"}),
+    # ZeRO 2, the goodput schedule on a simulated compute-bound curve, node 2 lost in step 10: its
+    # warm-up trial of batch 12 (steps 4-8) is judged on 3 ranks, then the survivors go on deciding.
+    "goodput": (
+        2,
+        29719,
+        1,
+        3,
+        {
+            "LIVE_KILL": "2:10:2.0",
+            "LIVE_SCHEDULE": "goodput",
+            "DS_ADABATCH_SIMULATED_STEP_TIME": GOODPUT_CURVE,
+        },
+    ),
 }
 RELAUNCH_PORT = 29716
 
@@ -277,6 +300,33 @@ def test_node_and_its_buddy_lost_take_the_restart_path(launch_one, reference):
     (end,) = ends(out)
     assert end["restart"] == 1 and "global_step" in str(end["resumed_from"]), end
     assert end["first_step"] % 4 == 0 and end["first_step"] > 0, "resumed from a checkpoint step"
+
+
+def test_goodput_goes_on_over_a_lost_node_and_predicts_the_smaller_world(launch_one):
+    """The goodput schedule survives a lost node in place: every sample once, the final parameters those
+    of one process training the same batches (the job's batches follow its world and its clock, so its
+    reference is a replay of them), every survivor's throughput model the same, and that model right on
+    the smaller world from its first shape there: it carries the slope measured on 3 ranks (a rank's
+    passes cost the same), so it predicts the curve's every shape on 2 ranks, where a model fitted on the
+    one shape measured there would call every larger batch free and try it."""
+    out = launch_one["goodput"]
+    check_survived_in_place(out, 3, 1)
+    rows = check_exact(out, one_process(out, "replay", 2, (2,)), 2)
+    assert rows[0]["world_size"] == 3 and rows[-1]["world_size"] == 2
+    survivors = ends(out)
+    states = [e["goodput"]["state"] for e in survivors]
+    assert all(state == states[0] for state in states), "the survivors' throughput models differ"
+    measured = survivors[0]["goodput"]["measured"]
+    assert len(measured["3"]) >= 2 and measured["2"], measured
+    model = ThroughputModel()
+    model.load_state_dict(states[0])
+    curve = parse_step_time_curve(GOODPUT_CURVE)
+    for micro, gas in [(1, 1), (3, 2), (4, 3), (4, 6)]:
+        assert model.predict(micro, gas, 2) == pytest.approx(curve.predict(micro, gas), rel=1e-6)
+    history = survivors[0]["history"]
+    after = history[next(i for i, h in enumerate(history) if h.startswith("shrink")) + 1 :]
+    assert not [h for h in after if "not kept" in h], after
+    print(f"goodput over a lost node: measured {measured}; after the shrink: {after}")
 
 
 def test_node_lost_then_rejoins(cluster, reference, tmp_path):

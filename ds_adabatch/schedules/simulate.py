@@ -52,7 +52,7 @@ from .controller import BatchSizeController
 from .lr import lr_multiplier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..signals.throughput import StepTimeFit
+    from ..signals.step_time_fit import StepTimeFit
 
 __all__ = ["CSV_COLUMNS", "SimulatedStep", "StepSource", "simulate"]
 
@@ -292,7 +292,7 @@ def _step_time_curve(
             "needs a step-time curve: --step-time fixed=0.03,per_pass=0.002,per_sample=0.0004 (seconds) "
             "or a table of one-pass step times by micro-batch, e.g. --step-time 8:0.031,32:0.034,128:0.052"
         )
-    from ..signals.throughput import parse_step_time_curve
+    from ..signals.step_time_fit import parse_step_time_curve
 
     return parse_step_time_curve(step_time)
 

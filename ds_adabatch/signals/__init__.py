@@ -8,7 +8,8 @@ batch-size decision. They are plain Python (0-d tensors are accepted wherever a 
 from .efficiency import statistical_efficiency
 from .ema import EmaLoss
 from .noise import GradientNoiseEstimator
-from .throughput import StepTimeFit, ThroughputModel, parse_step_time_curve
+from .step_time_fit import StepTimeFit, parse_step_time_curve
+from .throughput import ThroughputModel
 
 __all__ = [
     "EmaLoss",
