@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -460,7 +461,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--samples", type=_positive_int, required=True, metavar="N", help="training samples to simulate"
     )
     p.add_argument("--out", required=True, metavar="PNG", help="plot to write")
-    p.add_argument("--csv", default=None, metavar="CSV", help="also write the plan per step as CSV")
+    p.add_argument(
+        "--csv",
+        default=None,
+        metavar="CSV",
+        help="where the plan per step is written as CSV (default: --out's path with .csv)",
+    )
     p.add_argument(
         "--replay", default=None, metavar="JSONL", help="recorded metrics for signal-driven schedules"
     )
@@ -520,6 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, as for other tools
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as err:  # never a traceback for the user unless asked for
         if args.debug:
             raise

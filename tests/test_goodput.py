@@ -173,7 +173,20 @@ def test_parse_step_time_curve():
     assert fit.predict(10, 2) == pytest.approx(0.03 + 2 * 0.004)
     table = parse_step_time_curve("8:0.034,32:0.046,128:0.094")
     assert table.predict(64, 1) == pytest.approx(0.030 + 0.0005 * 64)
-    for bad in ["fixed=x", "speed=1", "8:0.1,oops", "", "fixed=0", "jitter=0.2", "fixed=0.03,jitter=-0.1"]:
+    for bad in [
+        "fixed=x",
+        "speed=1",
+        "8:0.1,oops",
+        "",
+        "fixed=0",
+        "jitter=0.2",
+        "fixed=0.03,jitter=-0.1",
+        "fixed=inf",
+        "fixed=0.05,fixed=0.1",
+        "4:0.05,4:0.06",
+        "4:0.05,jitter=0.25",
+        "4:nan",
+    ]:
         with pytest.raises(ValueError):
             parse_step_time_curve(bad)
     assert fit.jitter == 0.0 and fit.measure(10, 2, random.Random(0)) == fit.predict(10, 2)
@@ -225,8 +238,11 @@ def _section(**over) -> AdaBatchConfig:
     return AdaBatchConfig.model_validate(section)
 
 
-def run_loop(section, curve, noise_of, *, steps=500, world=2, limit=None, seed=0, time_noise=0.0):
-    """A closed loop of controller, schedule and model: the batch of every step."""
+def run_loop(
+    section, curve, noise_of, *, steps=500, world=2, limit=None, seed=0, time_noise=0.0, decisions=None
+):
+    """A closed loop of controller, schedule and model: the batch of every step (and every step's
+    decision appended to ``decisions`` where given)."""
     rng = random.Random(seed)
     controller = BatchSizeController(section, world)
     limit = limit or section.max_micro_batch_per_gpu
@@ -241,7 +257,10 @@ def run_loop(section, curve, noise_of, *, steps=500, world=2, limit=None, seed=0
             noise_scale_error=0.1,
             micro_batch_limit=limit,
         )
-        batch = controller.next_global_batch(ctx).global_batch
+        decision = controller.next_global_batch(ctx)
+        batch = decision.global_batch
+        if decisions is not None:
+            decisions.append(decision)
         plan = plan_batch(batch, world, limit, allow_uneven=section.allow_uneven)
         assert plan.micro_batch_per_gpu <= limit, (
             f"step {step}: micro {plan.micro_batch_per_gpu} > limit {limit}"
@@ -414,6 +433,20 @@ def test_holds_until_the_noise_scale_is_known_and_moves_only_where_its_uncertain
     assert again.schedule.throughput.measured(2) == controller.schedule.throughput.measured(2)
 
 
+def test_max_change_factor_bounds_the_batches_goodput_rates_so_it_runs_what_it_chose():
+    """The section's cap applies inside the choice: a move rated at one batch and split is not capped to
+    another (on 2 ranks a cap from 8 x 2 to 12 ran micro 1 x gas 19 at a later step, and opened a trial
+    of a shape that never ran)."""
+    decisions = []
+    batches, controller = run_loop(
+        _section(max_change_factor=1.5), lambda m, g: 0.05, lambda s, r: 200.0, steps=120, decisions=decisions
+    )
+    assert not [d.reason for d in decisions if d.rounded], "a goodput choice was capped or rounded"
+    assert all(b <= a * 1.5 for a, b in zip(batches, batches[1:])), batches
+    assert batches[-1] == 256 and controller.schedule.trial is None, batches
+    assert len(set(batches)) > 6  # the climb in steps of at most 1.5x
+
+
 def test_config_needs_max_global_batch_and_a_positive_cadence():
     with pytest.raises(ConfigError, match="max_global_batch: is required by the goodput schedule"):
         load_ds_config(
@@ -425,6 +458,35 @@ def test_config_needs_max_global_batch_and_a_positive_cadence():
                 "adabatch": {
                     "schedule": {"type": "goodput", "start": 8, "decide_every": 0},
                     "max_global_batch": 64,
+                }
+            }
+        )
+    # Adam's geometry of an optimizer the ds_config names and that keeps no second moment: refused here,
+    # before any process starts, not first by initialize.
+    for kind, refused in (("SGD", True), ("Lion", True), ("AdamW", False)):
+        raw = {
+            "optimizer": {"type": kind, "params": {"lr": 0.1}},
+            "adabatch": {
+                "schedule": {"type": "goodput", "start": 8, "geometry": "adam"},
+                "max_global_batch": 64,
+                "max_micro_batch_per_gpu": 8,
+            },
+        }
+        if refused:
+            with pytest.raises(ConfigError, match=f"geometry: .*optimizer {kind} keeps none"):
+                load_ds_config(raw)
+        else:
+            load_ds_config(raw)
+    # Its own cadence, not the section's: consulted every 7 steps, its first decision came at step 70.
+    with pytest.raises(
+        ConfigError, match="update_interval: must be 1 with the goodput schedule.*decide_every"
+    ):
+        load_ds_config(
+            {
+                "adabatch": {
+                    "schedule": {"type": "goodput", "start": 8},
+                    "max_global_batch": 64,
+                    "update_interval": 7,
                 }
             }
         )
@@ -724,8 +786,13 @@ def test_the_default_warm_up_moves_on_step_cost_alone_where_a_larger_batch_is_fr
     assert [batches.index(b) for b in (16, 32, 64, 128)] == [4, 8, 12, 16], batches
     assert decided[4] and not any(decided[:4]), decided
     assert "warm-up (step 4 < 20), by step cost alone" in reasons[4], reasons[4]
-    assert "batch 16 costs +0.0% a step (at most 0.05 more: it loses at no noise scale)" in reasons[4]
-    assert "+100.0% samples/s (a trial" in reasons[4], reasons[4]
+    assert (
+        "batch 16 costs +0.0% a step (at most 0.05 more: at no noise scale does it lose more)" in reasons[4]
+    )
+    # The trial is the batch moved to: said after it.
+    assert reasons[4].endswith(
+        "-> batch 16: 400 samples/s (micro 16 x gas 1) (a trial: judged again after 3 step times of it)"
+    ), reasons[4]
     assert controller.schedule.last_rating == {"predicted_samples_per_s": pytest.approx(128 / 0.04)}
     # A warmup_steps given holds start until then, whatever the cost.
     held, decided, reasons, _ = _trial_loop(flat, error=None, noise=lambda step: None, steps=20, warmup=20)

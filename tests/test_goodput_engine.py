@@ -81,7 +81,8 @@ def test_the_default_warm_up_climbs_a_flat_cost_before_the_noise_estimate(launch
     moves = [m for m in r["history"] if m["step"] < 20]
     assert [m["new_global_batch"] for m in moves] == [16, 32, 64], moves
     assert all(
-        "by step cost alone" in m["reason"] and "loses at no noise scale" in m["reason"] for m in moves
+        "by step cost alone" in m["reason"] and "at no noise scale does it lose more" in m["reason"]
+        for m in moves
     )
 
 

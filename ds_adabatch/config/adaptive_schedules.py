@@ -397,7 +397,10 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     where the step time grows with the batch it settles near the noise scale. The LR follows
     ``lr_scaling`` as for every schedule. With token budgets (``micro_batch_tokens``) the batch is still
     in samples, packed into passes of the budget: a step's shape is its passes per rank, predicted for
-    every batch from the samples a pass held in the recent steps. See docs/schedules.md.
+    every batch by packing the recent samples' lengths as the runtime's packer would (until enough were
+    seen, from the samples a full pass held in the recent steps). The section's ``max_change_factor``
+    bounds the batches rated (those within it of the current one); ``update_interval`` must be 1 (the
+    schedule keeps its own cadence). See docs/schedules.md.
     """
 
     type: Literal["goodput"] = Field(description="Schedule type.")
@@ -436,10 +439,11 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         description="Optimizer steps before the first decision that reads the noise scale. null: one "
         "EMA time constant of noise measurements, ceil(measure_every / (1 - ema_beta)) steps (20 at the "
         "defaults), as for gradient_noise; before it the batch moves only where that needs no noise "
-        "estimate: to a batch whose step costs at most hysteresis more than the current one's (so it "
-        "loses at no noise scale) and that gives more than hysteresis more samples/s, tried and judged "
-        "on its step times as any untried shape (a free larger batch on a host-bound GPU is reached in "
-        "the first steps; on a CPU one trial of 2x start is measured slower and undone). A number: "
+        "estimate: to a batch whose step costs at most hysteresis more than the current one's (so at no "
+        "noise scale does it lose more than that) and that gives more than hysteresis more samples/s, "
+        "tried and judged on its step times as any untried shape (a free larger batch on a host-bound "
+        "GPU is reached in the first steps; where the cost grows in proportion to the batch, as on the "
+        "2-core CPU benchmark, one trial of 2x start is measured slower and undone). A number: "
         "start is held that many steps, whatever the cost (for example the LR warm-up's length).",
     )
     remeasure_after: int | None = Field(
@@ -491,6 +495,16 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
                     "is required by the goodput schedule (where a larger batch costs nothing more, goodput "
                     "grows with the batch without end): set the largest global batch to consider",
                     None,
+                )
+            )
+        if section.update_interval != 1:
+            problems.append(
+                (
+                    "update_interval",
+                    "must be 1 with the goodput schedule: it keeps its own cadence (decide_every) and "
+                    "judges a trial as soon as 3 of its step times are in, which consulting it every "
+                    "update_interval steps would delay; set schedule.decide_every instead",
+                    section.update_interval,
                 )
             )
         return problems

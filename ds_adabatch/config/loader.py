@@ -228,6 +228,7 @@ def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
             plan, plan_problems = _plan_problems(cfg, world_size)
             problems += plan_problems
         problems += _batch_key_agreement_problems(raw, cfg, plan)
+        problems += _geometry_problems(raw, cfg)
     if problems:
         raise ConfigError(problems, source=name)
     assert cfg is not None  # invariant: a missing or invalid section added a problem above
@@ -236,6 +237,26 @@ def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
     if plan is not None:
         deepspeed.update(plan.deepspeed_batch_keys())
     return LoadedConfig(deepspeed, cfg, plan, name, copy.deepcopy(dict(raw)))
+
+
+_NO_SECOND_MOMENT = frozenset({"sgd", "musgd", "adagrad", "lion"})
+"""DeepSpeed's optimizer types that keep no Adam second moment (no betas and eps in their groups)."""
+
+
+def _geometry_problems(raw: Mapping[str, Any], cfg: AdaBatchConfig) -> list[ConfigProblem]:
+    """A noise scale asked in Adam's geometry of an optimizer the ds_config names and that keeps no
+    second moment: refused here, before any process starts, as ``initialize`` would refuse it."""
+    optimizer = raw.get("optimizer")
+    kind = optimizer.get("type") if isinstance(optimizer, Mapping) else None
+    if getattr(cfg.schedule, "geometry", None) != "adam" or not isinstance(kind, str):
+        return []
+    if kind.lower() not in _NO_SECOND_MOMENT:
+        return []
+    message = (
+        f"measures the noise scale with Adam's second moment, but the ds_config's optimizer {kind} keeps "
+        'none: set it to "sgd" (or "auto") or train with an Adam-type optimizer'
+    )
+    return [ConfigProblem(f"{SECTION}.schedule.geometry", message, "adam")]
 
 
 def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[ConfigProblem]]:

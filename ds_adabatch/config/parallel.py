@@ -75,9 +75,9 @@ def model_parallel_problems(
             "adabatch.schedule.type",
             f"{kind} cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "
             "the gradient-noise scale it reads comes from every micro-batch's local gradient before "
-            "DeepSpeed reduces it, and here a micro-batch's gradient is spread over stages or tensor "
-            "ranks (DeepSpeed's PipelineEngine runs the passes itself). Use loss_plateau, seesaw or a "
-            "sample-keyed ramp",
+            "DeepSpeed reduces it, and here a micro-batch's gradient is spread over "
+            + ("stages (DeepSpeed's PipelineEngine runs the passes itself)" if pipelined else "tensor ranks")
+            + ". Use loss_plateau, seesaw or a sample-keyed ramp",
             kind,
         )
     ]

@@ -87,6 +87,7 @@ class BatchSizeController:
             allow_uneven=self.allow_uneven,
             min_from_config=self.min_global_batch is not None,
             lr_rule=_batch_rule(getattr(config, "lr_scaling", None)),
+            max_change_factor=self.max_change_factor,
         )
         self._last_step: int | None = None
         self._last_decision: Decision | None = None

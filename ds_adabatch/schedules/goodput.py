@@ -33,11 +33,12 @@ The warm-up waits for the noise estimate, but only the decisions that need it. W
 step's progress no longer grows with its samples) and their samples/s ratio (``B_noise`` far above both).
 So with the default ``warmup_steps`` (null), from the step at which ``start`` has :data:`TRIAL_STEPS` kept
 step times, each warm-up step moves to the candidate of most samples/s (if any) whose step costs at most
-``hysteresis`` more than the current one's and that gives more than ``hysteresis`` more samples/s: it
-loses at no noise scale. Untried shapes are predicted flat, so on a host-bound device this climbs in
-trials from the first steps; where the step's cost grows with the batch, the one trial (2x ``start``)
-is measured slower and undone, and the decisions that need the estimate come after the warm-up, with
-that cost known. A ``warmup_steps`` given holds ``start`` until it ends.
+``hysteresis`` more than the current one's and that gives more than ``hysteresis`` more samples/s: at
+no noise scale does it lose more than ``hysteresis``. Untried shapes are predicted flat, so on a
+host-bound device this climbs in trials from the first steps; where the step's cost grows in
+proportion to the batch, the one trial (2x ``start``) is measured slower and undone, and the decisions
+that need the estimate come after the warm-up, with that cost known (where a step's fixed cost
+dominates, the batch creeps up by the steps that cost within ``hysteresis`` more). A ``warmup_steps`` given holds ``start`` until it ends.
 
 A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
 shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the
@@ -107,6 +108,7 @@ class GoodputSchedule:
         max_global_batch: int | None = None,
         allow_uneven: bool = False,
         lr_rule: str | None = None,
+        max_change_factor: float | None = None,
     ) -> None:
         self.reference_batch = int(config.start)
         efficiency = config.efficiency
@@ -128,8 +130,8 @@ class GoodputSchedule:
         )
         self.by_cost_in_warmup = config.warmup_steps is None
         """The default warm-up (``warmup_steps`` null) waits for the noise estimate only where a move
-        needs it: before it ends, a move that loses at no noise scale is taken on the step times alone
-        (:meth:`_by_cost`). A ``warmup_steps`` given holds ``start`` until then, whatever the cost."""
+        needs it: before it ends, a move that loses at most ``hysteresis`` at any noise scale is taken
+        on the step times alone (:meth:`_by_cost`). A ``warmup_steps`` given holds ``start`` until then, whatever the cost."""
         self.granularity = int(granularity)
         self.min_global_batch = self.reference_batch if min_global_batch is None else min_global_batch
         """The smallest batch considered: the section's ``min_global_batch`` where it is set, else
@@ -137,6 +139,9 @@ class GoodputSchedule:
         a batch below it is considered only where the user asks for one."""
         self.max_global_batch = max_global_batch
         self.allow_uneven = bool(allow_uneven)
+        self.max_change_factor = max_change_factor
+        """The section's ``max_change_factor``: only batches within it of the current one are rated, so
+        that the batch run is the one chosen, with the split it was rated (and tried) at."""
         self.last_reason = ""
         self.last_rating: dict[str, float] = {}
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
@@ -236,7 +241,7 @@ class GoodputSchedule:
         except PlanError:
             return None
 
-    def _candidates(self, world: int, current: int) -> list[int]:
+    def _candidates(self, world: int, reference: int, current: int) -> list[int]:
         multiple = batch_multiple(world, self.granularity, self.allow_uneven)
         lowest, highest = feasible_range(
             world,
@@ -246,7 +251,11 @@ class GoodputSchedule:
             allow_uneven=self.allow_uneven,
         )
         if highest is None:  # the config requires max_global_batch; a replay without one stays near
-            highest = max(current, lowest) * 4
+            highest = max(reference, lowest) * 4
+        f = self.max_change_factor  # the controller's window about the current batch
+        if f is not None:
+            lowest = max(lowest, math.ceil(current / f / multiple - 1e-9) * multiple)
+            highest = min(highest, math.floor(current * f / multiple + 1e-9) * multiple)
         count = (highest - lowest) // multiple + 1
         if count <= _MAX_CANDIDATES:
             values = range(lowest, highest + 1, multiple)
@@ -255,7 +264,7 @@ class GoodputSchedule:
             values = {lowest, highest}
             for i in range(_MAX_CANDIDATES):
                 values.add(min(highest, max(lowest, round(lowest * ratio**i / multiple) * multiple)))
-        return sorted({*values, current})
+        return sorted({*values, reference})
 
     def speed(self, ctx: ScheduleContext, batch: int) -> tuple[float, Any] | None:
         """``(predicted samples/s, plan)`` of ``batch``; None if it cannot be planned or predicted."""
@@ -406,7 +415,7 @@ class GoodputSchedule:
         not ``reference`` (nor ``current`` where a judged trial is undone), and no shape beyond
         ``explore_factor`` times the largest tried (``tried``: its micro-batch and samples per rank),
         which is left for later."""
-        for batch in self._candidates(ctx.world_size, reference):
+        for batch in self._candidates(ctx.world_size, reference, current):
             if batch == reference or (batch == current and reference != current):
                 continue
             speed = self.speed(ctx, batch)
@@ -460,8 +469,8 @@ class GoodputSchedule:
                 else "at the estimate, losing nowhere across that interval"
             )
         self._keep_rating(best_rating)
-        said += self._moved(ctx, best_rating[2], reference)
-        self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}"
+        trial = self._moved(ctx, best_rating[2], reference)
+        self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}{trial}"
         return float(best)
 
     def _moved(self, ctx: ScheduleContext, plan: Any, reference: int) -> str:
@@ -510,10 +519,11 @@ class GoodputSchedule:
         if best != reference:
             said += (
                 f"; batch {best} costs {_step_cost(best, best_speed, reference, now)} a step (at most "
-                f"{self.hysteresis:g} more: it loses at no noise scale) for {best_gain - 1:+.1%} samples/s"
+                f"{self.hysteresis:g} more: at no noise scale does it lose more) for {best_gain - 1:+.1%} "
+                "samples/s"
             )
-            said += self._moved(ctx, best_speed[1], reference)
-            self.last_reason = f"{said} -> batch {best}: {_sped(best_speed)}"
+            trial = self._moved(ctx, best_speed[1], reference)
+            self.last_reason = f"{said} -> batch {best}: {_sped(best_speed)}{trial}"
             return float(best)
         if reference == current:
             return self._hold(current, said)

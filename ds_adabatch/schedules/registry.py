@@ -45,6 +45,7 @@ def build_schedule(
     allow_uneven: bool = False,
     min_from_config: bool = True,
     lr_rule: str | None = None,
+    max_change_factor: float | None = None,
 ) -> Schedule:
     """The rule for a schedule config model (one member of ``ScheduleConfig``).
 
@@ -52,7 +53,8 @@ def build_schedule(
     batch (``loss_plateau``) stay inside them, as the controller's output does. ``goodput`` rates the
     plannable batches within them (``granularity``, ``allow_uneven``) at the context's world size,
     from its ``start`` where ``min_from_config`` is False (the section set no ``min_global_batch``), with
-    the efficiency that ``lr_rule`` (the section's ``lr_scaling.rule``) implies where it says "auto".
+    the efficiency that ``lr_rule`` (the section's ``lr_scaling.rule``) implies where it says "auto",
+    and only those within the section's ``max_change_factor`` of the current batch.
 
     Raises:
         ConfigError: a ``callable`` schedule's function cannot be imported or is not callable.
@@ -71,6 +73,7 @@ def build_schedule(
             max_global_batch=max_global_batch,
             allow_uneven=allow_uneven,
             lr_rule=lr_rule,
+            max_change_factor=max_change_factor,
         )
     if kind == "seesaw":
         return SeesawSchedule(config, max_global_batch=max_global_batch)

@@ -309,10 +309,11 @@ def _check_measurements(
     the step source counts them)."""
     measured = sorted(schedule.requires & _MEASURED - ({"noise_scale"} if noise_scale is not None else set()))
     if measured and data is None:
+        fixed = " (or --noise-scale B, a fixed noise scale in samples)" if measured == ["noise_scale"] else ""
         raise ValueError(
             f"the {schedule.name} schedule is driven by measured {', '.join(measured)}; simulating it "
             f"needs a recorded run: pass --replay metrics.jsonl (one JSON object per optimizer step with "
-            f"'samples' and {', '.join(repr(m) for m in measured)})"
+            f"'samples' and {', '.join(repr(m) for m in measured)}){fixed}"
         )
     for key in measured:
         if data is not None and not data.has(key):

@@ -166,23 +166,32 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
         )
     if all("=" in item for item in items):
         values = {"fixed": 0.0, "per_pass": 0.0, "per_sample": 0.0, "jitter": 0.0}
+        given: set[str] = set()
         for item in items:
             name, _, value = item.partition("=")
             name = name.strip()
             if name not in values:
                 raise ValueError(f"unknown step-time term {name!r} in {text!r}; known: {', '.join(values)}")
+            if name in given:
+                raise ValueError(f"step-time term {name} is given twice in {text!r}: give it once")
+            given.add(name)
             unit = "" if name == "jitter" else " seconds"
             try:
                 values[name] = float(value)
             except ValueError:
                 raise ValueError(f"step-time term {name} must be a number{unit}, got {value!r}") from None
             if not values[name] >= 0 or not math.isfinite(values[name]):
-                raise ValueError(f"step-time term {name} must be >= 0{unit}, got {value!r}")
+                raise ValueError(f"step-time term {name} must be a finite number >= 0{unit}, got {value!r}")
         if not any(values[term] for term in _TERMS):
             raise ValueError(
                 f"the step-time curve {text!r} is zero everywhere: give at least one positive term"
             )
         return StepTimeFit(**values, shapes=0)
+    if any("=" in item for item in items):
+        raise ValueError(
+            f"the step-time curve {text!r} mixes terms (name=value) with table entries (micro:seconds): "
+            "give one form (jitter=... goes with fixed=...,per_pass=...,per_sample=...)"
+        )
     points = []
     for item in items:
         micro, sep, seconds = item.partition(":")
@@ -195,8 +204,12 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
                 f"step-time table entry {item!r} is not micro:seconds (e.g. 8:0.031); or give "
                 "fixed=...,per_pass=...,per_sample=..."
             ) from None
-        if points[-1][0] < 1 or not points[-1][2] > 0:
+        if points[-1][0] < 1 or not (points[-1][2] > 0 and math.isfinite(points[-1][2])):
             raise ValueError(f"step-time table entry {item!r} needs a micro-batch >= 1 and seconds > 0")
+        if points[-1][0] in {m for m, _, _, _ in points[:-1]}:
+            raise ValueError(
+                f"step-time table gives micro-batch {points[-1][0]} twice in {text!r}: give it once"
+            )
     fit = fit_step_time(points)
     assert fit is not None  # every point has a positive time
     return fit
