@@ -131,7 +131,7 @@ def test_first_step_of_a_shape_is_not_kept_and_one_shape_predicts_flat():
     for _ in range(3):
         model.observe(8, 1, 1, 0.05)
     assert model.predict(64, 1, 1) == pytest.approx(0.05)  # flat until measured otherwise
-    assert model.largest_tried(1) == (8, 8)
+    assert model.largest_tried(1) == (8, 8, 1)
 
 
 def test_world_size_change_predicts_from_the_old_world_then_its_own():
@@ -443,6 +443,9 @@ def test_max_change_factor_bounds_the_batches_goodput_rates_so_it_runs_what_it_c
     )
     assert not [d.reason for d in decisions if d.rounded], "a goodput choice was capped or rounded"
     assert all(b <= a * 1.5 for a, b in zip(batches, batches[1:])), batches
+    # Nor a split of many passes before fewer were measured: 38 on 2 ranks is micro 1 x GAS 19.
+    gas = [plan_batch(b, 2, 16).gradient_accumulation_steps for b in batches]
+    assert all(g <= 2 * max(gas[: i + 1]) for i, g in enumerate(gas[1:])), sorted(set(zip(batches, gas)))
     assert batches[-1] == 256 and controller.schedule.trial is None, batches
     assert len(set(batches)) > 6  # the climb in steps of at most 1.5x
 
@@ -621,7 +624,7 @@ def test_resume_on_another_world_size_keeps_the_measured_costs():
     model = resumed.schedule.throughput
     # Nothing measured on 4 ranks yet: the 2-rank shapes predict (a rank's passes cost the same).
     assert model.predict(16, 1, 4) == pytest.approx(0.05)
-    assert model.largest_tried(4) == model.largest_tried(2) != (0, 0)
+    assert model.largest_tried(4) == model.largest_tried(2) != (0, 0, 0)
     ctx = ScheduleContext(
         step=40,
         samples=0,
@@ -656,7 +659,7 @@ def test_noise_measuring_steps_price_the_measurement_and_are_not_fitted():
     assert ratio < 0.95 * 51 / 27, mixed.fit(1).describe()
     assert kept_apart.predict_measuring(4, 2, 1) == pytest.approx(0.036)
     assert kept_apart.measured(1) == mixed.measured(1)[1:]
-    assert kept_apart.largest_tried(1) == (16, 16)
+    assert kept_apart.largest_tried(1) == (16, 16, 1)
     # Checkpointed with the rest; a state written before measuring steps were kept apart still loads.
     again = ThroughputModel()
     again.load_state_dict(kept_apart.state_dict())

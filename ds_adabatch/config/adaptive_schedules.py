@@ -429,9 +429,11 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     explore_factor: float = Field(
         default=2.0,
         gt=1.0,
-        description="Batches whose micro-batch, or samples per rank per step (micro x GAS), exceed this "
-        "factor times the largest measured are not considered yet (unitless). 2 explores in doublings: "
-        "each untried shape is measured before the next one beyond it is predicted from it.",
+        description="Batches whose micro-batch, samples per rank per step (micro x GAS) or GAS exceed "
+        "this factor times the largest measured are not considered yet (unitless). 2 explores in "
+        "doublings: each untried shape is measured before the next one beyond it is predicted from it "
+        "(and a split of many small passes is not taken for as cheap as one pass before a pass's cost "
+        "is measured).",
     )
     warmup_steps: int | None = Field(
         default=None,

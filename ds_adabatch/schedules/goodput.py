@@ -396,7 +396,7 @@ class GoodputSchedule:
         now: tuple[float, float, Any],
         noise: float,
         band: tuple[float, ...] | None,
-        tried: tuple[int, int],
+        tried: tuple[int, int, int],
     ) -> tuple[int, tuple[float, float, Any], float]:
         """The candidate of largest gain over ``reference`` (itself, gain 1, where none beats it); shapes
         beyond ``explore_factor`` times the largest tried are left for later."""
@@ -409,12 +409,12 @@ class GoodputSchedule:
         return best, best_rating, best_gain
 
     def _reachable(
-        self, ctx: ScheduleContext, current: int, reference: int, tried: tuple[int, int]
+        self, ctx: ScheduleContext, current: int, reference: int, tried: tuple[int, int, int]
     ) -> Iterator[tuple[int, tuple[float, Any]]]:
         """``(batch, speed)`` of every candidate a decision from ``reference`` may move to: predicted,
         not ``reference`` (nor ``current`` where a judged trial is undone), and no shape beyond
-        ``explore_factor`` times the largest tried (``tried``: its micro-batch and samples per rank),
-        which is left for later."""
+        ``explore_factor`` times the largest tried (``tried``: its micro-batch, samples per rank and
+        GAS: micro 1 x GAS 19 is not predicted from one-pass steps), which is left for later."""
         for batch in self._candidates(ctx.world_size, reference, current):
             if batch == reference or (batch == current and reference != current):
                 continue
@@ -422,7 +422,7 @@ class GoodputSchedule:
             if speed is None:
                 continue
             micro, gas = _shape(speed[1])
-            if micro > self.explore_factor * tried[0] or micro * gas > self.explore_factor * tried[1]:
+            if any(v > self.explore_factor * t for v, t in zip((micro, micro * gas, gas), tried)):
                 continue  # beyond what the measured shapes can predict: explored in bounded steps
             yield batch, speed
 

@@ -381,13 +381,17 @@ class ThroughputModel:
             memo[key] = max(1.0, sum(self._packer(run, world, budget) for run in runs) / len(runs))
         return memo[key]
 
-    def largest_tried(self, world: int | None = None) -> tuple[int, int]:
-        """The largest micro-batch and the largest samples per rank per step (micro x GAS) measured
-        (at ``world`` if given, else anywhere); (0, 0) before any."""
+    def largest_tried(self, world: int | None = None) -> tuple[int, int, int]:
+        """The largest micro-batch, samples per rank per step (micro x GAS) and GAS measured (at
+        ``world`` if given, else anywhere); (0, 0, 0) before any."""
         pts = self.measured(world) or ([] if world is None else self.measured())
         if not pts:
-            return 0, 0
-        return max(m for m, _, _, _ in pts), max(m * g for m, g, _, _ in pts)
+            return 0, 0, 0
+        return (
+            max(m for m, _, _, _ in pts),
+            max(m * g for m, g, _, _ in pts),
+            max(g for _, g, _, _ in pts),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
