@@ -35,10 +35,10 @@ So with the default ``warmup_steps`` (null), from the step at which ``start`` ha
 step times, each warm-up step moves to the candidate of most samples/s (if any) whose step costs at most
 ``hysteresis`` more than the current one's and that gives more than ``hysteresis`` more samples/s: at
 no noise scale does it lose more than ``hysteresis``. Untried shapes are predicted flat, so on a
-host-bound device this climbs in trials from the first steps; where the step's cost grows in
-proportion to the batch, the one trial (2x ``start``) is measured slower and undone, and the decisions
-that need the estimate come after the warm-up, with that cost known (where a step's fixed cost
-dominates, the batch creeps up by the steps that cost within ``hysteresis`` more). A ``warmup_steps`` given holds ``start`` until it ends.
+host-bound device this climbs in trials from the first steps; where the cost grows in proportion to
+the batch, the one trial (2x ``start``) is measured slower and undone, and the decisions that need the
+estimate come after the warm-up, with that cost known (where a step's fixed cost dominates, the batch
+creeps up by steps that cost within ``hysteresis`` more). A ``warmup_steps`` given holds ``start``.
 
 A move to a shape never measured is a trial (:data:`TRIAL_STEPS`, fewer where ``decide_every`` is
 shorter): the schedule holds it until that many of its step times are kept, then (at once, not at the
@@ -131,7 +131,7 @@ class GoodputSchedule:
         self.by_cost_in_warmup = config.warmup_steps is None
         """The default warm-up (``warmup_steps`` null) waits for the noise estimate only where a move
         needs it: before it ends, a move that loses at most ``hysteresis`` at any noise scale is taken
-        on the step times alone (:meth:`_by_cost`). A ``warmup_steps`` given holds ``start`` until then, whatever the cost."""
+        on the step times alone (:meth:`_by_cost`). A ``warmup_steps`` given holds ``start`` till then."""
         self.granularity = int(granularity)
         self.min_global_batch = self.reference_batch if min_global_batch is None else min_global_batch
         """The smallest batch considered: the section's ``min_global_batch`` where it is set, else
