@@ -126,7 +126,7 @@ def run_case(
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=half_mse)
     batches, plans, noise, multipliers = [], [], [], []
     resumed = None
-    if resume_from is not None:  # another world size: the schedule's model and the stream continue
+    if resume_from is not None:  # the schedule's model and the stream continue (on any world size)
         engine.load_checkpoint(resume_from)
         schedule = engine.controller.schedule
         resumed = {
@@ -174,7 +174,8 @@ def run_case(
     if engine.global_rank == 0:
         before: list[list[int]] = []
         if resume_from is not None:  # the saving run's steps up to the checkpoint, then these
-            with open(os.path.join(out_dir, "flat.json")) as f:
+            source = os.path.basename(resume_from).removesuffix("_ckpt")  # the saving case
+            with open(os.path.join(out_dir, f"{source}.json")) as f:
                 before = json.load(f)["batches"][: resumed["step"]]
         scaled = None if lr_scaling is None else [1.0] * len(before) + multipliers
         want = reference(before + batches, data, lr, scaled)
@@ -306,7 +307,12 @@ def main() -> None:
         run_token_case(out_dir, "tokens_resumed", resume=True)
         return
     if world == 1:  # micro = batch: one pass per step
-        run_case(out_dir, "single_flat", FLAT, 48, loop=False, max_micro=64, start=8, max_batch=64)
+        single = {"max_micro": 64, "start": 8, "max_batch": 64}
+        run_case(out_dir, "single_flat", FLAT, 48, loop=False, save_at=13, **single)
+        # Its step-13 checkpoint resumed on the same world: the steps split to measure the noise (a
+        # cadence the checkpoint keeps), the estimate and the decisions continue as they were.
+        ckpt = os.path.join(out_dir, "single_flat_ckpt")
+        run_case(out_dir, "single_resumed", FLAT, 48, loop=False, resume_from=ckpt, **single)
         # AdaScale's gain as the LR (SGD: the gain itself), through DeepSpeed's forward / backward / step
         # loop, micro 4 (GAS measures the noise).
         run_case(

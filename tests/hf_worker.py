@@ -609,6 +609,7 @@ def _run_goodput(out: Path, common: dict) -> dict:
         "granularity": 4,
         # AdaScale's gain as the LR multiplier, set from the noise estimate before every step.
         "lr_scaling": {"rule": "adascale"},
+        "log": {"every_steps": 1, "jsonl": str(out / "goodput.jsonl")},
     }
     os.environ[SIMULATED_STEP_TIME_ENV] = "fixed=0.05"
     try:
@@ -632,7 +633,12 @@ def _run_goodput(out: Path, common: dict) -> dict:
         del os.environ[SIMULATED_STEP_TIME_ENV]
     schedule = trainer.batch_state.controller.schedule
     fit = schedule.throughput.fit(trainer.batch_state.world_size)
+    records = []
+    if trainer.batch_state.rank == 0:  # rank 0 writes the JSONL
+        with open(out / "goodput.jsonl") as f:
+            records = [json.loads(line) for line in f]
     return {
+        "records": records,
         "plans": [s["plan"][0] for s in recorder.steps],
         "moves": schedule.moves,
         "reason": schedule.last_reason,

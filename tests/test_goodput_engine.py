@@ -150,6 +150,20 @@ def test_one_rank_micro_equals_batch_measures_the_noise_and_moves(launches):
     assert all(g == 1 for _, g in r["shapes"]), f"a split step was fitted as a shape: {r['shapes']}"
 
 
+def test_one_rank_resumed_at_gas_1_splits_the_same_steps_and_decides_the_same(launches):
+    """Resumed on the same world, a run whose noise is measured by splitting steps (one rank, one pass
+    a step) splits the steps the uninterrupted run split, so its estimate and its batches are the same
+    (the split cadence is in the checkpoint: without it the resumed run split its first due step and
+    its estimate, then its batches, went their own way)."""
+    full = read_result(outcome(launches, "one"), "single_flat")
+    r = read_result(outcome(launches, "one"), "single_resumed")
+    assert r["resumed"]["step"] == 13
+    assert r["plans"] == full["plans"][13:], ([p[0] for p in full["plans"]], [p[0] for p in r["plans"]])
+    assert r["noise"] == pytest.approx(full["noise"][13:], rel=1e-5)
+    assert [m for m in r["measuring"]] == full["measuring"]
+    _exact_and_once(r, "1 rank, resumed at GAS 1")
+
+
 def test_adascale_sets_each_steps_lr_from_the_noise_estimate_and_stays_exact(launches):
     r = read_result(outcome(launches, "one"), "single_adascale")
     # The reference applies each step's recorded multiplier: the steps are exact at the LR they used.

@@ -388,6 +388,11 @@ def test_goodput_schedule_climbs_where_a_bigger_batch_costs_nothing_more(request
     assert all(p % 4 == 0 for p in plans)
     assert r["fit_fixed"] == pytest.approx(0.05, rel=1e-6), r
     assert "samples/s x efficiency" in r["reason"], r["reason"]
+    # Its JSONL records carry the rating of the batch each decision chose, as the runtime's do.
+    rated = [rec for rec in r["records"] if "goodput" in rec]
+    assert rated and len(r["records"]) == GOODPUT_STEPS, r["records"][-1]
+    for rec in rated:
+        assert rec["goodput"] == pytest.approx(rec["predicted_samples_per_s"] * rec["efficiency"])
     # lr_scaling "adascale": AdaScale's gain ^ 0.5 at the estimate the coupling read, applied to the LR.
     ref = r["reference"]
     for plan, (noise, mult, applied) in zip(plans, r["coupling"]):

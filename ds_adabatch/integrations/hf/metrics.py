@@ -21,7 +21,7 @@ import torch
 
 from ds_adabatch.config import LogConfig
 from ds_adabatch.plan import BatchPlan
-from ds_adabatch.runtime.core.metrics import MetricsWriter, StepMetrics
+from ds_adabatch.runtime.core.metrics import MetricsWriter, StepMetrics, schedule_rating
 
 from .state import AdaptiveBatchState
 
@@ -89,6 +89,7 @@ class TrainerStepLog:
                 epoch=state.sampler.fractional_epoch,
                 lr_multiplier=lr_multiplier,
                 step_time_s=time.perf_counter() - started,
+                extra=schedule_rating(state.controller.schedule),
             )
             self._last = {"record": record, "grad_norm": None}
         state.sync.defer([logged], self._resolver(record, self._last, step_tokens))

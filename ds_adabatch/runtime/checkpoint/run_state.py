@@ -98,6 +98,7 @@ class RunState:
             "lr": engine.lr_coupling.state_dict(),
             "loss_ema": core["loss_ema"],
             "noise": core["noise"],
+            "noise_cadence": core["noise_cadence"],
             "last_loss": core["last_loss"],
             "last_grad_norm": core["last_grad_norm"],
             "memory": core["memory"],

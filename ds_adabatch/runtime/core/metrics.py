@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from ...plan import BatchPlan
 
-__all__ = ["MetricsWriter", "PlanChange", "StepMetrics", "format_plan_change"]
+__all__ = ["MetricsWriter", "PlanChange", "StepMetrics", "format_plan_change", "schedule_rating"]
 
 logger = logging.getLogger("ds_adabatch")
 
@@ -74,6 +74,13 @@ class StepMetrics:
         out = asdict(self)
         out.update(out.pop("extra"))
         return out
+
+
+def schedule_rating(schedule: Any) -> dict[str, float]:
+    """What a step record adds from its schedule: the ``goodput`` schedule's latest rating of the batch it
+    chose or kept (``predicted_samples_per_s``, ``efficiency``, ``goodput``; docs/metrics.md), for
+    ``train_batch``, DeepSpeed's loop and the Trainer alike; nothing for the other schedules."""
+    return dict(getattr(schedule, "last_rating", None) or {})
 
 
 def format_plan_change(

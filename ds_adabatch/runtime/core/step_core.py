@@ -44,6 +44,7 @@ from .sync import StepSync
 
 if TYPE_CHECKING:
     from ...data.step_batch import StepBatch
+    from ..noise.probe import NoiseCadence
 
 __all__ = [
     "CoreHolder",
@@ -121,6 +122,9 @@ class StepAttachments:
     """The gradient-noise-scale estimate the noise probe feeds (None: nothing measures it)."""
     step_times: NoStepTimes | None = None
     """The goodput schedule's step times (``NoStepTimes`` for every other schedule)."""
+    noise_cadence: NoiseCadence | None = None
+    """Which steps measure the noise scale; its state (the latest step split in two for a measurement)
+    is part of the step core's."""
 
 
 class StepCore:
@@ -325,13 +329,14 @@ class StepCore:
         """What the next decisions depend on: the scheduled batch, the override, the schedule's state,
         the signals it reads and the learned micro-batch limit (global values, so a resume can
         re-shard). The keys are those of the engine's checkpoint section (``checkpoint/run_state.py``)."""
-        noise = self.attach.noise
+        noise, cadence = self.attach.noise, self.attach.noise_cadence
         return {
             "scheduled_batch": self.scheduled_batch,
             "override": self.override,
             "controller": self.controller.state_dict(),
             "loss_ema": self.loss_ema.state_dict(),
             "noise": None if noise is None else noise.state_dict(),
+            "noise_cadence": None if cadence is None else cadence.state_dict(),
             "last_loss": self.last_loss,
             "last_grad_norm": self.last_grad_norm,
             "memory": self.attach.memory.state_dict(),
@@ -347,6 +352,9 @@ class StepCore:
         noise = self.attach.noise
         if noise is not None and state.get("noise") is not None:
             noise.load_state_dict(state["noise"])
+        cadence = self.attach.noise_cadence  # absent from states written before it was kept
+        if cadence is not None and state.get("noise_cadence") is not None:
+            cadence.load_state_dict(state["noise_cadence"])
         self.last_loss = state["last_loss"]
         self.last_grad_norm = state["last_grad_norm"]
         if state.get("memory") is not None:  # checkpoints written before the memory section have none

@@ -38,12 +38,12 @@ from ..checkpoint.save_load import EngineCheckpoints, HostSnapshots
 from ..core.batch_shape import apply_plan_to_engine
 from ..core.loss import StepLoss
 from ..core.lr import BatchCoupledLR
-from ..core.metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change
+from ..core.metrics import MetricsWriter, PlanChange, StepMetrics, format_plan_change, schedule_rating
 from ..core.step_core import Progress, StepAttachments, StepCore, in_core, plan_change
 from ..core.step_times import step_times_for
 from ..core.sync import StepSync
 from ..memory.recovery import engine_oom_recovery
-from ..noise.probe import noise_estimator
+from ..noise.probe import NoiseCadence, noise_estimator
 
 if TYPE_CHECKING:
     from ...config.loader import LoadedConfig
@@ -181,7 +181,7 @@ class AdaptiveEngineBase:
             controller,
             sync=self.step_sync,
             attach=StepAttachments(
-                memory=self.memory_recovery.memory, noise=self.noise, step_times=self._step_times
+                self.memory_recovery.memory, self.noise, self._step_times, NoiseCadence(cfg.schedule)
             ),
             progress=self._progress,
             rank=self.rank,
@@ -567,7 +567,7 @@ class AdaptiveEngineBase:
             record.extra.update(self._record_extra)
             self._record_extra = None
         # The goodput schedule's latest rating of the batch it chose (docs/metrics.md).
-        record.extra.update(getattr(self.controller.schedule, "last_rating", None) or {})
+        record.extra.update(schedule_rating(self.controller.schedule))
         loss = StepLoss(step, self.resolve_losses)
         norm = self.deepspeed.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):

@@ -34,7 +34,7 @@ from ...plan import BatchPlan
 from ..core.loss import StepLoss
 from ..core.passes import StepPasses
 from ..memory.recovery import replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
-from ..noise.probe import NoiseCadence, NoiseProbe, update_estimator
+from ..noise.probe import NoiseProbe, update_estimator
 from .base import AdaptiveEngineBase
 from .loop import ForwardBackwardLoop, LoopStepHooks
 
@@ -65,7 +65,6 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
     def _bind(self, ds_engine: Any, **world: Any) -> None:
         """The base's binding (``AdaptiveEngineBase._bind``), and the noise probe of this DeepSpeed engine."""
         super()._bind(ds_engine, **world)
-        self._noise_cadence = NoiseCadence(self.config.schedule)
         self._probe: NoiseProbe | None = None  # its hooks go on this DeepSpeed engine's parameters
         self._unsplit_plan: BatchPlan | None = None  # the plan a noise-measured step was split from
         self.by_token = self.config.loss_normalization == "token"
@@ -340,7 +339,7 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
         """Whether this step measures the noise scale; ``from_loader``: its samples come from the
         sampler, so a single-pass step can be split in two for it (_take_step_batch)."""
         can_split = from_loader and self.dataloader is not None and self.plan.global_batch_size >= 2
-        return self._noise_cadence.due(
+        return self.core.attach.noise_cadence.due(
             self.global_steps,
             self.world_size,
             self.plan.gradient_accumulation_steps,

@@ -324,8 +324,15 @@ class NoiseCadence:
         self.every = int(schedule_config.measure_every) if measures_noise(schedule_config) else 0
         self.warned = False
         self.last_split: int | None = None
-        """The latest step split for a measurement (not checkpointed: a resumed run splits its first
-        due step)."""
+        """The latest step split for a measurement; checkpointed (:meth:`state_dict`, in the step core's
+        state), so a resumed run splits the steps the uninterrupted one would."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_split": self.last_split}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        last = state.get("last_split")
+        self.last_split = None if last is None else int(last)
 
     def split_interval(self, split_cost: float | None) -> int:
         """Due steps between two split ones, for a split step costing ``split_cost`` more than whole."""
