@@ -274,3 +274,20 @@ def test_cuda_counters_read_what_torch_reads_in_one_call():
     torch.empty(1 << 22, device="cuda")
     assert counters.peak_and_resident() == (torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated())
     del keep
+
+
+def test_an_even_split_of_many_more_passes_than_needed_is_said_once(caplog):
+    """A ramp through 29 samples on one rank with micro-batches of at most 4 splits evenly only as
+    micro 1 x GAS 29 (8 passes would hold it): said once, with what to set; an uneven section is quiet."""
+    core, _ = core_for({"type": "constant", "value": 8}, world=1)
+    with caplog.at_level("WARNING", logger="ds_adabatch"):
+        assert core.plan_for(12).gradient_accumulation_steps == 3  # the fewest: quiet
+        assert core.plan_for(29).gradient_accumulation_steps == 29
+        assert core.plan_for(31).gradient_accumulation_steps == 31
+    said = [r.getMessage() for r in caplog.records if "splits evenly only" in r.getMessage()]
+    assert len(said) == 1 and "micro 1 x gas 29" in said[0] and '"allow_uneven": true' in said[0], said
+    uneven, _ = core_for({"type": "constant", "value": 8}, world=1, allow_uneven=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ds_adabatch"):
+        assert uneven.plan_for(29).gradient_accumulation_steps == 8
+    assert not caplog.records

@@ -29,6 +29,7 @@ rank 0's value wins (:class:`~ds_adabatch.runtime.core.sync.StepSync` carries it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -45,6 +46,8 @@ from .sync import StepSync
 if TYPE_CHECKING:
     from ...data.step_batch import StepBatch
     from ..noise.probe import NoiseCadence
+
+logger = logging.getLogger("ds_adabatch")
 
 __all__ = [
     "CoreHolder",
@@ -193,6 +196,7 @@ class StepCore:
         self._reads_times = "step_time" in schedule.requires
         self._agrees = bool(getattr(schedule, "needs_agreement", False))
         self._planned: tuple[int, int, BatchPlan] | None = None  # (batch, limit, plan): the steady case
+        self.split_said = False  # a poor even split was warned of (_say_if_split_poorly)
 
     # -- decide --------------------------------------------------------------------------------------
     def context(self, step: int) -> ScheduleContext:
@@ -289,7 +293,32 @@ class StepCore:
             return planned[2]  # the steady case: nothing to solve
         plan = plan_batch(batch, self.world_size, limit, allow_uneven=self.allow_uneven)
         self._planned = (batch, limit, plan)
+        self._say_if_split_poorly(plan, limit)
         return plan
+
+    def _say_if_split_poorly(self, plan: BatchPlan, limit: int) -> None:
+        """Once per run (rank 0): an even split of at least twice the passes an uneven one needs (a
+        ramp through 29 samples with micro-batches of at most 16 runs micro 1 x GAS 29)."""
+        per_rank = plan.global_batch_size // plan.world_size
+        fewest = -(-per_rank // limit)
+        if self.split_said or plan.gradient_accumulation_steps < 2 * fewest:
+            return
+        self.split_said = True
+        if self.rank == 0:
+            logger.warning(
+                "global batch %d on %d rank(s) splits evenly only as micro %d x gas %d under the micro-batch "
+                "limit %d (%d passes where %d would hold it), and a pass costs its overhead whatever its "
+                'size: set "allow_uneven": true (passes differ by one sample, the step stays exact) or a '
+                '"granularity" whose multiples split well (e.g. %d); said once',
+                plan.global_batch_size,
+                plan.world_size,
+                plan.micro_batch_per_gpu,
+                plan.gradient_accumulation_steps,
+                limit,
+                plan.gradient_accumulation_steps,
+                fewest,
+                limit * plan.world_size,
+            )
 
     # -- draw ----------------------------------------------------------------------------------------
     def draw(self, source: StepSource, plan: BatchPlan, *, split: bool = False, load: bool = True) -> Drawn:
