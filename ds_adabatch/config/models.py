@@ -194,14 +194,18 @@ class AdaBatchConfig(_Section):
         ),
     )
     update_interval: int = Field(
-        1, ge=1, description="Optimizer steps between two evaluations of the schedule."
+        1,
+        ge=1,
+        description="Optimizer steps between two evaluations of the schedule (1 with goodput, which keeps "
+        "its own cadence, decide_every).",
     )
     max_change_factor: float | None = Field(
         None,
         gt=1,
         description=(
             "A planned global batch grows or shrinks by at most this factor per schedule update "
-            "(e.g. 2.0: at most doubling or halving); null: no limit."
+            "(e.g. 2.0: at most doubling or halving; goodput rates only the batches within it); null: no "
+            "limit."
         ),
     )
     lr_scaling: LrScalingConfig = Field(
