@@ -20,6 +20,7 @@ nor torch, so it answers in well under a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -528,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, as for other tools
         # Python would report the pipe again when it flushes stdout at exit: point stdout at /dev/null.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout without a descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as err:  # never a traceback for the user unless asked for
         if args.debug:

@@ -450,6 +450,16 @@ def test_max_change_factor_bounds_the_batches_goodput_rates_so_it_runs_what_it_c
     assert len(set(batches)) > 6  # the climb in steps of at most 1.5x
 
 
+def test_an_explore_factor_below_2_still_explores_one_more_pass():
+    """GAS is explored in bounded steps too, at least one pass more than measured: with explore_factor
+    1.5 a bound of 1.5 x GAS 1 would hold the batch at micro limit x world forever."""
+    batches, _ = run_loop(
+        _section(schedule={"explore_factor": 1.5}), lambda m, g: 0.05, lambda s, r: 200.0, steps=200
+    )
+    gas = [plan_batch(b, 2, 16).gradient_accumulation_steps for b in batches]
+    assert batches[-1] == 256 and max(gas) == 8, sorted(set(zip(batches, gas)))
+
+
 def test_config_needs_max_global_batch_and_a_positive_cadence():
     with pytest.raises(ConfigError, match="max_global_batch: is required by the goodput schedule"):
         load_ds_config(

@@ -276,6 +276,31 @@ def test_cuda_counters_read_what_torch_reads_in_one_call():
     del keep
 
 
+def test_the_noise_split_cadence_is_in_the_state_and_an_older_state_loads():
+    """Which step was last split to measure the noise (one rank, GAS 1) is the step core's state: a
+    resumed run splits the steps the uninterrupted one would. A state written before it was kept loads."""
+    from ds_adabatch.runtime.noise.probe import NoiseCadence
+
+    schedule = {"type": "gradient_noise", "start": 8}
+
+    def with_cadence() -> StepCore:
+        core, _ = core_for(schedule, world=1)
+        core.attach.noise_cadence = NoiseCadence(core.controller.schedule_config)
+        return core
+
+    saved = with_cadence()
+    assert saved.attach.noise_cadence.due(4, 1, 1, can_split=True)  # split: the cadence remembers 4
+    state = saved.state_dict()
+    assert state["noise_cadence"] == {"last_split": 4}
+    resumed = with_cadence()
+    resumed.load_state_dict(state)
+    assert resumed.attach.noise_cadence.last_split == 4
+    assert not resumed.attach.noise_cadence.due(5, 1, 1, can_split=True)  # as the saved run would
+    older = with_cadence()
+    older.load_state_dict({k: v for k, v in state.items() if k != "noise_cadence"})
+    assert older.attach.noise_cadence.last_split is None
+
+
 def test_an_even_split_of_many_more_passes_than_needed_is_said_once(caplog):
     """A ramp through 29 samples on one rank with micro-batches of at most 4 splits evenly only as
     micro 1 x GAS 29 (8 passes would hold it): said once, with what to set; an uneven section is quiet."""

@@ -389,11 +389,12 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     ``max_global_batch`` (required) with the split the planner gives it under the micro-batch limit,
     and moves to the best one when its predicted goodput beats the current batch's by more than
     ``hysteresis``. Micro-batches not yet measured are predicted to cost what the largest measured one
-    did (the model is flat until it knows better), are tried at most ``explore_factor`` beyond the
-    largest measured, and a move to one is a trial, judged again after 3 of its step times (and measured
-    again, up to 8, where those scatter too much to tell). During the
-    default warm-up, before the noise estimate is usable, it moves only to a batch that loses at no
-    noise scale (its step costs at most ``hysteresis`` more). Where a larger batch is nearly free (a host-bound step) it grows to the large end;
+    did (the model is flat until it knows better; on a new world size with one shape measured, the old
+    world's slope), are tried at most ``explore_factor`` beyond the largest measured micro-batch,
+    samples per rank and GAS, and a move to one is a trial, judged again after 3 of its step times (and
+    measured again, up to 8, where those scatter too much to tell). During the default warm-up, before
+    the noise estimate is usable, it moves only to a batch whose step costs at most ``hysteresis`` more
+    (at no noise scale does it lose more than that). Where a larger batch is nearly free (a host-bound step) it grows to the large end;
     where the step time grows with the batch it settles near the noise scale. The LR follows
     ``lr_scaling`` as for every schedule. With token budgets (``micro_batch_tokens``) the batch is still
     in samples, packed into passes of the budget: a step's shape is its passes per rank, predicted for

@@ -140,8 +140,7 @@ class GoodputSchedule:
         self.max_global_batch = max_global_batch
         self.allow_uneven = bool(allow_uneven)
         self.max_change_factor = max_change_factor
-        """The section's ``max_change_factor``: only batches within it of the current one are rated, so
-        that the batch run is the one chosen, with the split it was rated (and tried) at."""
+        """The section's: only batches within it of the current one are rated (and run as rated)."""
         self.last_reason = ""
         self.last_rating: dict[str, float] = {}
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
@@ -330,10 +329,10 @@ class GoodputSchedule:
 
     def _ready(
         self, ctx: ScheduleContext, current: int
-    ) -> float | tuple[float, tuple[float, ...] | None, str, int | None, tuple[int, int]]:
+    ) -> float | tuple[float, tuple[float, ...] | None, str, int | None, tuple[int, int, int]]:
         """The hold this step ends in (the current batch), or what a decision needs: ``(noise, band, the
-        not-yet-confident sentence, the batch a judged trial left, the largest micro-batch and samples
-        per rank tried)``. Judging a trial closes it."""
+        not-yet-confident sentence, the batch a judged trial left, the largest micro-batch, samples per
+        rank and GAS tried)``. Judging a trial closes it."""
         if ctx.step < self.warmup_steps:
             if self.by_cost_in_warmup:
                 return self._by_cost(ctx, current)
@@ -415,6 +414,7 @@ class GoodputSchedule:
         not ``reference`` (nor ``current`` where a judged trial is undone), and no shape beyond
         ``explore_factor`` times the largest tried (``tried``: its micro-batch, samples per rank and
         GAS: micro 1 x GAS 19 is not predicted from one-pass steps), which is left for later."""
+        f = self.explore_factor  # GAS: at least one more than measured (for a factor below 2)
         for batch in self._candidates(ctx.world_size, reference, current):
             if batch == reference or (batch == current and reference != current):
                 continue
@@ -422,7 +422,8 @@ class GoodputSchedule:
             if speed is None:
                 continue
             micro, gas = _shape(speed[1])
-            if any(v > self.explore_factor * t for v, t in zip((micro, micro * gas, gas), tried)):
+            bounds = (f * tried[0], f * tried[1], max(f * tried[2], tried[2] + 1))
+            if any(v > bound for v, bound in zip((micro, micro * gas, gas), bounds)):
                 continue  # beyond what the measured shapes can predict: explored in bounded steps
             yield batch, speed
 

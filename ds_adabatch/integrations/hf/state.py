@@ -136,7 +136,7 @@ class AdaptiveBatchState:
         self.core = StepCore(
             controller,
             sync=self.sync,
-            attach=StepAttachments(memory=self.memory, noise=self.noise, step_times=self.step_times),
+            attach=StepAttachments(self.memory, self.noise, self.step_times, self._noise_cadence),
             progress=self._progress,
             rank=self.rank,
             world_size=self.world_size,
