@@ -279,8 +279,8 @@ class ThroughputModel:
             others = [key for key in self._times if key[2] != world and self._times[key]]
             fit = self._fit_over(others if len(own) == 1 and others else own or others)
             if fit is not None and len(own) == 1 and others:
-                (m, g, seconds, _), *_ = self.measured(world)
-                fit = carry_slope(fit, m, g, seconds)
+                (m, g, _), times = own[0], self._times[own[0]]
+                fit = carry_slope(fit, m, g, statistics.median(times))
             self._fits[world] = fit
         return self._fits[world]
 

@@ -128,7 +128,6 @@ class AdaptiveBatchState:
         )
         """The gradient-noise-scale estimate the ``gradient_noise`` and ``goodput`` schedules read (else
         None)."""
-        self._noise_cadence = NoiseCadence(schedule)
         rule = controller.schedule
         self.step_times = step_times_for(rule, getattr(rule, "throughput", None), device)
         """Each step's time for the ``goodput`` schedule's model, agreed in the step's collective
@@ -136,7 +135,7 @@ class AdaptiveBatchState:
         self.core = StepCore(
             controller,
             sync=self.sync,
-            attach=StepAttachments(self.memory, self.noise, self.step_times, self._noise_cadence),
+            attach=StepAttachments(self.memory, self.noise, self.step_times, NoiseCadence(schedule)),
             progress=self._progress,
             rank=self.rank,
             world_size=self.world_size,
@@ -316,7 +315,7 @@ class AdaptiveBatchState:
     def should_measure_noise(self, step: int, plan: BatchPlan) -> bool:
         """Whether optimizer step ``step`` (completed steps before it) measures the noise scale
         (see :class:`~ds_adabatch.runtime.noise.probe.NoiseCadence`)."""
-        return self._noise_cadence.due(step, self.world_size, plan.gradient_accumulation_steps)
+        return self.core.attach.noise_cadence.due(step, self.world_size, plan.gradient_accumulation_steps)
 
     # -- decisions -----------------------------------------------------------------------------------
     def plan_for(self, global_batch: int) -> BatchPlan:
