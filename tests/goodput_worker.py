@@ -135,6 +135,7 @@ def run_case(
             "moves": schedule.moves,
             "predicts": schedule.throughput.predict(8, 1, engine.world_size),
         }
+    losses: list = []  # train_batch's, resolved at the end
     seen: list = []  # the noise estimate each step's decision read (what "adascale" is given)
     if loop:
         fresh = True
@@ -149,6 +150,8 @@ def run_case(
             if engine.global_steps > before:
                 record(engine, batches, plans, noise, multipliers)
                 fresh = True
+                if engine.global_steps == save_at:
+                    engine.save_checkpoint(os.path.join(out_dir, f"{name}_ckpt"))
             if engine.global_steps >= steps:
                 break
     else:
@@ -157,7 +160,7 @@ def run_case(
                 time.sleep(0.5)  # rank 1 alone pauses (an evaluation): every rank's model hears of it
             engine.next_plan()
             seen.append(engine.noise.noise_scale_or_inf)
-            engine.train_batch()
+            losses.append(engine.train_batch())
             record(engine, batches, plans, noise, multipliers)
             if engine.global_steps == save_at:
                 engine.save_checkpoint(os.path.join(out_dir, f"{name}_ckpt"))
@@ -173,11 +176,14 @@ def run_case(
             json.dump(mine, f)
     if engine.global_rank == 0:
         before: list[list[int]] = []
+        before_multipliers: list[float] = []
         if resume_from is not None:  # the saving run's steps up to the checkpoint, then these
             source = os.path.basename(resume_from).removesuffix("_ckpt")  # the saving case
             with open(os.path.join(out_dir, f"{source}.json")) as f:
-                before = json.load(f)["batches"][: resumed["step"]]
-        scaled = None if lr_scaling is None else [1.0] * len(before) + multipliers
+                saved = json.load(f)
+            before = saved["batches"][: resumed["step"]]
+            before_multipliers = saved["multipliers"][: resumed["step"]]
+        scaled = None if lr_scaling is None else before_multipliers + multipliers
         want = reference(before + batches, data, lr, scaled)
         payload = {
             "max_rel_err": float((got - want).abs().max() / want.abs().max()),
@@ -196,6 +202,8 @@ def run_case(
             "curve": curve,
             "spread": schedule.throughput.log_spread(),
             "resumed": resumed,
+            "losses": [float(loss) for loss in losses],
+            "params": got.tolist(),
         }
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(payload, f)
@@ -315,17 +323,16 @@ def main() -> None:
         run_case(out_dir, "single_resumed", FLAT, 48, loop=False, resume_from=ckpt, **single)
         # AdaScale's gain as the LR (SGD: the gain itself), through DeepSpeed's forward / backward / step
         # loop, micro 4 (GAS measures the noise).
-        run_case(
-            out_dir,
-            "single_adascale",
-            FLAT,
-            40,
-            loop=True,
-            max_micro=4,
-            start=8,
-            max_batch=64,
-            lr_scaling={"rule": "adascale", "gain_power": 1.0},
-        )
+        adascale = {
+            "max_micro": 4,
+            "start": 8,
+            "max_batch": 64,
+            "lr_scaling": {"rule": "adascale", "gain_power": 1.0},
+        }
+        run_case(out_dir, "single_adascale", FLAT, 40, loop=True, save_at=13, **adascale)
+        # Its step-13 checkpoint (a trial of 32 under way) resumed through the loop (GAS above 1) on the same world.
+        ckpt = os.path.join(out_dir, "single_adascale_ckpt")
+        run_case(out_dir, "single_adascale_resumed", FLAT, 40, loop=True, resume_from=ckpt, **adascale)
         run_token_case(out_dir, "tokens_single", budget=256)
         return
     run_case(out_dir, "flat", FLAT, 48, loop=False, save_at=20, max_micro=8, start=8, max_batch=64)

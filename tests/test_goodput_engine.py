@@ -4,7 +4,7 @@ One 2-rank launch (a flat curve through ``train_batch``, the host's own clock wi
 affine one through DeepSpeed's forward / backward / step loop, a flat one over token-budget steps), then its step-20 and step-12 checkpoints
 resumed on one rank; beside them one 1-rank launch
 (micro = batch: the noise scale measured by splitting a step in two; AdaScale's gain as the LR through
-the loop), on the two cores
+the loop; each saved and resumed on the same world, to the bit), on the two cores
 (tests/goodput_worker.py).
 """
 
@@ -154,13 +154,16 @@ def test_one_rank_resumed_at_gas_1_splits_the_same_steps_and_decides_the_same(la
     """Resumed on the same world, a run whose noise is measured by splitting steps (one rank, one pass
     a step) splits the steps the uninterrupted run split, so its estimate and its batches are the same
     (the split cadence is in the checkpoint: without it the resumed run split its first due step and
-    its estimate, then its batches, went their own way)."""
+    its estimate, then its batches, went their own way). The resumed steps are the uninterrupted run's
+    to the bit: the same losses and the same final parameters."""
     full = read_result(outcome(launches, "one"), "single_flat")
     r = read_result(outcome(launches, "one"), "single_resumed")
     assert r["resumed"]["step"] == 13
     assert r["plans"] == full["plans"][13:], ([p[0] for p in full["plans"]], [p[0] for p in r["plans"]])
     assert r["noise"] == pytest.approx(full["noise"][13:], rel=1e-5)
     assert [m for m in r["measuring"]] == full["measuring"]
+    assert r["losses"] == full["losses"][13:], "a resumed step's loss differs from the uninterrupted run's"
+    assert r["params"] == full["params"], "the resumed run's final parameters differ in some bit"
     _exact_and_once(r, "1 rank, resumed at GAS 1")
 
 
@@ -186,6 +189,20 @@ def test_adascale_sets_each_steps_lr_from_the_noise_estimate_and_stays_exact(lau
     held = [(b, m) for i, (b, m) in enumerate(zip(batches, mults)) if i and batches[i - 1] == b]
     assert len({round(m, 9) for b, m in held}) > len({b for b, _ in held}), held
     assert any(m > 1.0 for m in mults), mults
+
+
+def test_one_rank_resumed_through_the_loop_continues_to_the_bit(launches):
+    """AdaScale's run through DeepSpeed's forward / backward / step loop (GAS above 1), saved at step 13
+    (a trial of 32 under way) and resumed on the same world: the same plans, noise estimates and LR multipliers, and the same final
+    parameters to the bit."""
+    full = read_result(outcome(launches, "one"), "single_adascale")
+    r = read_result(outcome(launches, "one"), "single_adascale_resumed")
+    assert r["resumed"]["step"] == 13
+    assert r["plans"] == full["plans"][13:], ([p[0] for p in full["plans"]], [p[0] for p in r["plans"]])
+    assert r["noise"] == full["noise"][13:]
+    assert r["multipliers"] == full["multipliers"][13:]
+    assert r["params"] == full["params"], "the resumed run's final parameters differ in some bit"
+    _exact_and_once(r, "adascale through the loop, resumed")
 
 
 def test_resume_on_another_world_size_continues_the_schedule_exactly(launches):
