@@ -4,7 +4,8 @@ Usage: torchrun --nproc-per-node 2 tests/oom_predict_worker.py OUT_DIR  (run by 
 The last rank has a simulated device memory (ds_adabatch.testing.simulated_memory_limit with
 device_memory_bytes): a pass needs a fixed part plus a part per sample (or per token). Each case trains
 the same steps twice, with ``memory.predict_peak`` false and true, counts the out-of-memory errors each
-run recovered from, and writes OUT_DIR/<case>.json (rank 0).
+run recovered from, and writes OUT_DIR/<case>.json (rank 0); then "loop": DeepSpeed's forward / backward /
+step loop with the predictor, where an out-of-memory error would end the run.
 """
 
 from __future__ import annotations
@@ -86,6 +87,46 @@ def run_samples(predict: bool) -> dict:
     return record
 
 
+def run_loop() -> dict:
+    """DeepSpeed's forward / backward / step loop, where an out-of-memory error cannot be recovered (it
+    ends the process): 'auto' from 4 samples per pass, growing after 2 clean steps toward 16, the
+    predictor on. Its agreed bound must stop the growth at 6, as in train_batch (8 would end the run)."""
+    world = dist.get_world_size()
+    cfg = ds_config(2)
+    cfg["adabatch"].update(
+        schedule={"type": "constant", "value": 16 * world},
+        max_micro_batch_per_gpu="auto",
+        allow_uneven=True,
+        memory={
+            "initial_micro_batch_per_gpu": 4, "micro_batch_ceiling": 16, "grow_after_steps": 2,
+            **_prediction(True),
+        },
+    )  # fmt: skip
+    data = Regression(n=STEPS * 16 * world)
+    engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=mse_loss)
+    batches, seen, micro = [], [], []
+    with simulated_memory_limit(ranks=[world - 1], **SAMPLE_MEMORY) as limit:
+        for batch in loader:
+            before = engine.global_steps
+            engine.backward(mse_loss(engine, batch))
+            engine.step()
+            if engine.global_steps > before:
+                batches.append(engine.last_step_batch.global_batch.all_indices())
+                seen += _gathered(engine)
+                micro.append(engine.plan.micro_batch_per_gpu)
+            if engine.global_steps >= STEPS:
+                break
+    raised = [None] * world
+    dist.all_gather_object(raised, limit.raised)
+    got = full_params(engine)
+    record = {"ooms": engine.memory_recovery.ooms, "raised": raised, "micro": micro, "seen": seen}
+    if engine.global_rank == 0:
+        want = reference(batches, data)
+        record["max_rel_err"] = float((got - want).abs().max() / want.abs().max())
+    engine.close()
+    return record
+
+
 def run_tokens(predict: bool) -> dict:
     """Token-budget steps (64 tokens per pass), growing back after 2 clean steps, the same targets."""
     world = dist.get_world_size()
@@ -126,6 +167,9 @@ def main() -> None:
         result = {"without": run(False), "with": run(True)}
         if dist.get_rank() == 0:
             write(out_dir, name, result)
+    loop = run_loop()
+    if dist.get_rank() == 0:
+        write(out_dir, "loop", loop)
 
 
 if __name__ == "__main__":

@@ -736,6 +736,37 @@ def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_wh
     assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
 
 
+def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_runs():
+    """Batch 16 tried at step 10 (micro 16); an out-of-memory error in its first step lowers the limit to
+    8, so it runs as micro 8 x GAS 2. The trial follows it and judges that split (undone once 3 of its
+    step times are kept), where it was closed unjudged before and the batch held until the cadence."""
+
+    def cpu(m, g):
+        return 0.0033 + g * 0.003 * m
+
+    controller = BatchSizeController(_trial_section(), 1)
+    schedule = controller.schedule
+    batch, batches, trials = controller.initial_global_batch(), [], []
+    for step in range(30):
+        limit = 256 if step <= 10 else 8  # the OOM in step 10: re-run, and planned, under 8
+        ctx = ScheduleContext(
+            step=step, samples=0, global_batch=batch, world_size=1, noise_scale=10.0,
+            noise_scale_error=0.6, micro_batch_limit=limit,
+        )  # fmt: skip
+        batch = controller.next_global_batch(ctx).global_batch
+        plan = plan_batch(batch, 1, limit)
+        micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
+        if step != 10:  # the step re-run after the error teaches no time
+            schedule.throughput.observe(micro, gas, 1, cpu(micro, gas))
+        batches.append(batch)
+        trials.append(schedule.trial)
+    assert batches.index(16) == 10 and trials[10] == (10, 16, 1, 1, 8, 16), (batches[:16], trials[10])
+    assert trials[11] == (11, 8, 2, 1, 8, 16), trials[11]  # the same trial, split anew
+    # Judged once 3 of micro 8 x GAS 2's step times are kept (its first is not): back to 8 at step 15.
+    assert batches[11:15] == [16] * 4 and batches[15] == 8, batches[:20]
+    assert trials[15] is None
+
+
 def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     # The GPU: a step costs the same at every batch; each trial stands and the next doubling follows
     # at its judgement (4 steps) instead of the next decide_every (10).

@@ -212,11 +212,26 @@ def test_a_predicted_bound_caps_the_limit_and_growth_without_a_probe_above_it():
     for _ in range(5):
         memory.on_clean_step(6)
     assert memory.limit == 6, "growth stops at the predicted bound"
+    saved = memory.state_dict()
+    assert "cap" not in saved["keys"]["None"], "the prediction is re-learned, not checkpointed"
+    resumed = MicroBatchMemory(16, 16, grow_after_steps=1)
+    resumed.load_state_dict(saved)
+    assert resumed.limit == 6, "a resumed run plans below the bound its checkpoint ran under (it was 8)"
     memory.set_cap(None)
     memory.on_clean_step(8)
     assert memory.limit > 8, "without a bound the policy grows again"
-    state = memory.state_dict()
-    assert "cap" not in state["keys"]["None"], "the prediction is re-learned, not checkpointed"
+
+
+def test_an_oom_returns_to_the_largest_size_that_ran_not_to_a_limit_no_step_reached():
+    """The limit grew 4 -> 6 -> 7 while the schedule ran micro 4 (a batch below the limit): an OOM at 8
+    returns to 4, the size that ran clean, not to 7, which never ran."""
+    memory = MicroBatchMemory(4, 16, grow_after_steps=1)
+    memory.on_oom(8)  # a probe of 8 failed: the limit 4, growth toward 8 in halves
+    for _ in range(2):
+        memory.on_clean_step(4)
+    assert memory.limit == 7
+    memory.on_oom(8)
+    assert memory.limit == 4
 
 
 def test_an_imposed_failure_lowers_the_limit_over_a_later_checkpoint_and_is_never_probed_again():

@@ -26,7 +26,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
         pytest.fail(
             f"predictor worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
         )
-    return {case: json.loads((out / f"{case}.json").read_text()) for case in ("samples", "tokens")}
+    return {case: json.loads((out / f"{case}.json").read_text()) for case in ("samples", "tokens", "loop")}
 
 
 @pytest.mark.parametrize("case", ["samples", "tokens"])
@@ -78,3 +78,13 @@ def test_tokens_the_bound_counts_tokens_per_pass(results):
     for start in range(0, len(seen), 60):  # epochs of 60 samples, never crossed by a step
         chunk = seen[start : start + 60]
         assert len(set(chunk)) == len(chunk), f"epoch at {start} repeats a sample"
+
+
+def test_the_loop_plans_within_the_predicted_bound(results):
+    """Through DeepSpeed's forward / backward / step loop (an out-of-memory error there ends the run),
+    the limit grows from 4 toward 16 and stops at the predicted 6: the run completes with no error."""
+    loop = results["loop"]
+    assert loop["ooms"] == 0 and loop["raised"] == [0, 0], loop
+    assert max(loop["micro"]) == 6 and loop["micro"][-1] == 6, loop["micro"]
+    assert loop["max_rel_err"] <= 1e-5, f"off the big-batch reference by {loop['max_rel_err']:.2e}"
+    assert sorted(loop["seen"]) == list(range(len(loop["seen"]))), "every sample exactly once"

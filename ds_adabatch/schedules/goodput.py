@@ -172,25 +172,24 @@ class GoodputSchedule:
     def _trial_judged(self, ctx: ScheduleContext) -> int | None:
         """The batch an open trial left, where this step judges it (its shape has :data:`TRIAL_STEPS`
         kept step times, or ``decide_every`` steps more have passed; the trial is then closed); None
-        otherwise. A trial the batch no longer runs
-        (after an override or a resume) is closed."""
+        otherwise. A trial whose batch is split anew (the micro-batch limit lowered by an out-of-memory
+        error, or grown) is judged on the split it runs; one the batch left (an override, a resume on
+        another world) is closed."""
         self._judging = None
         if self.trial is None:
             return None
         step, micro, gas, world, left, moved = self.trial
-        if ctx.pass_budget is not None:
-            # Token budgets: the passes a batch takes vary with the lengths; the trial is its batch at
-            # that budget, and every step of it is one of its step times (only the first at a new
-            # budget is not kept, ThroughputModel.observe).
-            runs = (int(ctx.global_batch), ctx.pass_budget, ctx.world_size) == (moved, micro, world)
-            kept = ctx.step - step - self.throughput.skip_first
-        else:
-            plan = self._plan(ctx, int(ctx.global_batch))
-            runs = plan is not None and (*_shape(plan), ctx.world_size) == (micro, gas, world)
-            kept = self._kept((micro, gas), world)
-        if not runs:
+        # Token budgets: the passes a batch takes vary with the lengths; the trial is its batch at its
+        # budget, and every step of it is one of its step times (bar the first at a new budget).
+        plan = None if ctx.pass_budget is not None else self._plan(ctx, int(ctx.global_batch))
+        shape = (ctx.pass_budget, gas) if plan is None else _shape(plan)
+        if (int(ctx.global_batch), ctx.world_size) != (moved, world) or shape[0] is None:
             self.trial = None
             return None
+        if shape != (micro, gas):
+            step, (micro, gas) = ctx.step, shape
+            self.trial = (step, micro, gas, world, left, moved)
+        kept = ctx.step - step - self.throughput.skip_first if plan is None else self._kept(shape, world)
         if ctx.step <= step or (kept < self._trial_steps and not self._overdue(ctx, step)):
             return None
         self.trial, self._judging = None, self.trial

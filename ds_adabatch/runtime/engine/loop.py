@@ -324,6 +324,7 @@ class ForwardBackwardLoop:
             return
         passes = loop.passes
         passes.close()
+        recovery.take_verdict()  # as train_batch: the agreed prediction bounds the next plans
         self.in_progress = None
         self.hooks.complete(loop.step, loop.started, loop.lr_used, passes.result())
 

@@ -16,7 +16,8 @@ Policy, per key:
   recorded failure is forgotten and growth doubles again.
 - A predicted bound (:meth:`MicroBatchMemory.set_cap`, the agreed verdict of the peak-memory predictor
   of :mod:`ds_adabatch.runtime.memory.predictor`) caps the limit the planner reads and every growth target:
-  a size predicted not to fit is never tried. It is re-learned by every run, not checkpointed.
+  a size predicted not to fit is never tried. The bound itself is re-learned by every run; a checkpoint
+  keeps the limit it bounded, so a resumed run plans no larger until its own prediction says more fits.
 - A limit learned by a process that then had to exit (:meth:`MicroBatchMemory.impose`, read from the
   records :mod:`ds_adabatch.runtime.memory.restart_record` leaves next to the checkpoints) lowers the limit
   and counts as a failure at the size that failed, also over a checkpoint loaded afterwards.
@@ -36,10 +37,10 @@ _VERSION = 1
 @dataclass
 class _KeyState:
     limit: int
-    good: int | None = None  # largest limit that completed a step without an OOM
+    good: int | None = None  # largest micro-batch that completed a step without an OOM
     failures: dict[int, int] = field(default_factory=dict)  # micro-batch size -> OOMs there, not cleared
     clean_steps: int = 0  # steps completed at the current limit since it last changed
-    cap: int | None = None  # the agreed predicted bound (not checkpointed: re-learned by every run)
+    cap: int | None = None  # the agreed predicted bound (re-learned by every run; folded into a saved limit)
     never_above: int | None = None  # below a size that ended an earlier process (see impose)
 
     @property
@@ -49,7 +50,8 @@ class _KeyState:
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(vars(self))
-        out.pop("cap")
+        cap = out.pop("cap")  # a resumed run plans below the bound it ran under till it agrees its own
+        out["limit"] = self.limit if cap is None else max(1, min(self.limit, cap))
         out["failures"] = [[size, count] for size, count in sorted(self.failures.items())]
         return out
 
@@ -145,7 +147,7 @@ class MicroBatchMemory:
     def on_clean_step(self, micro: int) -> MemoryDecision | None:
         """A step finished without an OOM at (largest) micro-batch ``micro``; maybe grow the limit."""
         state = self._state()
-        state.good = max(state.good or 0, self.limit)
+        state.good = max(state.good or 0, micro)  # what ran, not the limit (a batch may run below it)
         if any(size <= micro for size in state.failures):
             # A size that failed ran clean: the budget rose or memory was freed, so every recorded
             # failure is stale and growth doubles again.

@@ -162,10 +162,7 @@ class OomRecovery:
         while True:
             ok, value, ranks = self._try(attempt)
             if ok:
-                if self.agreement.local_verdict is not None:
-                    # Identical on every rank: the minimum over ranks, agreed in this step's passes.
-                    agreed = self.agreement.agreed_verdict
-                    self.memory.set_cap(None if agreed == NO_VERDICT else agreed)
+                self.take_verdict()
                 return value  # type: ignore[return-value]
             self.predictor.discard_pass()
             self.ooms += 1
@@ -176,6 +173,14 @@ class OomRecovery:
             _empty_cache()
             self._restore(snapshot)
             replan(ranks)
+
+    def take_verdict(self) -> None:
+        """After a step that completed (:meth:`run`, or the last pass of the forward / backward / step
+        loop): the predictor's verdict agreed in its passes caps the learned limit. Identical on every
+        rank: the minimum over ranks."""
+        if self.armed and self.agreement.local_verdict is not None:
+            agreed = self.agreement.agreed_verdict
+            self.memory.set_cap(None if agreed == NO_VERDICT else agreed)
 
     def _try(self, attempt: Callable[[], T]) -> tuple[bool, T | None, list[int]]:
         assert self.agreement is not None
