@@ -570,6 +570,21 @@ def test_noise_cadence_splits_one_pass_steps_one_in_four():
     assert [s for s in range(12) if cheap.due(s, 1, 1, can_split=True, split_cost=lambda: 0.01)] == [0, 4, 8]
 
 
+def test_a_step_that_cannot_be_measured_is_said_once_under_the_schedule_that_needs_it(caplog):
+    """One pass on one rank, not split: said once, naming goodput; where no step can ever be split (the
+    Trainer's) the advice leaves out the loader that would split it."""
+    from ds_adabatch.runtime.noise.probe import NoiseCadence
+
+    for splits in (True, False):
+        caplog.clear()
+        cadence = NoiseCadence(_section().schedule, splits=splits)
+        with caplog.at_level("WARNING", logger="ds_adabatch"):
+            assert not any(cadence.due(s, 1, 1) for s in range(8))
+        (said,) = [r.getMessage() for r in caplog.records]
+        assert said.startswith("goodput: step 0 is a single micro-batch on a single rank"), said
+        assert ("training_data" in said) == splits, said
+
+
 def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
     config = json.loads((Path(__file__).parent.parent / "ds_configs" / "pipe_ramp.json").read_text())
     config["adabatch"]["schedule"] = {"type": "goodput", "start": 8}
@@ -780,6 +795,8 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     again = BatchSizeController(_trial_section(), 1)
     again.load_state_dict(mid.state_dict())
     assert mid.schedule.trial == (10, 16, 1, 1, 8, 16) == again.schedule.trial
+    # and the rating the step records carry until the next decision (the batch it chose).
+    assert again.schedule.last_rating == mid.schedule.last_rating and "goodput" in mid.schedule.last_rating
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
     # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
     # it is judged decide_every steps after it could first have been.

@@ -1107,3 +1107,43 @@ def test_steps_left_estimate_is_exact_for_a_constant_batch():
     assert AdaptiveBatchState.steps_left(fake, 0) == 2 * (10 // 4)
     fake.sampler.position, fake.num_train_epochs = 8, 1.0
     assert AdaptiveBatchState.steps_left(fake, 0) == 0, "an undersized tail with drop_last is no step"
+
+
+def test_a_trainer_step_is_timed_from_before_its_decision_and_its_data():
+    """goodput's step time in the Trainer includes drawing and collating the step's samples, as the
+    engine's train_batch does: the loader marks each step's start before it decides and reads it."""
+    import time
+
+    from ds_adabatch.integrations.hf.data import StepLoader
+    from ds_adabatch.integrations.hf.prepare import build_batch_state
+
+    class Timed(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.read_at: list[float] = []
+
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int):
+            self.read_at.append(time.perf_counter())
+            return torch.tensor([float(i)])
+
+    data = Timed()
+    state = build_batch_state(
+        _token_args(deepspeed=None, per_device_train_batch_size=4),
+        data,
+        torch.stack,
+        batch_size_scheduler=lambda step, batch_size: 4,
+        gradient_accumulation_steps=1,
+        max_micro_batch_per_gpu=2,
+    )
+    items = iter(StepLoader(state, lambda: 0))
+    for _ in range(2):
+        before = len(data.read_at)
+        item = next(items)
+        reads = data.read_at[before:]
+        assert len(reads) == 4 and item.started is not None and item.started <= min(reads), (
+            item.started,
+            reads,
+        )
+    state.close()

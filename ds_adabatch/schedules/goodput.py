@@ -543,11 +543,8 @@ class GoodputSchedule:
         return (noise / spread, noise * spread)
 
     def _keep_rating(self, rating: tuple[float, float, Any]) -> None:
-        self.last_rating = {
-            "predicted_samples_per_s": rating[0],
-            "efficiency": rating[1],
-            "goodput": rating[0] * rating[1],
-        }
+        speed, eff = rating[0], rating[1]
+        self.last_rating = {"predicted_samples_per_s": speed, "efficiency": eff, "goodput": speed * eff}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -555,6 +552,7 @@ class GoodputSchedule:
             "version": _STATE_VERSION,
             "moves": self.moves,
             "trial": None if self.trial is None else list(self.trial),
+            "rating": self.last_rating,  # the step records carry it until the next decision
             "throughput": self.throughput.state_dict(),
         }
 
@@ -565,6 +563,7 @@ class GoodputSchedule:
         if trial is not None and len(trial) == 5:  # written before a trial kept the batch it moved to
             trial = [*trial, 0]  # (read only with token budgets, which such states never ran)
         self.trial = None if trial is None else tuple(int(v) for v in trial)
+        self.last_rating = dict(state.get("rating") or {})
         self.throughput.load_state_dict(state["throughput"])
 
 

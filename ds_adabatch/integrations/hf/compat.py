@@ -311,7 +311,7 @@ class OneFunctionLoop(SplitLoop):
             self.trainer._show_first_gas()
 
     def step_items(self, items: list[StepInputs]) -> list[StepInputs]:
-        return [CountedStepInputs(item.step) for item in items]
+        return [CountedStepInputs(item.step, item.started) for item in items]
 
 
 def loop_for(transformers_version: str | None = None) -> type[SplitLoop]:

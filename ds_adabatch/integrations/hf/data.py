@@ -11,6 +11,7 @@ turned out different), so no micro-batch of a stale size is ever served.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,10 +25,13 @@ __all__ = ["StepInputs", "StepLoader"]
 class StepInputs:
     """One optimizer step of this rank, as the Trainer's loop hands it to ``training_step``."""
 
-    __slots__ = ("step",)
+    __slots__ = ("started", "step")
 
-    def __init__(self, step: StepBatch) -> None:
+    def __init__(self, step: StepBatch, started: float | None = None) -> None:
         self.step = step
+        self.started = started
+        """When the step began (``time.perf_counter``): before its decision and its data, as the
+        engine's ``train_batch`` times a step; None: when ``training_step`` begins."""
 
     @property
     def micro_batches(self) -> tuple[MicroBatch, ...]:
@@ -84,6 +88,9 @@ class StepLoader:
                 raise RuntimeError(
                     f"the Trainer started epoch {epoch} but the sample stream is still in epoch {upcoming}"
                 )
+            # The step's time (goodput's throughput model) includes its decision and its data.
+            started = time.perf_counter()
+            state.step_times.step_started()
             # The core draws the step (state.last_step); an epoch's smaller tail needs nothing here:
             # the Trainer's step applies each step's own plan as it starts (hf/step.py, apply_plan).
-            yield StepInputs(state.core.draw(state.loader, state.plan_for_step(step)).step)
+            yield StepInputs(state.core.draw(state.loader, state.plan_for_step(step)).step, started)

@@ -135,7 +135,9 @@ class AdaptiveBatchState:
         self.core = StepCore(
             controller,
             sync=self.sync,
-            attach=StepAttachments(self.memory, self.noise, self.step_times, NoiseCadence(schedule)),
+            attach=StepAttachments(
+                self.memory, self.noise, self.step_times, NoiseCadence(schedule, splits=False)
+            ),
             progress=self._progress,
             rank=self.rank,
             world_size=self.world_size,

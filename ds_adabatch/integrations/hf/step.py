@@ -115,8 +115,10 @@ class TrainerStep:
     def attempt(self, model: torch.nn.Module, inputs: StepInputs) -> torch.Tensor:
         """One attempt at the step's micro-batches (``training_step`` without recovery)."""
         state = self._state()
-        started = time.perf_counter()
-        state.step_times.step_started()
+        started = inputs.started  # when the loader began the step (its decision and data included)
+        if started is None:
+            started = time.perf_counter()
+            state.step_times.step_started()
         step = inputs.step
         self.apply_plan(step.plan)
         measure = state.should_measure_noise(self.trainer.state.global_step, step.plan)

@@ -320,8 +320,10 @@ class NoiseCadence:
     measured.
     """
 
-    def __init__(self, schedule_config: Any) -> None:
+    def __init__(self, schedule_config: Any, *, splits: bool = True) -> None:
         self.every = int(schedule_config.measure_every) if measures_noise(schedule_config) else 0
+        self.schedule = str(schedule_config.type)
+        self.splits = splits  # whether a step can ever be split here (not in the Trainer's steps)
         self.warned = False
         self.last_split: int | None = None
         """The latest step split for a measurement; checkpointed (:meth:`state_dict`, in the step core's
@@ -368,13 +370,18 @@ class NoiseCadence:
             return True
         if not self.warned:
             self.warned = True
+            split = (
+                f", or let ds_adabatch.initialize's training_data feed the steps (it then measures one step "
+                f"in {SPLIT_EVERY} as two half passes)"
+                if self.splits
+                else ""
+            )
             logger.warning(
-                "gradient_noise: step %d is a single micro-batch on a single rank, so the noise scale "
-                "cannot be measured and the batch holds; make max_micro_batch_per_gpu smaller than the "
-                "global batch (two or more accumulation steps), train on more ranks, or let "
-                "ds_adabatch.initialize's training_data feed the steps (it then measures one step in %d "
-                "as two half passes)",
+                "%s: step %d is a single micro-batch on a single rank, so the noise scale cannot be "
+                "measured and the batch holds; make max_micro_batch_per_gpu smaller than the global batch "
+                "(two or more accumulation steps) or train on more ranks%s",
+                self.schedule,
                 step,
-                SPLIT_EVERY,
+                split,
             )
         return False
