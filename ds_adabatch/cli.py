@@ -273,6 +273,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .config import load_ds_config
 
     loaded = load_ds_config(args.config, world_size=args.world_size)
+    # What initialize would refuse for the config's own pipeline / tensor layout (--world-size counts
+    # data-parallel replicas here), as validate says it.
+    stages, tensor = _layout_of(argparse.Namespace(pipeline_stages=None, tensor_parallel_size=None), loaded)
+    problems = _layout_problems(loaded, stages, tensor, args.world_size)
+    if problems:
+        raise UsageError("\n".join(problems))
     if args.replay is not None and not Path(args.replay).is_file():
         raise UsageError(f"--replay {args.replay}: file not found")
     extra = {"tokens_per_sample": args.tokens_per_sample} if args.tokens_per_sample else {}

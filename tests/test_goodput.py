@@ -595,6 +595,15 @@ def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 2, result.stdout
     assert "adabatch.schedule.type: goodput cannot be measured with" in result.stderr, result.stderr
+    assert "spread over stages" in result.stderr, result.stderr  # 2 stages
+    # simulate refuses what initialize would, for the config's own layout, before drawing anything.
+    out = tmp_path / "plan.png"
+    cmd = [sys.executable, "-m", "ds_adabatch.cli", "simulate", str(path), "--world-size", "2", "--samples"]
+    result = subprocess.run(
+        [*cmd, "2000", "--out", str(out), "--step-time", "fixed=0.05"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and not out.exists(), result.stdout
+    assert "goodput cannot be measured with" in result.stderr, result.stderr
 
 
 def test_step_times_queue_one_value_per_step_and_feed_the_ranks_mean(monkeypatch):

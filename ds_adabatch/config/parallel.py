@@ -75,8 +75,17 @@ def model_parallel_problems(
             "adabatch.schedule.type",
             f"{kind} cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "
             "the gradient-noise scale it reads comes from every micro-batch's local gradient before "
-            "DeepSpeed reduces it, and here a micro-batch's gradient is spread over "
-            + ("stages (DeepSpeed's PipelineEngine runs the passes itself)" if pipelined else "tensor ranks")
+            "DeepSpeed reduces it, and here "
+            + (
+                "DeepSpeed's PipelineEngine runs the passes itself"
+                + (
+                    " and a micro-batch's gradient is spread over stages"
+                    if layout.pipeline_stages > 1
+                    else ""
+                )
+                if pipelined
+                else "a micro-batch's gradient is spread over tensor ranks"
+            )
             + ". Use loss_plateau, seesaw or a sample-keyed ramp",
             kind,
         )
