@@ -74,6 +74,7 @@ def run_samples(predict: bool) -> dict:
         "ooms": engine.memory_recovery.ooms,
         "raised": raised,
         "micro": micro,
+        "changes": [[h.step, h.new_micro_batch_per_gpu, h.reason] for h in engine.history],
         "caps": caps,
         "seen": seen,
         "last_rank": last_rank[-1],

@@ -316,3 +316,17 @@ def test_an_even_split_of_many_more_passes_than_needed_is_said_once(caplog):
     with caplog.at_level("WARNING", logger="ds_adabatch"):
         assert uneven.plan_for(29).gradient_accumulation_steps == 8
     assert not caplog.records
+
+
+def test_a_limit_the_prediction_lowers_is_the_reason_of_the_plan_change_it_causes():
+    """The agreed predicted bound lowers the limit from 4 to 3: said once, as the reason the next plan
+    change gives (not the schedule's own "hold"); a bound that moves nothing says nothing."""
+    core, _ = core_for({"type": "constant", "value": 8})
+    memory = core.attach.memory
+    memory.set_cap(3)
+    core.clean_step(4)
+    assert core.take_memory_reason() == "micro-batch limit 4 -> 3 (the predicted peak memory)"
+    memory.set_cap(3)  # the same verdict again: the limit stays
+    core.clean_step(3)
+    assert core.take_memory_reason() is None
+    assert core.decide(1).plan == plan_batch(8, 2, 3)

@@ -339,7 +339,9 @@ class StepCore:
     def clean_step(self, largest_pass: int) -> None:
         """A step ran without an out-of-memory error at passes of at most ``largest_pass`` (samples, or
         tokens with a token budget): the learned limit may grow back, said with the next plan change."""
-        moved = self.attach.memory.on_clean_step(largest_pass)
+        memory = self.attach.memory
+        capped = memory.take_capped()  # the prediction's bound, agreed in this step's passes
+        moved = memory.on_clean_step(largest_pass) or capped
         if moved is not None:
             self.memory_reason = f"micro-batch limit {moved.old_limit} -> {moved.new_limit} ({moved.reason})"
 

@@ -95,6 +95,7 @@ class MicroBatchMemory:
         self.key: Hashable = None
         self._states: dict[Hashable, _KeyState] = {}
         self._imposed: list[tuple[Hashable, int]] = []  # (key, failing size) learned by an earlier process
+        self._capped: MemoryDecision | None = None  # a move of the limit by the prediction, not yet said
 
     # -- reading --------------------------------------------------------------------------------
     def _state(self) -> _KeyState:
@@ -112,8 +113,17 @@ class MicroBatchMemory:
         return state.limit if bound is None else max(1, min(state.limit, bound))
 
     def set_cap(self, cap: int | None) -> None:
-        """The agreed predicted bound for the current key (None: none): sizes above it are not planned."""
+        """The agreed predicted bound for the current key (None: none): sizes above it are not planned.
+        Where it moves the limit the planner reads, :meth:`take_capped` says so once."""
+        before = self.limit
         self._state().cap = None if cap is None else max(1, int(cap))
+        if self.limit != before:
+            self._capped = MemoryDecision(before, self.limit, "the predicted peak memory")
+
+    def take_capped(self) -> MemoryDecision | None:
+        """The latest move of the planned limit by the predicted bound since the last call, or None."""
+        capped, self._capped = self._capped, None
+        return capped
 
     def limits(self) -> dict[Hashable, int]:
         """The learned limit of every shape key seen so far."""
