@@ -785,10 +785,39 @@ def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_
         batches.append(batch)
         trials.append(schedule.trial)
     assert batches.index(16) == 10 and trials[10] == (10, 16, 1, 1, 8, 16), (batches[:16], trials[10])
-    assert trials[11] == (11, 8, 2, 1, 8, 16), trials[11]  # the same trial, split anew
+    assert trials[11] == (10, 8, 2, 1, 8, 16), trials[11]  # the same trial, split anew
     # Judged once 3 of micro 8 x GAS 2's step times are kept (its first is not): back to 8 at step 15.
     assert batches[11:15] == [16] * 4 and batches[15] == 8, batches[:20]
     assert trials[15] is None
+
+
+def test_a_trial_whose_split_keeps_changing_is_still_judged_in_bounded_steps():
+    """The limit flips between 8 and 16 every step after batch 16 is tried (memory keys of two sequence
+    lengths, say): the trial follows each split and is judged decide_every steps after it could first
+    have been, as a trial without step times is; the decisions go on."""
+
+    def cpu(m, g):
+        return 0.0033 + g * 0.003 * m
+
+    controller = BatchSizeController(_trial_section(), 1)
+    schedule = controller.schedule
+    batch, batches, trials = controller.initial_global_batch(), [], []
+    for step in range(40):
+        limit = 256 if step <= 10 else (8 if step % 2 else 16)
+        ctx = ScheduleContext(
+            step=step, samples=0, global_batch=batch, world_size=1, noise_scale=10.0,
+            noise_scale_error=0.6, micro_batch_limit=limit,
+        )  # fmt: skip
+        batch = controller.next_global_batch(ctx).global_batch
+        plan = plan_batch(batch, 1, limit)
+        micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
+        schedule.throughput.observe(micro, gas, 1, cpu(micro, gas))
+        batches.append(batch)
+        trials.append(schedule.trial)
+    assert batches.index(16) == 10 and trials[11] is not None and trials[11][0] == 10, trials[11]
+    judged = trials.index(None, 11)
+    assert judged <= 10 + 1 + 3 + 10, (judged, trials[10:30])
+    assert batches[judged] == 8, batches[10:30]
 
 
 def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
@@ -804,6 +833,11 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     again = BatchSizeController(_trial_section(), 1)
     again.load_state_dict(mid.state_dict())
     assert mid.schedule.trial == (10, 16, 1, 1, 8, 16) == again.schedule.trial
+    older = mid.state_dict()  # a state written before a trial kept the batch it moved to
+    older["schedule"]["trial"] = older["schedule"]["trial"][:5]
+    from_older = BatchSizeController(_trial_section(), 1)
+    from_older.load_state_dict(older)
+    assert from_older.schedule.trial == (10, 16, 1, 1, 8, 16), "the batch is its shape's, and it is judged"
     # and the rating the step records carry until the next decision (the batch it chose).
     assert again.schedule.last_rating == mid.schedule.last_rating and "goodput" in mid.schedule.last_rating
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)

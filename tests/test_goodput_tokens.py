@@ -254,7 +254,7 @@ def test_a_trial_state_written_before_token_budgets_loads():
     state = schedule.state_dict()
     state["trial"] = [10, 8, 1, 2, 16]  # (step, micro, gas, world, batch it left), as before
     schedule.load_state_dict(state)
-    assert schedule.trial == (10, 8, 1, 2, 16, 0)
+    assert schedule.trial == (10, 8, 1, 2, 16, 16)  # moved to its shape's batch: 8 x 1 on 2 ranks
 
 
 def test_a_token_step_is_kept_whatever_its_pass_count_only_the_first_at_a_budget_is_not():

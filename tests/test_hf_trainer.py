@@ -1110,8 +1110,8 @@ def test_steps_left_estimate_is_exact_for_a_constant_batch():
 
 
 def test_a_trainer_step_is_timed_from_before_its_decision_and_its_data():
-    """goodput's step time in the Trainer includes drawing and collating the step's samples, as the
-    engine's train_batch does: the loader marks each step's start before it decides and reads it."""
+    """goodput's step time in the Trainer includes the step's decision and drawing and collating its
+    samples, as the engine's train_batch does: the loader marks each step's start before both."""
     import time
 
     from ds_adabatch.integrations.hf.data import StepLoader
@@ -1137,13 +1137,21 @@ def test_a_trainer_step_is_timed_from_before_its_decision_and_its_data():
         gradient_accumulation_steps=1,
         max_micro_batch_per_gpu=2,
     )
-    items = iter(StepLoader(state, lambda: 0))
+    decided_at: list[float] = []
+    decide = state.core.decide
+
+    def timed_decide(step):
+        decided_at.append(time.perf_counter())
+        return decide(step)
+
+    state.core.decide = timed_decide
+    completed = [0]
+    items = iter(StepLoader(state, lambda: completed[0]))
     for _ in range(2):
-        before = len(data.read_at)
+        before, decisions = len(data.read_at), len(decided_at)
         item = next(items)
-        reads = data.read_at[before:]
-        assert len(reads) == 4 and item.started is not None and item.started <= min(reads), (
-            item.started,
-            reads,
-        )
+        reads, decided = data.read_at[before:], decided_at[decisions:]
+        assert len(reads) == 4 and len(decided) == 1, (reads, decided)
+        assert item.started is not None and item.started <= decided[0] <= min(reads), (item.started, decided)
+        completed[0] += 1
     state.close()

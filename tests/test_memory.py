@@ -232,6 +232,14 @@ def test_an_oom_returns_to_the_largest_size_that_ran_not_to_a_limit_no_step_reac
     assert memory.limit == 7
     memory.on_oom(8)
     assert memory.limit == 4
+    # Far below the failing size, the size that ran is not returned to: the limit halves, as where
+    # nothing is known (a jump from micro 4 to 64 that fails plans 32 next, not 4).
+    jump = MicroBatchMemory(64, 64, grow_after_steps=None)
+    jump.on_clean_step(4)
+    jump.on_oom(64)
+    assert jump.limit == 32
+    jump.on_oom(32)
+    assert jump.limit == 16
 
 
 def test_an_imposed_failure_lowers_the_limit_over_a_later_checkpoint_and_is_never_probed_again():

@@ -186,8 +186,8 @@ class GoodputSchedule:
         if (int(ctx.global_batch), ctx.world_size) != (moved, world) or shape[0] is None:
             self.trial = None
             return None
-        if shape != (micro, gas):
-            step, (micro, gas) = ctx.step, shape
+        if shape != (micro, gas):  # judged from when it opened, however often its split changes
+            micro, gas = shape
             self.trial = (step, micro, gas, world, left, moved)
         kept = ctx.step - step - self.throughput.skip_first if plan is None else self._kept(shape, world)
         if ctx.step <= step or (kept < self._trial_steps and not self._overdue(ctx, step)):
@@ -560,8 +560,8 @@ class GoodputSchedule:
         check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
         self.moves = int(state["moves"])
         trial = state.get("trial")  # absent from states written before trials were judged early
-        if trial is not None and len(trial) == 5:  # written before a trial kept the batch it moved to
-            trial = [*trial, 0]  # (read only with token budgets, which such states never ran)
+        if trial is not None and len(trial) == 5:  # written before a trial kept the batch it moved to:
+            trial = [*trial, trial[1] * trial[2] * trial[3]]  # its shape's batch, split evenly
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.last_rating = dict(state.get("rating") or {})
         self.throughput.load_state_dict(state["throughput"])

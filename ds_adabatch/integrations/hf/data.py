@@ -80,6 +80,10 @@ class StepLoader:
     def __iter__(self) -> Iterator[StepInputs]:
         state, epoch = self.state, self._epoch
         while True:
+            # The step's time (goodput's throughput model) includes its decision (made by
+            # next_batch_epoch) and its data.
+            started = time.perf_counter()
+            state.step_times.step_started()
             step = self._completed_steps()
             upcoming = state.next_batch_epoch(step)
             if upcoming > epoch:
@@ -88,9 +92,6 @@ class StepLoader:
                 raise RuntimeError(
                     f"the Trainer started epoch {epoch} but the sample stream is still in epoch {upcoming}"
                 )
-            # The step's time (goodput's throughput model) includes its decision and its data.
-            started = time.perf_counter()
-            state.step_times.step_started()
             # The core draws the step (state.last_step); an epoch's smaller tail needs nothing here:
             # the Trainer's step applies each step's own plan as it starts (hf/step.py, apply_plan).
             yield StepInputs(state.core.draw(state.loader, state.plan_for_step(step)).step, started)

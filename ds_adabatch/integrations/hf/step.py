@@ -87,6 +87,8 @@ class TrainerStep:
         self.recovery: OomRecovery | None = None
         """Out-of-memory recovery on the DeepSpeed engine (built with the first step under it)."""
         self.recovery_closed = False
+        self.retried = False
+        """Whether the step in progress was re-run after an out-of-memory error."""
         self.restart_records: RestartRecords | None = None
         """Records of exited processes that bound this run's plans (``runtime/memory/restart_record.py``)."""
         self._shifts_labels: bool | None = None
@@ -97,10 +99,12 @@ class TrainerStep:
         state = self._state()
         state.step_started(self.trainer.state.global_step)  # the core's decision: plan change, warnings
         recovery = self.oom_recovery()
+        self.retried = False
         if recovery is None:
             return self.attempt(model, inputs)
 
         def replan(ranks: list[int]) -> None:
+            self.retried = True  # its time covers the failed attempt: not a step time of its shape
             number = self.trainer.state.global_step
             if state.token_budget:  # the same samples, cut with a lower token budget
                 plan = state.recut_after_oom(inputs.step, recovery.failed_passes(ranks), number)
@@ -216,7 +220,7 @@ class TrainerStep:
         if coupling is not None:
             state.last_lr = lr_used
         # Throughput point: the step's time with its shape, for the goodput schedule (runtime.step_times).
-        state.step_times.step_finished(plan, started, state.sync, retried=False, step=inputs.step)
+        state.step_times.step_finished(plan, started, state.sync, retried=self.retried, step=inputs.step)
         if trainer._step_log is not None:  # made when training starts (_prepare_for_training)
             trainer._step_log.step_done(
                 completed=trainer.state.global_step + 1,

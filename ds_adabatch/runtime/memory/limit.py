@@ -7,8 +7,8 @@ so a run that alternates between short and long sequences remembers a limit for 
 
 Policy, per key:
 
-- An OOM at micro-batch ``m`` sets the limit to the largest size that ran clean below ``m`` when one
-  is known, else ``m // 2``; ``m`` becomes the smallest known failing size and its failure count grows.
+- An OOM at micro-batch ``m`` sets the limit to the largest size a step ran clean below ``m`` when one
+  is known and at least ``m // 2``, else ``m // 2``; ``m`` becomes the smallest known failing size and its failure count grows.
 - After ``grow_after_steps`` clean steps at the current limit (times ``backoff_factor`` to the power of
   the failures recorded at the size to be tried) the limit grows: doubled (up to the ceiling) while no
   failure is known above it, else to the middle of the gap below the smallest failing size, and finally
@@ -17,7 +17,7 @@ Policy, per key:
 - A predicted bound (:meth:`MicroBatchMemory.set_cap`, the agreed verdict of the peak-memory predictor
   of :mod:`ds_adabatch.runtime.memory.predictor`) caps the limit the planner reads and every growth target:
   a size predicted not to fit is never tried. The bound itself is re-learned by every run; a checkpoint
-  keeps the limit it bounded, so a resumed run plans no larger until its own prediction says more fits.
+  keeps the limit it bounded, so a resumed run plans no larger and grows back by the policy above.
 - A limit learned by a process that then had to exit (:meth:`MicroBatchMemory.impose`, read from the
   records :mod:`ds_adabatch.runtime.memory.restart_record` leaves next to the checkpoints) lowers the limit
   and counts as a failure at the size that failed, also over a checkpoint loaded afterwards.
@@ -145,11 +145,12 @@ class MicroBatchMemory:
             raise MemoryError("out of memory at a micro-batch of 1 sample: nothing smaller to try")
         old = state.limit
         state.failures[micro] = state.failures.get(micro, 0) + 1
-        if state.good is not None and state.good < micro:
-            new = state.good
+        if state.good is not None and micro // 2 <= state.good < micro:
+            new = state.good  # the largest size that ran clean, at least half the failing one
         else:
             new = max(1, micro // 2)
-            state.good = None  # a size that ran before failed now: what ran clean is unknown again
+            if state.good is not None and state.good >= micro:
+                state.good = None  # a size that ran before failed now: what ran clean is unknown again
         state.limit = min(new, micro - 1)
         state.clean_steps = 0
         return MemoryDecision(old, state.limit, f"out of memory at micro {micro}")
