@@ -41,19 +41,23 @@ def _gathered(engine) -> list[int]:
     return [i for part in parts for i in part]
 
 
-def run_samples(predict: bool) -> dict:
-    """'auto' from 16 samples per pass, growing back after 2 clean steps, the same 22 steps."""
-    world = dist.get_world_size()
+def _samples_config(world: int, predict: bool, **memory: int) -> dict:
+    """A constant 16 samples per rank, 'auto' up to 16 per pass growing after 2 clean steps, uneven."""
     cfg = ds_config(2)
     cfg["adabatch"].update(
         schedule={"type": "constant", "value": 16 * world},
         max_micro_batch_per_gpu="auto",
         allow_uneven=True,
-        memory={"micro_batch_ceiling": 16, "grow_after_steps": 2, **_prediction(predict)},
+        memory={"micro_batch_ceiling": 16, "grow_after_steps": 2, **memory, **_prediction(predict)},
     )
-    n = STEPS * 16 * world
-    data = Regression(n=n)
-    engine, *_ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=mse_loss)
+    return cfg
+
+
+def run_samples(predict: bool) -> dict:
+    """'auto' from 16 samples per pass, growing back after 2 clean steps, the same 22 steps."""
+    world = dist.get_world_size()
+    data = Regression(n=STEPS * 16 * world)
+    engine, *_ = ds_adabatch.initialize(make_model(), _samples_config(world, predict), data, loss_fn=mse_loss)
     batches, seen, micro, caps, peaks = [], [], [], [], []
     with simulated_memory_limit(ranks=[world - 1], **SAMPLE_MEMORY) as limit:
         for _ in range(STEPS):
@@ -93,16 +97,7 @@ def run_loop() -> dict:
     ends the process): 'auto' from 4 samples per pass, growing after 2 clean steps toward 16, the
     predictor on. Its agreed bound must stop the growth at 6, as in train_batch (8 would end the run)."""
     world = dist.get_world_size()
-    cfg = ds_config(2)
-    cfg["adabatch"].update(
-        schedule={"type": "constant", "value": 16 * world},
-        max_micro_batch_per_gpu="auto",
-        allow_uneven=True,
-        memory={
-            "initial_micro_batch_per_gpu": 4, "micro_batch_ceiling": 16, "grow_after_steps": 2,
-            **_prediction(True),
-        },
-    )  # fmt: skip
+    cfg = _samples_config(world, True, initial_micro_batch_per_gpu=4)
     data = Regression(n=STEPS * 16 * world)
     engine, _, loader, _ = ds_adabatch.initialize(make_model(), cfg, data, loss_fn=mse_loss)
     batches, seen, micro = [], [], []

@@ -760,10 +760,10 @@ def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_wh
     assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
 
 
-def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_runs():
-    """Batch 16 tried at step 10 (micro 16); an out-of-memory error in its first step lowers the limit to
-    8, so it runs as micro 8 x GAS 2. The trial follows it and judges that split (undone once 3 of its
-    step times are kept), where it was closed unjudged before and the batch held until the cadence."""
+def _limited_trial_loop(limit_at, steps: int, *, untimed: tuple[int, ...] = ()):
+    """World 1 on the CPU curve (B_noise 10, not yet confident: batch 16 is tried at step 10) with the
+    micro-batch limit of each step ``limit_at(step)``; steps in ``untimed`` teach no time (re-run after
+    an out-of-memory error). The batch and the open trial of every step."""
 
     def cpu(m, g):
         return 0.0033 + g * 0.003 * m
@@ -771,19 +771,27 @@ def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_
     controller = BatchSizeController(_trial_section(), 1)
     schedule = controller.schedule
     batch, batches, trials = controller.initial_global_batch(), [], []
-    for step in range(30):
-        limit = 256 if step <= 10 else 8  # the OOM in step 10: re-run, and planned, under 8
+    for step in range(steps):
         ctx = ScheduleContext(
             step=step, samples=0, global_batch=batch, world_size=1, noise_scale=10.0,
-            noise_scale_error=0.6, micro_batch_limit=limit,
+            noise_scale_error=0.6, micro_batch_limit=limit_at(step),
         )  # fmt: skip
         batch = controller.next_global_batch(ctx).global_batch
-        plan = plan_batch(batch, 1, limit)
+        plan = plan_batch(batch, 1, limit_at(step))
         micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
-        if step != 10:  # the step re-run after the error teaches no time
+        if step not in untimed:
             schedule.throughput.observe(micro, gas, 1, cpu(micro, gas))
         batches.append(batch)
         trials.append(schedule.trial)
+    return batches, trials
+
+
+def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_runs():
+    """Batch 16 tried at step 10 (micro 16); an out-of-memory error in its first step lowers the limit to
+    8, so it runs as micro 8 x GAS 2. The trial follows it and judges that split (undone once 3 of its
+    step times are kept), where it was closed unjudged before and the batch held until the cadence."""
+    # The OOM in step 10: re-run (no time), and planned from then on, under 8.
+    batches, trials = _limited_trial_loop(lambda step: 256 if step <= 10 else 8, 30, untimed=(10,))
     assert batches.index(16) == 10 and trials[10] == (10, 16, 1, 1, 8, 16), (batches[:16], trials[10])
     assert trials[11] == (10, 8, 2, 1, 8, 16), trials[11]  # the same trial, split anew
     # Judged once 3 of micro 8 x GAS 2's step times are kept (its first is not): back to 8 at step 15.
@@ -795,25 +803,7 @@ def test_a_trial_whose_split_keeps_changing_is_still_judged_in_bounded_steps():
     """The limit flips between 8 and 16 every step after batch 16 is tried (memory keys of two sequence
     lengths, say): the trial follows each split and is judged decide_every steps after it could first
     have been, as a trial without step times is; the decisions go on."""
-
-    def cpu(m, g):
-        return 0.0033 + g * 0.003 * m
-
-    controller = BatchSizeController(_trial_section(), 1)
-    schedule = controller.schedule
-    batch, batches, trials = controller.initial_global_batch(), [], []
-    for step in range(40):
-        limit = 256 if step <= 10 else (8 if step % 2 else 16)
-        ctx = ScheduleContext(
-            step=step, samples=0, global_batch=batch, world_size=1, noise_scale=10.0,
-            noise_scale_error=0.6, micro_batch_limit=limit,
-        )  # fmt: skip
-        batch = controller.next_global_batch(ctx).global_batch
-        plan = plan_batch(batch, 1, limit)
-        micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
-        schedule.throughput.observe(micro, gas, 1, cpu(micro, gas))
-        batches.append(batch)
-        trials.append(schedule.trial)
+    batches, trials = _limited_trial_loop(lambda step: 256 if step <= 10 else (8 if step % 2 else 16), 40)
     assert batches.index(16) == 10 and trials[11] is not None and trials[11][0] == 10, trials[11]
     judged = trials.index(None, 11)
     assert judged <= 10 + 1 + 3 + 10, (judged, trials[10:30])
