@@ -137,11 +137,11 @@ def _layout_of(args: argparse.Namespace, loaded: LoadedConfig | None) -> tuple[i
     """``(pipeline stages, tensor ranks)`` from the flags, else from the config (DeepSpeed's
     ``pipeline.stages`` and ``tensor_parallel.autotp_size``), else 1 each."""
     ds = loaded.deepspeed if loaded is not None else {}
-    stages = args.pipeline_stages
+    stages = getattr(args, "pipeline_stages", None)  # simulate has no layout flags: the config's
     if stages is None:
         configured = (ds.get("pipeline") or {}).get("stages")
         stages = configured if isinstance(configured, int) and configured > 0 else 1
-    tensor = args.tensor_parallel_size
+    tensor = getattr(args, "tensor_parallel_size", None)
     if tensor is None:
         configured = (ds.get("tensor_parallel") or {}).get("autotp_size")
         tensor = configured if isinstance(configured, int) and configured > 0 else 1
@@ -275,7 +275,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     loaded = load_ds_config(args.config, world_size=args.world_size)
     # What initialize would refuse for the config's own pipeline / tensor layout (--world-size counts
     # data-parallel replicas here), as validate says it.
-    stages, tensor = _layout_of(argparse.Namespace(pipeline_stages=None, tensor_parallel_size=None), loaded)
+    stages, tensor = _layout_of(args, loaded)
     problems = _layout_problems(loaded, stages, tensor, args.world_size)
     if problems:
         raise UsageError("\n".join(problems))

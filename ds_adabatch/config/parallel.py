@@ -70,23 +70,18 @@ def model_parallel_problems(
     kind = cfg.schedule.type
     if kind not in ("gradient_noise", "goodput") or not (spread or pipelined):
         return problems
+    if not pipelined:
+        where = "a micro-batch's gradient is spread over tensor ranks"
+    elif layout.pipeline_stages > 1:
+        where = "DeepSpeed's PipelineEngine runs the passes itself and a micro-batch's gradient is spread over stages"
+    else:
+        where = "DeepSpeed's PipelineEngine runs the passes itself"
     return problems + [
         ConfigProblem(
             "adabatch.schedule.type",
             f"{kind} cannot be measured with {layout.describe()}{' (pipelined)' if pipelined else ''}: "
             "the gradient-noise scale it reads comes from every micro-batch's local gradient before "
-            "DeepSpeed reduces it, and here "
-            + (
-                "DeepSpeed's PipelineEngine runs the passes itself"
-                + (
-                    " and a micro-batch's gradient is spread over stages"
-                    if layout.pipeline_stages > 1
-                    else ""
-                )
-                if pipelined
-                else "a micro-batch's gradient is spread over tensor ranks"
-            )
-            + ". Use loss_plateau, seesaw or a sample-keyed ramp",
+            f"DeepSpeed reduces it, and here {where}. Use loss_plateau, seesaw or a sample-keyed ramp",
             kind,
         )
     ]
