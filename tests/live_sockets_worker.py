@@ -37,6 +37,7 @@ def main(rank: int, mode: str, store_port: int, service_port: int, out: str) -> 
     store.set(f"ports{rank}", ",".join(map(str, sorted(mine))))
     peer = {int(x) for x in store.get(f"ports{1 - rank}").decode().split(",") if x}
     result: dict = {"listening": sorted(mine)}
+    cutter = None
     if rank == 1:
         if mode == "peer":
             time.sleep(0.5)
@@ -49,7 +50,8 @@ def main(rank: int, mode: str, store_port: int, service_port: int, out: str) -> 
                 time.sleep(0.5)
                 result["cut"] = cut_connections(peer, mine)
 
-            threading.Thread(target=cut, daemon=True).start()
+            cutter = threading.Thread(target=cut, daemon=True)
+            cutter.start()
         started = time.monotonic()
         try:
             dist.all_reduce(t)  # rank 1 never joins
@@ -59,6 +61,9 @@ def main(rank: int, mode: str, store_port: int, service_port: int, out: str) -> 
             # Told from a user's error by where it was raised (inside torch.distributed), not its words.
             result["peer_failure"] = is_peer_failure(err)
         result["blocked_s"] = time.monotonic() - started
+        if cutter is not None:
+            # The all-reduce wakes as the first socket closes, before the cut has counted them all.
+            cutter.join(timeout=30)
         store.set("done0", b"1")
     # What must survive the cut: the store, and a connection to something else.
     result["store_after"] = store.get(f"ports{1 - rank}").decode()
