@@ -831,6 +831,15 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     # and the rating the step records carry until the next decision (the batch it chose).
     assert again.schedule.last_rating == mid.schedule.last_rating and "goodput" in mid.schedule.last_rating
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
+    # A step that holds keeps it on the same world; on another (a resume there, a live change) the old
+    # world's rating is not carried into the records.
+    held = dict(step=12, samples=0, global_batch=16, noise_scale=30.0, noise_scale_error=0.1)
+    for world, carried in ((1, True), (2, False)):
+        other = BatchSizeController(_trial_section(), 1)
+        other.load_state_dict(mid.state_dict())
+        other.schedule(ScheduleContext(world_size=world, micro_batch_limit=256, **held))
+        assert (other.schedule.last_rating == mid.schedule.last_rating) is carried, world
+        assert carried or other.schedule.last_rating == {}
     # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
     # it is judged decide_every steps after it could first have been.
     ctx = dict(samples=0, global_batch=16, world_size=1, noise_scale=30.0, noise_scale_error=0.1)

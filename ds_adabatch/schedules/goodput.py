@@ -91,9 +91,8 @@ class GoodputSchedule:
             candidates are the plannable batches within them at the context's world size; without a
             ``min_global_batch`` the smallest is ``start``.
         lr_rule: the section's ``lr_scaling.rule`` (``adascale`` as the batch rule its gain meets); with
-            ``efficiency`` "auto", "sqrt" selects the
-            square-root efficiency (:func:`~ds_adabatch.signals.statistical_efficiency`), anything else
-            Pollux's.
+            ``efficiency`` "auto", "sqrt" selects the square-root efficiency
+            (:func:`~ds_adabatch.signals.statistical_efficiency`), anything else Pollux's.
     """
 
     name = "goodput"
@@ -120,9 +119,8 @@ class GoodputSchedule:
         self.decide_every = int(config.decide_every)
         self.hysteresis = float(config.hysteresis)
         self.explore_factor = float(config.explore_factor)
-        self.max_relative_error = (
-            None if config.max_relative_error is None else float(config.max_relative_error)
-        )
+        error = config.max_relative_error
+        self.max_relative_error = None if error is None else float(error)
         self.warmup_steps = (
             int(config.warmup_steps)
             if config.warmup_steps is not None
@@ -145,11 +143,11 @@ class GoodputSchedule:
         self.last_rating: dict[str, float] = {}
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
         ``goodput`` of the batch it chose (held or moved to), for the step records."""
+        self._rated_world: int | None = None  # the world size last_rating was made at
         self.moves = 0
         self.trial: tuple[int, int, int, int, int, int] | None = None
         """``(step, micro, gas, world, batch it left, batch it moved to)`` of a move to a shape not
-        measured before, judged again once :data:`TRIAL_STEPS` of its step times are kept; None: no
-        trial open."""
+        measured before, judged once :data:`TRIAL_STEPS` of its step times are kept; None: none open."""
         self._judging: tuple[int, int, int, int, int, int] | None = None  # the trial this step judges
         self.throughput = ThroughputModel(forget_after=config.remeasure_after)
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
@@ -292,6 +290,8 @@ class GoodputSchedule:
 
     def __call__(self, ctx: ScheduleContext) -> float:
         current = int(ctx.global_batch)
+        if ctx.world_size != self._rated_world:  # another world's rating says nothing of this one's
+            self.last_rating, self._rated_world = {}, ctx.world_size
         ready = self._ready(ctx, current)
         if not isinstance(ready, tuple):  # held: the current batch
             return ready
@@ -553,6 +553,7 @@ class GoodputSchedule:
             "moves": self.moves,
             "trial": None if self.trial is None else list(self.trial),
             "rating": self.last_rating,  # the step records carry it until the next decision
+            "rating_world": self._rated_world,
             "throughput": self.throughput.state_dict(),
         }
 
@@ -564,6 +565,7 @@ class GoodputSchedule:
             trial = [*trial, trial[1] * trial[2] * trial[3]]  # its shape's batch, split evenly
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.last_rating = dict(state.get("rating") or {})
+        self._rated_world = state.get("rating_world")
         self.throughput.load_state_dict(state["throughput"])
 
 
