@@ -128,6 +128,10 @@ def test_the_core_draws_each_step_and_replans_the_epoch_tail():
         "the epoch's last 2 samples must come re-planned, for the holder to apply with a record"
     )
     assert sorted(i for d in first + tail for i in served(d.step)) == list(range(10))
+    # The next step goes back to the scheduled batch, and says so (not the schedule's "hold").
+    back = cores[0].decide(2)
+    assert back.plan == plan and back.reason == "the scheduled batch again after the epoch's last batch"
+    assert cores[0].decide(3).reason != back.reason, "said only at the return"
 
 
 def test_a_noise_measured_single_pass_is_drawn_as_two_half_passes():

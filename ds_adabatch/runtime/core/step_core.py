@@ -197,6 +197,7 @@ class StepCore:
         self._agrees = bool(getattr(schedule, "needs_agreement", False))
         self._planned: tuple[int, int, BatchPlan] | None = None  # (batch, limit, plan): the steady case
         self.split_said = False  # a poor even split was warned of (_say_if_split_poorly)
+        self.tail_drawn = False  # the latest step drawn was an epoch's smaller tail (said at the return)
 
     # -- decide --------------------------------------------------------------------------------------
     def context(self, step: int) -> ScheduleContext:
@@ -246,6 +247,9 @@ class StepCore:
             if evaluates and self._agrees:
                 batch = self.agree_schedule(batch)
         previous, self.scheduled_batch = self.scheduled_batch, batch
+        if self.tail_drawn and batch == previous:  # the plan changes back, not by the schedule's reason
+            reason = "the scheduled batch again after the epoch's last batch"
+        self.tail_drawn = False
         said = (previous, batch, self.controller.config.schedule.batch_unit) if self.token_budget else None
         return Decision(step, batch, previous, reason, self.plan_for(batch), said)
 
@@ -326,7 +330,7 @@ class StepCore:
         rank's micro-batches, and the plans to apply around them (an epoch's tail, a noise
         measurement's two half passes when ``split``). ``load=False``: advance without reading."""
         drawn = draw_step(source, plan, world_size=self.world_size, split=split, load=load)
-        self.last_step = drawn.step
+        self.last_step, self.tail_drawn = drawn.step, drawn.tail is not None
         return drawn
 
     def recut(self, source: StepSource, step: StepBatch, plan: BatchPlan) -> StepBatch:
