@@ -99,6 +99,7 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
         f"  global batch {lo}..{hi}, multiple of {cfg.granularity}; max micro-batch "
         f"{_micro_text(cfg)} per GPU; {mode}",
     ]
+    lines += _auto_lines(loaded)
     if cfg.token_budget:
         # Token-budget steps are formed at run time from the samples' lengths: no fixed plan to show.
         unit = cfg.schedule.batch_unit
@@ -121,6 +122,29 @@ def _summary_lines(loaded: LoadedConfig, planned_by_world: dict[int, LoadedConfi
             plan = plan_batch(value, replicas, cfg.initial_micro_batch_limit, allow_uneven=cfg.allow_uneven)
             lines.append(f"    {name}: {plan.describe()}")
     return lines
+
+
+def _auto_lines(loaded: LoadedConfig) -> list[str]:
+    """What a noise-reading schedule's ``"auto"`` settings resolve to, from the rest of the ds_config."""
+    from .config.loader import optimizer_geometry
+    from .schedules.controller import batch_rule
+    from .signals.efficiency import efficiency_form
+
+    schedule, said = loaded.adabatch.schedule, []
+    if getattr(schedule, "efficiency", None) == "auto":
+        scaling = loaded.adabatch.lr_scaling
+        why = f'lr_scaling.rule "{scaling.rule}"' + (
+            f", gain_power {scaling.gain_power}" if scaling.rule == "adascale" else ""
+        )
+        said.append(f'efficiency "{efficiency_form("auto", batch_rule(scaling))}" ({why})')
+    if getattr(schedule, "geometry", None) == "auto":
+        named = optimizer_geometry(loaded.original)
+        said.append(
+            f'geometry "{named[1]}" (the ds_config\'s optimizer {named[0]})'
+            if named
+            else 'geometry from the optimizer at run time ("adam" where it keeps Adam\'s second moment, else "sgd")'
+        )
+    return [f'  "auto" resolves to: {"; ".join(said)}'] if said else []
 
 
 def _micro_text(cfg: Any) -> str:

@@ -53,6 +53,32 @@ def test_validate_examples_with_world_sizes() -> None:
     assert "train_batch_size=" in result.stdout
 
 
+def test_validate_says_what_auto_resolves_to(tmp_path: Path) -> None:
+    shipped = run("validate", str(ROOT / "ds_configs" / "goodput.json"))
+    assert shipped.returncode == 0, shipped.stderr
+    assert (
+        '"auto" resolves to: efficiency "sqrt" (lr_scaling.rule "adascale", gain_power 0.5); '
+        'geometry "adam" (the ds_config\'s optimizer AdamW)'
+    ) in shipped.stdout
+    section = {
+        "schedule": {"type": "goodput", "start": 8},
+        "max_global_batch": 64,
+        "max_micro_batch_per_gpu": 8,
+    }
+    client = write(tmp_path / "client.json", {"adabatch": {**section, "lr_scaling": {"rule": "linear"}}})
+    sgd = {"adabatch": {**section, "schedule": {**section["schedule"], "efficiency": "sqrt"}}}
+    sgd["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    named = write(tmp_path / "sgd.json", sgd)
+    result = run("validate", client, named)
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stdout.splitlines() if "resolves to" in line]
+    assert said == [
+        '  "auto" resolves to: efficiency "linear" (lr_scaling.rule "linear"); geometry from the optimizer at '
+        'run time ("adam" where it keeps Adam\'s second moment, else "sgd")',
+        '  "auto" resolves to: geometry "sgd" (the ds_config\'s optimizer SGD)',
+    ], result.stdout
+
+
 def test_validate_reports_every_problem_of_every_file(tmp_path: Path) -> None:
     bad = write(
         tmp_path / "bad.json",
@@ -210,7 +236,7 @@ def test_usage_errors() -> None:
 def test_cli_imports_neither_torch_nor_deepspeed() -> None:
     code = (
         "import sys; from ds_adabatch.cli import main; "
-        f"rc = main(['validate', {ZERO0!r}, '--world-size', '2']); "
+        f"rc = main(['validate', {ZERO0!r}, {str(ROOT / 'ds_configs' / 'goodput.json')!r}, '--world-size', '2']); "
         "rc |= main(['plan', '--global-batch', '8', '--world-size', '2', '--max-micro', '4']); "
         "rc |= main(['schema']); "
         "print('heavy:', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)); "

@@ -25,7 +25,14 @@ from ._pydantic import problems_from_validation_error
 from .errors import ConfigError, ConfigProblem
 from .models import AdaBatchConfig, endpoint_problems
 
-__all__ = ["BATCH_KEYS", "SECTION", "LoadedConfig", "load_adabatch_section", "load_ds_config"]
+__all__ = [
+    "BATCH_KEYS",
+    "SECTION",
+    "LoadedConfig",
+    "load_adabatch_section",
+    "load_ds_config",
+    "optimizer_geometry",
+]
 
 SECTION = "adabatch"
 """The top-level ds_config key that holds the :class:`AdaBatchConfig`."""
@@ -243,15 +250,24 @@ _NO_SECOND_MOMENT = frozenset({"sgd", "musgd", "adagrad", "lion"})
 """DeepSpeed's optimizer types that keep no Adam second moment (no betas and eps in their groups)."""
 
 
+def optimizer_geometry(raw: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(type, geometry)`` of the optimizer a ds_config names: ``"sgd"`` for one that keeps no Adam
+    second moment, else ``"adam"`` (what ``geometry: "auto"`` resolves to); None where it names none
+    (a client optimizer: resolved at run time)."""
+    optimizer = raw.get("optimizer")
+    kind = optimizer.get("type") if isinstance(optimizer, Mapping) else None
+    if not isinstance(kind, str):
+        return None
+    return kind, "sgd" if kind.lower() in _NO_SECOND_MOMENT else "adam"
+
+
 def _geometry_problems(raw: Mapping[str, Any], cfg: AdaBatchConfig) -> list[ConfigProblem]:
     """A noise scale asked in Adam's geometry of an optimizer the ds_config names and that keeps no
     second moment: refused here, before any process starts, as ``initialize`` would refuse it."""
-    optimizer = raw.get("optimizer")
-    kind = optimizer.get("type") if isinstance(optimizer, Mapping) else None
-    if getattr(cfg.schedule, "geometry", None) != "adam" or not isinstance(kind, str):
+    named = optimizer_geometry(raw)
+    if getattr(cfg.schedule, "geometry", None) != "adam" or named is None or named[1] != "sgd":
         return []
-    if kind.lower() not in _NO_SECOND_MOMENT:
-        return []
+    kind = named[0]
     message = (
         f"measures the noise scale with Adam's second moment, but the ds_config's optimizer {kind} keeps "
         'none: set it to "sgd" (or "auto") or train with an Adam-type optimizer'

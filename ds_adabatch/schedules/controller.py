@@ -25,7 +25,7 @@ from ..plan import batch_multiple, feasible_range, round_global_batch
 from .base import Schedule, ScheduleContext, ScheduleError, check_state
 from .registry import build_schedule
 
-__all__ = ["BatchSizeController", "Decision"]
+__all__ = ["BatchSizeController", "Decision", "batch_rule"]
 
 _STATE_VERSION = 1
 
@@ -86,7 +86,7 @@ class BatchSizeController:
             granularity=self.granularity,
             allow_uneven=self.allow_uneven,
             min_from_config=self.min_global_batch is not None,
-            lr_rule=_batch_rule(getattr(config, "lr_scaling", None)),
+            lr_rule=batch_rule(getattr(config, "lr_scaling", None)),
             max_change_factor=self.max_change_factor,
         )
         self._last_step: int | None = None
@@ -229,7 +229,7 @@ class BatchSizeController:
             self._last_decision = Decision(**state["last_decision"])
 
 
-def _batch_rule(scaling: Any) -> str | None:
+def batch_rule(scaling: Any) -> str | None:
     """The batch-only LR rule the section's ``lr_scaling`` meets where the gradient is all noise (what
     ``goodput``'s "auto" efficiency pairs with): ``adascale``'s gain to the power 0.5 meets ``sqrt``, to
     the power 1 ``linear``; the others are their own."""

@@ -67,7 +67,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
-from ..signals.efficiency import statistical_efficiency
+from ..signals.efficiency import efficiency_form, statistical_efficiency
 from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
 from .goodput_tokens import PackedShape, describe_split, packed_shape
@@ -110,10 +110,7 @@ class GoodputSchedule:
         max_change_factor: float | None = None,
     ) -> None:
         self.reference_batch = int(config.start)
-        efficiency = config.efficiency
-        if efficiency == "auto":
-            efficiency = "sqrt" if lr_rule == "sqrt" else "linear"
-        self.efficiency_exponent = 0.5 if efficiency == "sqrt" else 1.0
+        self.efficiency_exponent = 0.5 if efficiency_form(config.efficiency, lr_rule) == "sqrt" else 1.0
         """The efficiency's form: 1 (Pollux's, ``efficiency`` "linear") or 0.5 (its square root, "sqrt";
         "auto" resolved from the section's ``lr_scaling.rule``)."""
         self.decide_every = int(config.decide_every)

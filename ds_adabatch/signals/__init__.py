@@ -5,7 +5,7 @@ All take already all-reduced numbers, so every rank holds the same values and ta
 batch-size decision. They are plain Python (0-d tensors are accepted wherever a float is).
 """
 
-from .efficiency import statistical_efficiency
+from .efficiency import efficiency_form, statistical_efficiency
 from .ema import EmaLoss
 from .noise import GradientNoiseEstimator
 from .step_time_fit import StepTimeFit, parse_step_time_curve
@@ -16,6 +16,7 @@ __all__ = [
     "GradientNoiseEstimator",
     "StepTimeFit",
     "ThroughputModel",
+    "efficiency_form",
     "parse_step_time_curve",
     "statistical_efficiency",
 ]

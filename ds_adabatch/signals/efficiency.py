@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["statistical_efficiency"]
+__all__ = ["efficiency_form", "statistical_efficiency"]
 
 
 def statistical_efficiency(
@@ -43,3 +43,12 @@ def statistical_efficiency(
         raise ValueError(f"the exponent must be in (0, 1], got {exponent!r}")
     ratio = (noise_scale + reference_batch) / (noise_scale + batch)
     return ratio if exponent == 1.0 else ratio**exponent
+
+
+def efficiency_form(efficiency: str, lr_rule: str | None) -> str:
+    """The form a ``goodput`` schedule's ``efficiency`` setting selects: ``"linear"`` (Pollux's) or
+    ``"sqrt"``; ``"auto"`` is ``"sqrt"`` where the LR follows the batch as its square root (``lr_rule``,
+    the batch-only rule the section's ``lr_scaling`` meets), else ``"linear"``."""
+    if efficiency == "auto":
+        return "sqrt" if lr_rule == "sqrt" else "linear"
+    return efficiency
