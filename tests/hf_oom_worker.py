@@ -4,7 +4,9 @@ Usage: torchrun --nproc-per-node 2 tests/hf_oom_worker.py OUT_DIR STAGE[,STAGE..
 
 Two trainings of the same model, data and config: one clean, one where the last rank's second forward
 (the middle of step 0's accumulation) and the first forward of its retry run out of memory. Both write
-their final parameters and per-step sample indices (rank 0: OUT_DIR/hf_oom_z<STAGE>.json).
+their final parameters and per-step sample indices (rank 0: OUT_DIR/hf_oom_z<STAGE>.json). Then a run
+that imposes an exited process's record (hf_oom_recorded.json), and a goodput run whose step 2 is re-run
+after an OOM, with the step times its throughput model kept (hf_oom_timed.json).
 """
 
 from __future__ import annotations
@@ -79,6 +81,41 @@ def train(out: Path, stage: int, faults: bool, record_failed: int | None = None)
     }
 
 
+def train_timed(out: Path) -> dict:
+    """goodput (start held by its warm-up) on a simulated flat step time; rank 1's first forward of step
+    2 runs out of memory, so step 2 is re-run at micro 2 x gas 4. Returns the plans and the step times
+    its throughput model kept, by shape."""
+    from ds_adabatch.runtime.core.step_times import SIMULATED_STEP_TIME_ENV
+
+    hf_worker.ZERO_STAGE = 2
+    adabatch = {
+        "schedule": {"type": "goodput", "start": 16, "warmup_steps": 100},
+        "max_micro_batch_per_gpu": 4,
+        "max_global_batch": 64,
+    }
+    config = hf_worker.ds_config(adabatch)
+    config["zero_allow_untested_optimizer"] = True
+    args = _args(out, num_train_epochs=1, use_cpu=True, deepspeed=config, optim="sgd", learning_rate=0.1)
+    os.environ[SIMULATED_STEP_TIME_ENV] = "fixed=0.05"
+    world = torch.distributed.get_world_size()
+    budget = simulated_memory_limit(10**9, ranks=[world - 1], fail_calls=[5])
+    budget.install()
+    try:
+        trainer = AdaptiveBatchSizeTrainer(model=Regressor(), args=args, train_dataset=IndexRegression(96))
+        recorder = StepRecorder(trainer)
+        trainer.add_callback(recorder)
+        trainer.train()
+    finally:
+        budget.remove()
+        del os.environ[SIMULATED_STEP_TIME_ENV]
+    model = trainer.batch_state.controller.schedule.throughput
+    return {
+        "plans": [s["plan"] for s in recorder.steps],
+        "kept": {f"{m}x{g}": n for m, g, _, n in model.measured(world)},
+        "skip_first": model.skip_first,
+    }
+
+
 def main(argv: list[str]) -> None:
     out = Path(argv[0])
     for stage in (int(s) for s in argv[1].split(",")):
@@ -89,8 +126,10 @@ def main(argv: list[str]) -> None:
     # A record an exited process left (failed at 4 samples per pass) is imposed from step 0, and deleted
     # once a checkpoint holds the lower limit.
     recorded = train(out / "recorded", 2, faults=False, record_failed=4)
+    timed = train_timed(out / "timed")
     if int(os.environ.get("RANK", "0")) == 0:
         (out / "hf_oom_recorded.json").write_text(json.dumps(recorded))
+        (out / "hf_oom_timed.json").write_text(json.dumps(timed))
 
 
 if __name__ == "__main__":

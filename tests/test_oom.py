@@ -163,6 +163,15 @@ def test_the_trainer_imposes_a_restart_record_and_deletes_it_once_a_checkpoint_h
     assert r["records_left"] == [], "the record must go once a checkpoint holds the limit it taught"
 
 
+def test_a_trainer_step_re_run_after_an_oom_teaches_its_shape_no_time(results):
+    r = _read(results, 2, "hf_oom_timed")
+    # 96 samples at 16: 6 steps; step 2 fails at micro 4 and is re-run (and the rest run) at micro 2.
+    assert [p[1:] for p in r["plans"]] == [[4, 2]] * 2 + [[2, 4]] * 4, r["plans"]
+    # Each shape's first kept step is skipped (one-off costs); the re-run step's time covers the failed
+    # attempt too, so it is no step of its shape: 3 steps after it, the first skipped.
+    assert r["kept"] == {"4x2": 2 - r["skip_first"], "2x4": 3 - r["skip_first"]}, r["kept"]
+
+
 def test_unrecoverable_oom_ends_the_launch_with_a_clear_error_not_a_hang(tmp_path):
     # ZeRO-3 with partitioned parameters: an OOM at the start of backward on the last rank comes after
     # the forward's parameter gathers (the pass's agreement point).
