@@ -669,7 +669,33 @@ def test_resume_on_another_world_size_keeps_the_measured_costs():
         micro_batch_limit=16,
     )
     decision = resumed.next_global_batch(ctx)
+    # The current batch's cost on 4 ranks is measured before a decision leaves it (its split differs).
+    assert decision.global_batch == batches[-1] and "measuring batch" in decision.reason, decision
+    plan = plan_batch(batches[-1], 4, 16)
+    for _ in range(model.skip_first + 3):
+        model.observe(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, 4, 0.05)
+    assert resumed.schedule.decides_at(43), "the runtime resolves the step times of each such step"
+    decision = resumed.next_global_batch(ScheduleContext(**{**ctx.__dict__, "step": 43}))
     assert decision.global_batch % 4 == 0 and "samples/s x efficiency" in decision.reason, decision
+    assert resumed.schedule.rejoined is None and not resumed.schedule.decides_at(44)
+
+
+def test_shapes_of_one_micro_batch_on_a_new_world_take_the_split_the_other_worlds_measured():
+    # 5 ms a step + 4 ms a sample. 2 ranks measured micro 4 and 8 (the split is known there); 1 rank
+    # then measures micro 8 alone (GAS 1 and 2), which cannot tell a pass's cost from its samples'.
+    def cost(m, g):
+        return 0.005 + g * 0.004 * m
+
+    both, alone = ThroughputModel(), ThroughputModel()
+    for _ in range(4):
+        for m, g, w in ((4, 1, 2), (8, 1, 2), (8, 1, 1), (8, 2, 1)):
+            both.observe(m, g, w, cost(m, g))
+            if w == 1:
+                alone.observe(m, g, w, cost(m, g))
+    assert both.predict(4, 1, 1) == pytest.approx(cost(4, 1)), both.fit(1).describe()
+    assert both.predict(8, 3, 1) == pytest.approx(cost(8, 3)), "its own shapes are still met exactly"
+    # Without the other world, the cost sits in per_pass: micro 4 is predicted at micro 8's cost.
+    assert alone.predict(4, 1, 1) == pytest.approx(cost(8, 1)), alone.fit(1).describe()
 
 
 def test_noise_measuring_steps_price_the_measurement_and_are_not_fitted():
@@ -760,30 +786,50 @@ def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_wh
     assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
 
 
-def _limited_trial_loop(limit_at, steps: int, *, untimed: tuple[int, ...] = ()):
+def _limited_trial_loop(limit_at, steps: int, *, untimed: tuple[int, ...] = (), world_at=lambda step: 1):
     """World 1 on the CPU curve (B_noise 10, not yet confident: batch 16 is tried at step 10) with the
     micro-batch limit of each step ``limit_at(step)``; steps in ``untimed`` teach no time (re-run after
-    an out-of-memory error). The batch and the open trial of every step."""
+    an out-of-memory error); where ``world_at(step)`` changes, the state resumes on that world. The
+    batch and the open trial of every step (and the reasons)."""
 
     def cpu(m, g):
         return 0.0033 + g * 0.003 * m
 
-    controller = BatchSizeController(_trial_section(), 1)
-    schedule = controller.schedule
-    batch, batches, trials = controller.initial_global_batch(), [], []
+    controller, world = BatchSizeController(_trial_section(), 1), 1
+    batch, batches, trials, reasons = controller.initial_global_batch(), [], [], []
     for step in range(steps):
+        if world_at(step) != world:
+            state, world = controller.state_dict(), world_at(step)
+            controller = BatchSizeController(_trial_section(), world)
+            controller.load_state_dict(state)
         ctx = ScheduleContext(
-            step=step, samples=0, global_batch=batch, world_size=1, noise_scale=10.0,
+            step=step, samples=0, global_batch=batch, world_size=world, noise_scale=10.0,
             noise_scale_error=0.6, micro_batch_limit=limit_at(step),
         )  # fmt: skip
-        batch = controller.next_global_batch(ctx).global_batch
-        plan = plan_batch(batch, 1, limit_at(step))
+        decision = controller.next_global_batch(ctx)
+        batch = decision.global_batch
+        plan = plan_batch(batch, world, limit_at(step))
         micro, gas = plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
         if step not in untimed:
-            schedule.throughput.observe(micro, gas, 1, cpu(micro, gas))
+            controller.schedule.throughput.observe(micro, gas, world, cpu(micro, gas))
         batches.append(batch)
-        trials.append(schedule.trial)
-    return batches, trials
+        trials.append(controller.schedule.trial)
+        reasons.append(decision.reason)
+    return batches, trials, reasons
+
+
+def test_a_trial_resumed_on_another_world_is_tried_there_anew_and_judged():
+    """Batch 16 tried at step 10 on 1 rank, resumed on 2 at step 12 (micro 8 there): the trial is opened
+    again on 2 ranks and judged on its step times there (undone: on the CPU a step costs its samples),
+    where it was closed unjudged before and the batch held it till the cadence."""
+    batches, trials, reasons = _limited_trial_loop(
+        lambda step: 256, 40, world_at=lambda step: 1 if step < 12 else 2
+    )
+    assert batches.index(16) == 10 and trials[11] == (10, 16, 1, 1, 8, 16), trials[11]
+    assert trials[12] == (12, 8, 1, 2, 8, 16), "opened again on 2 ranks, at its split there"
+    judged = trials.index(None, 12)
+    assert judged == 12 + 1 + 3 and batches[judged] == 8, (judged, batches[10:20], reasons[judged])
+    assert "not kept" in reasons[judged], reasons[judged]
 
 
 def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_runs():
@@ -791,7 +837,7 @@ def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_
     8, so it runs as micro 8 x GAS 2. The trial follows it and judges that split (undone once 3 of its
     step times are kept), where it was closed unjudged before and the batch held until the cadence."""
     # The OOM in step 10: re-run (no time), and planned from then on, under 8.
-    batches, trials = _limited_trial_loop(lambda step: 256 if step <= 10 else 8, 30, untimed=(10,))
+    batches, trials, _ = _limited_trial_loop(lambda step: 256 if step <= 10 else 8, 30, untimed=(10,))
     assert batches.index(16) == 10 and trials[10] == (10, 16, 1, 1, 8, 16), (batches[:16], trials[10])
     assert trials[11] == (10, 8, 2, 1, 8, 16), trials[11]  # the same trial, split anew
     # Judged once 3 of micro 8 x GAS 2's step times are kept (its first is not): back to 8 at step 15.
@@ -803,7 +849,7 @@ def test_a_trial_whose_split_keeps_changing_is_still_judged_in_bounded_steps():
     """The limit flips between 8 and 16 every step after batch 16 is tried (memory keys of two sequence
     lengths, say): the trial follows each split and is judged decide_every steps after it could first
     have been, as a trial without step times is; the decisions go on."""
-    batches, trials = _limited_trial_loop(lambda step: 256 if step <= 10 else (8 if step % 2 else 16), 40)
+    batches, trials, _ = _limited_trial_loop(lambda step: 256 if step <= 10 else (8 if step % 2 else 16), 40)
     assert batches.index(16) == 10 and trials[11] is not None and trials[11][0] == 10, trials[11]
     judged = trials.index(None, 11)
     assert judged <= 10 + 1 + 3 + 10, (judged, trials[10:30])

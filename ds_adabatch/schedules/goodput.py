@@ -70,7 +70,8 @@ from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
 from ..signals.efficiency import efficiency_form, statistical_efficiency
 from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
-from .goodput_tokens import PackedShape, describe_split, packed_shape
+from .goodput_rating import cost_gains, rated, sped, step_cost, uncertainty_band
+from .goodput_tokens import PackedShape, packed_shape
 from .goodput_verdict import TRIAL_STEPS, within_the_scatter
 from .noise import auto_warmup_steps
 
@@ -78,8 +79,6 @@ __all__ = ["GoodputSchedule"]
 
 _STATE_VERSION = 1
 _MAX_CANDIDATES = 512
-_WIDEST_ERROR = 5.0
-"""Relative errors above this bound nothing (a factor exp(10) either way): the schedule holds."""
 
 
 class GoodputSchedule:
@@ -141,6 +140,9 @@ class GoodputSchedule:
         """The latest decision's prediction: ``predicted_samples_per_s``, ``efficiency``,
         ``goodput`` of the batch it chose (held or moved to), for the step records."""
         self._rated_world: int | None = None  # the world size last_rating was made at
+        self.rejoined: int | None = None
+        """The step the world size changed at (a resume on another world, a live change) while the
+        current batch's step time there is not yet measured (:meth:`_measured_anew`); else None."""
         self.moves = 0
         self.trial: tuple[int, int, int, int, int, int] | None = None
         """``(step, micro, gas, world, batch it left, batch it moved to)`` of a move to a shape not
@@ -151,7 +153,10 @@ class GoodputSchedule:
 
     def decides_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then):
-        every ``decide_every`` steps, and every step from the earliest a trial can be judged."""
+        every ``decide_every`` steps, and every step from the earliest a trial can be judged (or the
+        current batch is measured on a new world size)."""
+        if self.rejoined is not None:
+            return True
         if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + self._trial_steps:
             return True
         if step < self.warmup_steps:  # by cost alone, from the first kept step times of start
@@ -168,8 +173,8 @@ class GoodputSchedule:
         """The batch an open trial left, where this step judges it (its shape has :data:`TRIAL_STEPS`
         kept step times, or ``decide_every`` steps more have passed; the trial is then closed); None
         otherwise. A trial whose batch is split anew (the micro-batch limit lowered by an out-of-memory
-        error, or grown) is judged on the split it runs; one the batch left (an override, a resume on
-        another world) is closed."""
+        error, or grown) is judged on the split it runs, and on another world size (a resume there, a
+        live change) is tried there anew; one the batch left (an override, a re-rounding) is closed."""
         self._judging = None
         if self.trial is None:
             return None
@@ -178,17 +183,38 @@ class GoodputSchedule:
         # budget, and every step of it is one of its step times (bar the first at a new budget).
         plan = None if ctx.pass_budget is not None else self._plan(ctx, int(ctx.global_batch))
         shape = (ctx.pass_budget, gas) if plan is None else _shape(plan)
-        if (int(ctx.global_batch), ctx.world_size) != (moved, world) or shape[0] is None:
+        if int(ctx.global_batch) != moved or shape[0] is None:
             self.trial = None
             return None
-        if shape != (micro, gas):  # judged from when it opened, however often its split changes
-            micro, gas = shape
-            self.trial = (step, micro, gas, world, left, moved)
+        if ctx.world_size != world:  # its step times there are yet to come
+            step, world = ctx.step, ctx.world_size
+        micro, gas = shape  # judged from when it opened, however often its split changes
+        self.trial = (step, micro, gas, world, left, moved)
         kept = ctx.step - step - self.throughput.skip_first if plan is None else self._kept(shape, world)
         if ctx.step <= step or (kept < self._trial_steps and not self._overdue(ctx, step)):
             return None
         self.trial, self._judging = None, self.trial
         return left
+
+    def _measured_anew(self, ctx: ScheduleContext, current: int) -> str | bool:
+        """After a change of world size, a hold (its reason) until the current batch's step time there is
+        measured (:data:`TRIAL_STEPS` kept, or as long as a trial is bounded): the slope carried from the
+        other world can misprice its new split, and a batch predicted too slow would never run to show
+        it. Then True (decide now); False where nothing is pending."""
+        if self.rejoined is None:
+            return False
+        plan = self._plan(ctx, current)
+        if (
+            plan is not None
+            and self._kept_now(ctx, plan) < self._trial_steps
+            and not self._overdue(ctx, self.rejoined)
+        ):
+            return (
+                f"measuring batch {current}'s step time on {ctx.world_size} rank(s) after a change of world "
+                f"size (decided after {self._trial_steps} step times)"
+            )
+        self.rejoined = None
+        return True
 
     def _overdue(self, ctx: ScheduleContext, step: int) -> bool:
         """Whether a trial opened at ``step`` is judged now however few of its step times are kept:
@@ -288,6 +314,8 @@ class GoodputSchedule:
     def __call__(self, ctx: ScheduleContext) -> float:
         current = int(ctx.global_batch)
         if ctx.world_size != self._rated_world:  # another world's rating says nothing of this one's
+            if self._rated_world is not None:
+                self.rejoined = ctx.step
             self.last_rating, self._rated_world = {}, ctx.world_size
         ready = self._ready(ctx, current)
         if not isinstance(ready, tuple):  # held: the current batch
@@ -316,9 +344,9 @@ class GoodputSchedule:
                 said = f"trial of batch {current} gains {1 / back - 1:+.1%} over batch {judged}, not kept; "
         best, best_rating, best_gain = self._best(ctx, current, reference, now, noise, band, tried)
         if band:
-            said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {_rated(now)}"
+            said += f"{unsure}; within {band[0]:.4g}-{band[1]:.4g}, batch {reference}: {rated(now)}"
         else:
-            said += f"B_noise {noise:.4g}; batch {reference}: {_rated(now)}"
+            said += f"B_noise {noise:.4g}; batch {reference}: {rated(now)}"
         if best == reference or best_gain <= 1.0 + self.hysteresis:
             return self._stay(current, reference, now, best, best_rating, best_gain, band, said)
         return self._move(ctx, reference, best, best_rating, best_gain, band, said)
@@ -330,6 +358,7 @@ class GoodputSchedule:
         not-yet-confident sentence, the batch a judged trial left, the largest micro-batch, samples per
         rank and GAS tried)``. Judging a trial closes it."""
         if ctx.step < self.warmup_steps:
+            self.rejoined = None  # the warm-up measures the current batch before it moves anyway
             if self.by_cost_in_warmup:
                 return self._by_cost(ctx, current)
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
@@ -338,10 +367,13 @@ class GoodputSchedule:
             return self._hold(
                 current, f"goodput trial of batch {current} (judged after {self._trial_steps} step times)"
             )
+        measured = self._measured_anew(ctx, current)
+        if isinstance(measured, str):
+            return self._hold(current, measured)
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
             return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
-        band = self._uncertainty_band(noise, error)
+        band = uncertainty_band(noise, error, self.max_relative_error)
         unsure = (
             ""
             if band is None
@@ -353,7 +385,7 @@ class GoodputSchedule:
         )
         if band == ():
             return self._hold(current, unsure)
-        if ctx.step % self.decide_every and judged is None:
+        if ctx.step % self.decide_every and judged is None and not measured:
             nxt = (ctx.step // self.decide_every + 1) * self.decide_every
             return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
         tried = self.throughput.largest_tried(ctx.world_size)
@@ -438,7 +470,7 @@ class GoodputSchedule:
         self._keep_rating(now)
         if best != reference:
             # A best other than the reference gains more than 1: it was rated at the estimate (_gain).
-            said += f"; best {best}: {_rated(best_rating)}, gain {best_gain - 1:+.1%}"
+            said += f"; best {best}: {rated(best_rating)}, gain {best_gain - 1:+.1%}"
             said += f"{' at the estimate' if band else ''}, within {self.hysteresis:g}"
         if reference == current:
             return self._hold(current, f"goodput {said}")
@@ -467,7 +499,7 @@ class GoodputSchedule:
             )
         self._keep_rating(best_rating)
         trial = self._moved(ctx, best_rating[2], reference)
-        self.last_reason = f"goodput {said} -> batch {best}: {_rated(best_rating)}{trial}"
+        self.last_reason = f"goodput {said} -> batch {best}: {rated(best_rating)}{trial}"
         return float(best)
 
     def _moved(self, ctx: ScheduleContext, plan: Any, reference: int) -> str:
@@ -497,9 +529,9 @@ class GoodputSchedule:
             return self._hold(current, f"{why}: measuring batch {current}'s step time")
         reference, said, limit = current, f"{why}, by step cost alone: ", 1.0 + self.hysteresis
         before = self.speed(ctx, judged) if judged is not None and judged != current else None
-        back = 0.0 if before is None else max(_cost_gains(judged, before, current, now))
+        back = 0.0 if before is None else max(cost_gains(judged, before, current, now))
         if before is not None and back > limit:
-            cost = f"trial of batch {current} costs {_step_cost(current, now, judged, before)} a step"
+            cost = f"trial of batch {current} costs {step_cost(current, now, judged, before)} a step"
             again = self._measure_again(ctx, back, limit)
             if again is not None:
                 return self._hold(current, f"{why}: {cost}, over {self.hysteresis:g} more by {again}")
@@ -508,36 +540,25 @@ class GoodputSchedule:
         best, best_speed, best_gain = reference, now, 1.0
         tried = self.throughput.largest_tried(ctx.world_size)
         for batch, speed in self._reachable(ctx, current, reference, tried):
-            steps_gain, samples_gain = _cost_gains(batch, speed, reference, now)
+            steps_gain, samples_gain = cost_gains(batch, speed, reference, now)
             if steps_gain * limit >= 1.0 and samples_gain > max(limit, best_gain * (1 + 1e-12)):
                 best, best_speed, best_gain = batch, speed, samples_gain
-        said += f"batch {reference}: {_sped(now)}"
+        said += f"batch {reference}: {sped(now)}"
         self.last_rating = {"predicted_samples_per_s": best_speed[0]}
         if best != reference:
             said += (
-                f"; batch {best} costs {_step_cost(best, best_speed, reference, now)} a step (at most "
+                f"; batch {best} costs {step_cost(best, best_speed, reference, now)} a step (at most "
                 f"{self.hysteresis:g} more: at no noise scale does it lose more) for {best_gain - 1:+.1%} "
                 "samples/s"
             )
             trial = self._moved(ctx, best_speed[1], reference)
-            self.last_reason = f"{said} -> batch {best}: {_sped(best_speed)}{trial}"
+            self.last_reason = f"{said} -> batch {best}: {sped(best_speed)}{trial}"
             return float(best)
         if reference == current:
             return self._hold(current, said)
         self.moves += 1  # a trial undone: back to the batch it left
         self.last_reason = f"{said} -> back to batch {reference}"
         return float(reference)
-
-    def _uncertainty_band(self, noise: float, error: float | None) -> tuple[float, ...] | None:
-        """None for a confident estimate (relative error at most ``max_relative_error``, no test, or no
-        error given); else ``(low, high)``: two relative standard errors either side on a log scale, as
-        ``max_relative_error`` reads them; ``()`` for an error too large (or unknown) to bound."""
-        if self.max_relative_error is None or error is None or error <= self.max_relative_error:
-            return None  # no test, or a value given without an error (ds-adabatch simulate)
-        if not math.isfinite(error) or error > _WIDEST_ERROR:
-            return ()
-        spread = math.exp(2.0 * error)
-        return (noise / spread, noise * spread)
 
     def _keep_rating(self, rating: tuple[float, float, Any]) -> None:
         speed, eff = rating[0], rating[1]
@@ -551,6 +572,7 @@ class GoodputSchedule:
             "trial": None if self.trial is None else list(self.trial),
             "rating": self.last_rating,  # the step records carry it until the next decision
             "rating_world": self._rated_world,
+            "rejoined": self.rejoined,
             "throughput": self.throughput.state_dict(),
         }
 
@@ -563,35 +585,9 @@ class GoodputSchedule:
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.last_rating = dict(state.get("rating") or {})
         self._rated_world = state.get("rating_world")
+        self.rejoined = state.get("rejoined")
         self.throughput.load_state_dict(state["throughput"])
 
 
 def _shape(plan: Any) -> tuple[int, int]:
     return plan.micro_batch_per_gpu, plan.gradient_accumulation_steps
-
-
-def _cost_gains(
-    batch: int, speed: tuple[float, Any], ref: int, ref_speed: tuple[float, Any]
-) -> tuple[float, float]:
-    """``batch``'s goodput over ``ref``'s at the two ends of B_noise: near 0 (their steps/s ratio) and
-    far above both (their samples/s ratio)."""
-    samples = speed[0] / ref_speed[0]
-    return samples * ref / batch, samples
-
-
-def _step_cost(batch: int, speed: tuple[float, Any], ref: int, ref_speed: tuple[float, Any]) -> str:
-    """How much more (or less) a step of ``batch`` costs than one of ``ref``, as a signed percentage."""
-    return f"{1.0 / _cost_gains(batch, speed, ref, ref_speed)[0] - 1:+.1%}"
-
-
-def _sped(speed: tuple[float, Any]) -> str:
-    samples_per_s, plan = speed
-    return f"{samples_per_s:.4g} samples/s ({describe_split(plan)})"
-
-
-def _rated(rating: tuple[float, float, Any]) -> str:
-    samples_per_s, efficiency, plan = rating
-    return (
-        f"{samples_per_s:.4g} samples/s x efficiency {efficiency:.3f} = goodput {samples_per_s * efficiency:.4g} "
-        f"({describe_split(plan)})"
-    )

@@ -3,7 +3,8 @@
 A step of ``GAS`` passes of ``m`` samples (tokens) per rank costs ``fixed + GAS x (per_pass + per_sample x
 m)`` (:mod:`ds_adabatch.signals.throughput` says why, and how the measured shapes are kept).
 :func:`fit_step_time` fits the three non-negative coefficients to measured shapes; :func:`carry_slope`
-moves a fit to another world size from one shape measured there; :func:`parse_step_time_curve` reads a
+moves a fit to another world size from one shape measured there, :func:`carry_split` from shapes there
+that share one micro-batch; :func:`parse_step_time_curve` reads a
 curve given by hand (``ds-adabatch simulate``, the tests' simulated devices).
 """
 
@@ -15,7 +16,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["StepTimeFit", "carry_slope", "fit_step_time", "parse_step_time_curve"]
+__all__ = ["StepTimeFit", "carry_slope", "carry_split", "fit_step_time", "parse_step_time_curve"]
 
 _TERMS = ("fixed", "per_pass", "per_sample")
 
@@ -142,6 +143,22 @@ def carry_slope(fit: StepTimeFit, micro: int, gas: int, seconds: float) -> StepT
         return StepTimeFit(seconds - slope, fit.per_pass, fit.per_sample, shapes=fit.shapes + 1)
     scale = seconds / slope
     return StepTimeFit(0.0, fit.per_pass * scale, fit.per_sample * scale, shapes=fit.shapes + 1)
+
+
+def carry_split(fit: StepTimeFit, own: StepTimeFit, micro: int) -> StepTimeFit:
+    """``own`` (fitted at one world size from shapes that all run ``micro`` samples a pass, so it cannot
+    tell a pass's cost from its samples': :func:`fit_step_time` puts it all in ``per_pass``) with its
+    cost of a pass of ``micro`` split between ``per_pass`` and ``per_sample`` as ``fit`` (measured at
+    other world sizes) splits it there: a rank's passes cost what they did on any number of ranks, and
+    another micro-batch here is then predicted from what the other worlds measured of it."""
+    total = own.per_pass + own.per_sample * micro
+    theirs = fit.per_pass + fit.per_sample * micro
+    if not theirs > 0:  # a flat fit tells no split
+        return own
+    share = fit.per_sample * micro / theirs
+    return StepTimeFit(
+        own.fixed, total * (1.0 - share), total * share / micro, shapes=own.shapes + fit.shapes
+    )
 
 
 def parse_step_time_curve(text: str) -> StepTimeFit:

@@ -84,8 +84,12 @@ reduction's share of ``fixed`` differs. So the fit for a world size is: before a
 there, the fit over every world size's shapes; with one shape there, the other worlds' slope
 (``per_pass``, ``per_sample``) with the ``fixed`` that shape gives (:func:`carry_slope`), where a fit on
 that shape alone would be flat and call every larger batch free; with two or more, its own shapes'
-fit. A job that shrinks or grows, or resumes on another world, so predicts from what it knows and
-corrects itself within a few steps.
+fit, its pass's cost split between ``per_pass`` and ``per_sample`` as the other worlds split it where
+its shapes all share one micro-batch (which cannot tell the two apart: on 1 rank batches 8 and 16 at
+micro 8, then on 2 ranks batch 8 at micro 4, would otherwise be predicted at micro 8's cost a pass).
+A job that shrinks or grows, or resumes on another world, so predicts from what it knows and corrects
+itself within a few steps; the goodput schedule measures its current batch on the new world before it
+decides from these predictions.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .step_time_fit import StepTimeFit, carry_slope, fit_step_time, parse_step_time_curve
+from .step_time_fit import StepTimeFit, carry_slope, carry_split, fit_step_time, parse_step_time_curve
 
 __all__ = ["SETTLE_STEPS", "StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
 
@@ -273,14 +277,20 @@ class ThroughputModel:
         """The fit for ``world`` ranks; None before any step. Its own shapes once two are measured there;
         with one, the slope of the other world sizes' fit moved to it through that shape
         (:func:`~ds_adabatch.signals.step_time_fit.carry_slope`: a rank's passes cost the same on any
-        number of ranks); with none, the fit over every world size's shapes."""
+        number of ranks), and with several of one micro-batch, their fit with its pass's cost split as
+        the other worlds split it (:func:`~ds_adabatch.signals.step_time_fit.carry_split`); with none,
+        the fit over every world size's shapes."""
         if world not in self._fits:
             own = [key for key in self._times if key[2] == world and self._times[key]]
             others = [key for key in self._times if key[2] != world and self._times[key]]
-            fit = self._fit_over(others if len(own) == 1 and others else own or others)
-            if fit is not None and len(own) == 1 and others:
+            fit = self._fit_over(own or others)
+            micros = {m for m, _, _ in own}
+            theirs = self._fit_over(others) if others and len(micros) == 1 else None
+            if theirs is not None and len(own) == 1:
                 (m, g, _), times = own[0], self._times[own[0]]
-                fit = carry_slope(fit, m, g, statistics.median(times))
+                fit = carry_slope(theirs, m, g, statistics.median(times))
+            elif theirs is not None and fit is not None:
+                fit = carry_split(theirs, fit, micros.pop())
             self._fits[world] = fit
         return self._fits[world]
 
