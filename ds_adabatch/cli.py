@@ -140,7 +140,8 @@ def _auto_lines(loaded: LoadedConfig) -> list[str]:
     if getattr(schedule, "geometry", None) == "auto":
         named = optimizer_geometry(loaded.original)
         said.append(
-            f'geometry "{named[1]}" (the ds_config\'s optimizer {named[0]})'
+            f'geometry "{named[1]}" (the ds_config\'s optimizer {named[0]}'
+            + (", where its second moments can be read)" if named[1] == "adam" else ")")
             if named
             else 'geometry from the optimizer at run time ("adam" where it keeps Adam\'s second moment, else "sgd")'
         )

@@ -58,7 +58,7 @@ def test_validate_says_what_auto_resolves_to(tmp_path: Path) -> None:
     assert shipped.returncode == 0, shipped.stderr
     assert (
         '"auto" resolves to: efficiency "sqrt" (lr_scaling.rule "adascale", gain_power 0.5); '
-        'geometry "adam" (the ds_config\'s optimizer AdamW)'
+        'geometry "adam" (the ds_config\'s optimizer AdamW, where its second moments can be read)'
     ) in shipped.stdout
     section = {
         "schedule": {"type": "goodput", "start": 8},

@@ -786,7 +786,15 @@ def test_an_untried_batch_is_a_trial_judged_after_three_step_times_and_undone_wh
     assert quick[moved : moved + 2] == [16, 16] and quick[moved + 2] == 8, quick
 
 
-def _limited_trial_loop(limit_at, steps: int, *, untimed: tuple[int, ...] = (), world_at=lambda step: 1):
+def _limited_trial_loop(
+    limit_at,
+    steps: int,
+    *,
+    untimed: tuple[int, ...] = (),
+    world_at=lambda step: 1,
+    section=None,
+    noise=(10.0, 0.6),
+):
     """World 1 on the CPU curve (B_noise 10, not yet confident: batch 16 is tried at step 10) with the
     micro-batch limit of each step ``limit_at(step)``; steps in ``untimed`` teach no time (re-run after
     an out-of-memory error); where ``world_at(step)`` changes, the state resumes on that world. The
@@ -795,16 +803,17 @@ def _limited_trial_loop(limit_at, steps: int, *, untimed: tuple[int, ...] = (), 
     def cpu(m, g):
         return 0.0033 + g * 0.003 * m
 
-    controller, world = BatchSizeController(_trial_section(), 1), 1
+    section = section or _trial_section()
+    controller, world = BatchSizeController(section, 1), 1
     batch, batches, trials, reasons = controller.initial_global_batch(), [], [], []
     for step in range(steps):
         if world_at(step) != world:
             state, world = controller.state_dict(), world_at(step)
-            controller = BatchSizeController(_trial_section(), world)
+            controller = BatchSizeController(section, world)
             controller.load_state_dict(state)
         ctx = ScheduleContext(
-            step=step, samples=0, global_batch=batch, world_size=world, noise_scale=10.0,
-            noise_scale_error=0.6, micro_batch_limit=limit_at(step),
+            step=step, samples=0, global_batch=batch, world_size=world, noise_scale=noise[0],
+            noise_scale_error=noise[1], micro_batch_limit=limit_at(step),
         )  # fmt: skip
         decision = controller.next_global_batch(ctx)
         batch = decision.global_batch
@@ -830,6 +839,19 @@ def test_a_trial_resumed_on_another_world_is_tried_there_anew_and_judged():
     judged = trials.index(None, 12)
     assert judged == 12 + 1 + 3 and batches[judged] == 8, (judged, batches[10:20], reasons[judged])
     assert "not kept" in reasons[judged], reasons[judged]
+
+
+def test_a_world_change_late_in_the_warm_up_is_measured_before_the_first_decision():
+    """warmup_steps 20 holds start 8 on 1 rank (micro 8: the only micro-batch measured, so the fit cannot
+    tell a pass's cost from its samples'); from step 19 on 2 ranks, where 8 runs micro 4. The first
+    decision waits for 3 of its step times there; decided on the carried prediction instead, it had
+    moved to 32 and stayed (8 rated 293 samples/s, where it runs 523)."""
+    section = _section(schedule={"warmup_steps": 20, "decide_every": 10})
+    batches, _, reasons = _limited_trial_loop(
+        lambda step: 16, 120, world_at=lambda step: 1 if step < 19 else 2, section=section, noise=(30.0, 0.1)
+    )
+    assert reasons[20].startswith("measuring batch 8's step time on 2 rank(s)"), reasons[20]
+    assert set(batches[100:]) == {8}, batches[19:40]
 
 
 def test_a_trial_split_anew_by_an_out_of_memory_error_is_judged_on_the_split_it_runs():
@@ -878,14 +900,20 @@ def test_a_trial_that_pays_moves_on_at_once_where_the_batch_is_free():
     assert again.schedule.last_rating == mid.schedule.last_rating and "goodput" in mid.schedule.last_rating
     assert again.schedule.decides_at(14) and not again.schedule.decides_at(13)
     # A step that holds keeps it on the same world; on another (a resume there, a live change) the old
-    # world's rating is not carried into the records.
+    # world's rating is not carried into the records, and the batch is measured there before a decision.
+    # A state written before either was kept reads its world from its latest step time.
     held = dict(step=12, samples=0, global_batch=16, noise_scale=30.0, noise_scale_error=0.1)
     for world, carried in ((1, True), (2, False)):
-        other = BatchSizeController(_trial_section(), 1)
-        other.load_state_dict(mid.state_dict())
-        other.schedule(ScheduleContext(world_size=world, micro_batch_limit=256, **held))
-        assert (other.schedule.last_rating == mid.schedule.last_rating) is carried, world
-        assert carried or other.schedule.last_rating == {}
+        for older in (False, True):
+            state = mid.state_dict()
+            if older:
+                del state["schedule"]["rating_world"], state["schedule"]["rejoined"]
+            other = BatchSizeController(_trial_section(), 1)
+            other.load_state_dict(state)
+            other.schedule(ScheduleContext(world_size=world, micro_batch_limit=256, **held))
+            assert (other.schedule.last_rating == mid.schedule.last_rating) is carried, (world, older)
+            assert carried or other.schedule.last_rating == {}
+            assert other.schedule.rejoined == (None if carried else 12), (world, older)
     # Steps that teach no time (re-run after an out-of-memory error) do not hold a trial for ever:
     # it is judged decide_every steps after it could first have been.
     ctx = dict(samples=0, global_batch=16, world_size=1, noise_scale=30.0, noise_scale_error=0.1)

@@ -15,6 +15,8 @@ the runtime with every step's agreed time, and checkpointed with the rule). Per 
     if step < warmup:                                        the warm-up's rule (below)
     if no noise estimate, or its error is unknown or > 5:                    hold
     if step is not a multiple of decide_every, or no step time measured:    hold
+      (but a trial is judged, and after a change of world size the current batch decided on, as
+       soon as 3 of its step times there are kept: held till then)
     candidates = plannable batches whose micro-batch and micro x GAS are at most
                  explore_factor x the largest measured (untried shapes are predicted, and explored
                  in bounded steps), and never a micro-batch above the limit (the planner's)
@@ -55,7 +57,8 @@ the passes per rank its packing is expected to take, at the token budget
 
 Every input is global: the noise estimate is all-reduced, the step times are the ranks' mean (summed in
 the step's collective), the limit is agreed; so every rank takes the same decision without a collective
-of its own. Between two decisions at least ``decide_every`` steps run, and a move needs a predicted gain
+of its own. Decisions come every ``decide_every`` steps (a trial's verdict, and the first decision on a
+new world size, as soon as their step times are in), and a move needs a predicted gain
 above the band, so the batch does not oscillate: a return to a batch it left needs the model to have
 changed its mind by more than the band (a new measurement), not the jitter of one step.
 """
@@ -155,7 +158,7 @@ class GoodputSchedule:
         """Whether optimizer step ``step`` is a goodput decision (the runtime resolves step times then):
         every ``decide_every`` steps, and every step from the earliest a trial can be judged (or the
         current batch is measured on a new world size)."""
-        if self.rejoined is not None:
+        if self.rejoined is not None and step >= self.warmup_steps:
             return True
         if self.trial is not None and step >= self.trial[0] + self.throughput.skip_first + self._trial_steps:
             return True
@@ -358,7 +361,6 @@ class GoodputSchedule:
         not-yet-confident sentence, the batch a judged trial left, the largest micro-batch, samples per
         rank and GAS tried)``. Judging a trial closes it."""
         if ctx.step < self.warmup_steps:
-            self.rejoined = None  # the warm-up measures the current batch before it moves anyway
             if self.by_cost_in_warmup:
                 return self._by_cost(ctx, current)
             return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
@@ -584,9 +586,10 @@ class GoodputSchedule:
             trial = [*trial, trial[1] * trial[2] * trial[3]]  # its shape's batch, split evenly
         self.trial = None if trial is None else tuple(int(v) for v in trial)
         self.last_rating = dict(state.get("rating") or {})
-        self._rated_world = state.get("rating_world")
         self.rejoined = state.get("rejoined")
         self.throughput.load_state_dict(state["throughput"])
+        # Written before ratings kept their world: the world of the latest step time.
+        self._rated_world = state.get("rating_world", self.throughput.latest_world())
 
 
 def _shape(plan: Any) -> tuple[int, int]:

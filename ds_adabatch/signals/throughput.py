@@ -247,6 +247,10 @@ class ThroughputModel:
             if ts and (world is None or w == world)
         ]
 
+    def latest_world(self) -> int | None:
+        """The world size of the latest step time observed; None before any."""
+        return max(self._last, key=self._last.__getitem__)[2] if self._last else None
+
     def ratio_error(self, a: tuple[int, int], b: tuple[int, int], world: int) -> float:
         """The standard error of ``log(time of shape a / time of shape b)`` (shapes ``(micro, GAS)`` at
         ``world``) that their kept step times allow: the scatter of one step's log time pooled over both
