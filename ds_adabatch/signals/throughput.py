@@ -287,14 +287,15 @@ class ThroughputModel:
         if world not in self._fits:
             own = [key for key in self._times if key[2] == world and self._times[key]]
             others = [key for key in self._times if key[2] != world and self._times[key]]
-            fit = self._fit_over(own or others)
             micros = {m for m, _, _ in own}
             theirs = self._fit_over(others) if others and len(micros) == 1 else None
             if theirs is not None and len(own) == 1:
                 (m, g, _), times = own[0], self._times[own[0]]
                 fit = carry_slope(theirs, m, g, statistics.median(times))
-            elif theirs is not None and fit is not None:
-                fit = carry_split(theirs, fit, micros.pop())
+            else:
+                fit = self._fit_over(own or others)
+                if theirs is not None and fit is not None:
+                    fit = carry_split(theirs, fit, micros.pop())
             self._fits[world] = fit
         return self._fits[world]
 
