@@ -18,6 +18,11 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
 * ``ramp``: no scheduler; the DeepSpeed config's "adabatch" section ramps the global batch.
 * ``noise``: the ``gradient_noise`` schedule from the "adabatch" section: the estimate against a
   closed form (ZeRO 0 and the backend's stage), the batch following it, and a resume continuing it.
+* ``world`` (DeepSpeed only): a constant global batch of 4 from the config's section (the same on any
+  number of ranks), AdamW under DeepSpeed's warm-up-decay schedule, 6 steps, a checkpoint after step 3,
+  the parameters after every step. With ``HF_RESUME_FROM`` set (a JSON object of ZeRO stage to the
+  checkpoint another number of ranks wrote), each stage's run resumes from there instead, from other
+  initial weights: the steps after the checkpoint must follow the same parameters.
 * ``tokens`` (DeepSpeed only: ``micro_batch_tokens`` lives in its config): a GPT-2 built from a config on
   sequences of 3..20 tokens, padded to the longest by ``DataCollatorForLanguageModeling``, with token
   budgets of 40 per pass and a linear ``unit: "tokens"`` ramp for 2 epochs; every forward pass's
@@ -971,6 +976,47 @@ def run_tokens(out: Path, ds: bool) -> dict:
     }
 
 
+WORLD_BATCH, WORLD_STEPS, WORLD_SAVE = 4, 6, 3
+
+
+def run_world(out: Path, ds: bool) -> dict:
+    """The ``world`` scenario (module docstring)."""
+    global ZERO_STAGE
+    if not ds:
+        raise SystemExit("the world scenario needs DeepSpeed: its batch comes from the config's section")
+    resumes = json.loads(os.environ.get("HF_RESUME_FROM", "null")) or {str(ZERO_STAGE): None}
+    result: dict[str, Any] = {}
+    for stage, checkpoint in resumes.items():
+        ZERO_STAGE = int(stage)
+        section = {"schedule": {"type": "constant", "value": WORLD_BATCH}, "max_micro_batch_per_gpu": 4}
+        saving = {} if checkpoint else {"save_strategy": "steps", "save_steps": WORLD_SAVE}
+        trainer = AdaptiveBatchSizeTrainer(
+            model=Regressor(seed=5 if checkpoint else 0),
+            args=_args(
+                out / f"zero{stage}",
+                per_device_train_batch_size=4,
+                max_steps=WORLD_STEPS,
+                learning_rate=0.05,
+                seed=11,
+                use_cpu=True,
+                deepspeed=ds_config(section, with_optimizer=True),
+                **saving,
+            ),
+            train_dataset=IndexRegression(),
+        )
+        recorder = ParamRecorder(trainer)
+        trainer.add_callback(recorder)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        first = WORLD_STEPS - len(recorder.steps) + 1
+        result[stage] = {
+            "world_size": trainer.args.world_size,
+            "params": {first + i: params.tolist() for i, (_, params, _) in enumerate(recorder.steps)},
+            "checkpoint": str(out / f"zero{stage}" / f"checkpoint-{WORLD_SAVE}"),
+            "plans": [e.get("gradient_accumulation_steps") for e in trainer.state.log_history if "loss" in e],
+        }
+    return result
+
+
 SCENARIOS = {
     "seed": run_seed,
     "exact": run_exact,
@@ -978,6 +1024,7 @@ SCENARIOS = {
     "ramp": run_ramp,
     "noise": run_noise,
     "tokens": run_tokens,
+    "world": run_world,
 }
 
 

@@ -56,13 +56,13 @@ def _launch(out: Path, backend: str, *scenarios: str) -> Path:
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory) -> Path:
     return _launch(
-        tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "models", "ramp", "noise", "tokens"
+        tmp_path_factory.mktemp("hf_ds"), "ds", "seed", "exact", "models", "ramp", "noise", "tokens", "world"
     )
 
 
 @pytest.fixture(scope="module")
 def zero3_results(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("hf_zero3"), "zero3", "seed", "exact", "noise")
+    return _launch(tmp_path_factory.mktemp("hf_zero3"), "zero3", "seed", "exact", "noise", "world")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,33 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_with_the_same_stream(ddp_r
     assert rec.steps[2]["coverage"] == 1.0 and rec.steps[2]["epoch"] == pytest.approx(2.0)
     for e, indices in enumerate(_epochs_of([rec.steps[3:]])):
         assert sorted(indices) == list(range(10)), f"epoch {e + 3} after the resume trained {indices}"
+
+
+@pytest.mark.multirank
+def test_a_zero_checkpoint_of_two_ranks_resumes_on_one_on_the_same_parameters(
+    ds_results, zero3_results, tmp_path, monkeypatch
+):
+    # DeepSpeed 0.19.8 refuses ZeRO optimizer state partitioned over another number of ranks; the trainer
+    # converts the checkpoint to the universal format. A constant global batch of 4 (2 ranks x 2, then
+    # 1 x 4) trains the same samples either way, so the resumed run's steps 4-6 must give the 2-rank run's
+    # parameters (Adam's moments and the LR schedule loaded too: weights alone would drift).
+    two = {"2": _read(ds_results, "world", "ds", 0)["2"], "3": _read(zero3_results, "world", "zero3", 0)["3"]}
+    assert all(run["world_size"] == 2 for run in two.values())
+    monkeypatch.setenv("HF_RESUME_FROM", json.dumps({stage: run["checkpoint"] for stage, run in two.items()}))
+    proc = torchrun(WORKER, str(tmp_path), "ds", "world", nproc=1, cwd=HERE, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert log.count("to DeepSpeed's universal format") == 2, log[-4000:]
+    one = _read(tmp_path, "world", "ds", 0)
+    for stage, run in two.items():
+        resumed = one[stage]
+        assert resumed["world_size"] == 1 and sorted(resumed["params"], key=int) == ["4", "5", "6"]
+        for step in ("4", "5", "6"):
+            got, want = torch.tensor(resumed["params"][step]), torch.tensor(run["params"][step])
+            moved = (want - torch.tensor(run["params"]["3"])).abs().max()
+            assert moved > 1e-3 and (got - want).abs().max() < TOL * max(1.0, float(want.abs().max())), (
+                f"ZeRO {stage}, step {step}: resumed on 1 rank {got.tolist()}, 2 ranks {want.tolist()}"
+            )
 
 
 # -- exactness ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ scaling: the config's ``efficiency``); ``step_time`` is the fitted
 the runtime with every step's agreed time, and checkpointed with the rule). Per evaluation::
 
     if step < warmup:                                        the warm-up's rule (below)
-    if no noise estimate, or its error is unknown or > 5:                    hold
+    if no noise estimate, or its error is unknown or > 5:     by step cost alone, as the warm-up's
+      rule (a trial's verdict, and with the default warm-up the decisions due); else hold
     if step is not a multiple of decide_every, or no step time measured:    hold
       (but a trial is judged, and after a change of world size the current batch decided on, as
        soon as 3 of its step times there are kept: held till then)
@@ -69,11 +70,11 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..plan import PlanError, batch_multiple, feasible_range, plan_batch
+from ..plan import PlanError, plan_batch
 from ..signals.efficiency import efficiency_form, statistical_efficiency
 from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
-from .goodput_rating import cost_gains, rated, sped, step_cost, uncertainty_band
+from .goodput_rating import candidate_batches, cost_gains, rated, sped, step_cost, uncertainty_band
 from .goodput_tokens import PackedShape, packed_shape
 from .goodput_verdict import TRIAL_STEPS, within_the_scatter
 from .noise import auto_warmup_steps
@@ -81,7 +82,6 @@ from .noise import auto_warmup_steps
 __all__ = ["GoodputSchedule"]
 
 _STATE_VERSION = 1
-_MAX_CANDIDATES = 512
 
 
 class GoodputSchedule:
@@ -235,10 +235,11 @@ class GoodputSchedule:
         if trial is None or plan is None:
             return None
         step, micro, gas, world, left, _ = trial
-        if self._kept((micro, gas), world) >= self.throughput.window or self._overdue(ctx, step):
-            return None
-        said = within_the_scatter(self.throughput, (micro, gas), _shape(plan), world, gain, threshold)
-        if said is None:
+        said = None
+        if self._kept((micro, gas), world) < self.throughput.window and not self._overdue(ctx, step):
+            said = within_the_scatter(self.throughput, (micro, gas), _shape(plan), world, gain, threshold)
+        if said is None:  # undone: where its cost is clearly not the left batch's, the fit keeps it so
+            self.throughput.judged_apart((micro, gas), _shape(plan), world)
             return None
         self.trial = trial
         return f"{said} and batch {left}'s: measured again"
@@ -263,38 +264,13 @@ class GoodputSchedule:
         except PlanError:
             return None
 
-    def _candidates(self, world: int, reference: int, current: int) -> list[int]:
-        multiple = batch_multiple(world, self.granularity, self.allow_uneven)
-        lowest, highest = feasible_range(
-            world,
-            granularity=self.granularity,
-            min_global_batch=self.min_global_batch,
-            max_global_batch=self.max_global_batch,
-            allow_uneven=self.allow_uneven,
-        )
-        if highest is None:  # the config requires max_global_batch; a replay without one stays near
-            highest = max(reference, lowest) * 4
-        f = self.max_change_factor  # the controller's window about the current batch
-        if f is not None:
-            lowest = max(lowest, math.ceil(current / f / multiple - 1e-9) * multiple)
-            highest = min(highest, math.floor(current * f / multiple + 1e-9) * multiple)
-        count = (highest - lowest) // multiple + 1
-        if count <= _MAX_CANDIDATES:
-            values = range(lowest, highest + 1, multiple)
-        else:  # a geometric grid of about 1% steps, on multiples
-            ratio = (highest / lowest) ** (1.0 / (_MAX_CANDIDATES - 1))
-            values = {lowest, highest}
-            for i in range(_MAX_CANDIDATES):
-                values.add(min(highest, max(lowest, round(lowest * ratio**i / multiple) * multiple)))
-        return sorted({*values, reference})
-
     def speed(self, ctx: ScheduleContext, batch: int) -> tuple[float, Any] | None:
         """``(predicted samples/s, plan)`` of ``batch``; None if it cannot be planned or predicted."""
         plan = self._plan(ctx, batch)
         if plan is None:
             return None
         passes = plan.passes if isinstance(plan, PackedShape) else plan.gradient_accumulation_steps
-        seconds = self.throughput.predict(plan.micro_batch_per_gpu, passes, ctx.world_size)
+        seconds = self.throughput.rated_time(plan.micro_batch_per_gpu, passes, ctx.world_size)
         if seconds is None or not seconds > 0:
             return None
         return batch / seconds, plan
@@ -360,11 +336,14 @@ class GoodputSchedule:
         """The hold this step ends in (the current batch), or what a decision needs: ``(noise, band, the
         not-yet-confident sentence, the batch a judged trial left, the largest micro-batch, samples per
         rank and GAS tried)``. Judging a trial closes it."""
-        if ctx.step < self.warmup_steps:
-            if self.by_cost_in_warmup:
-                return self._by_cost(ctx, current)
-            return self._hold(current, f"goodput warm-up (step {ctx.step} < {self.warmup_steps})")
+        warm = (
+            f"goodput warm-up (step {ctx.step} < {self.warmup_steps})" if ctx.step < self.warmup_steps else ""
+        )
+        if warm and not self.by_cost_in_warmup:
+            return self._hold(current, warm)
         judged = self._trial_judged(ctx)
+        if warm:
+            return self._by_cost(ctx, current, judged, warm)
         if self.trial is not None:  # still open: judged on its own step times, not before
             return self._hold(
                 current, f"goodput trial of batch {current} (judged after {self._trial_steps} step times)"
@@ -374,7 +353,9 @@ class GoodputSchedule:
             return self._hold(current, measured)
         noise, error = ctx.noise_scale, ctx.noise_scale_error
         if noise is None or not math.isfinite(noise) or noise <= 0:
-            return self._hold(current, f"no usable noise-scale estimate ({noise!r})")
+            return self._without_estimate(
+                ctx, current, judged, measured, f"no usable noise-scale estimate ({noise!r})"
+            )
         band = uncertainty_band(noise, error, self.max_relative_error)
         unsure = (
             ""
@@ -386,7 +367,7 @@ class GoodputSchedule:
             )
         )
         if band == ():
-            return self._hold(current, unsure)
+            return self._without_estimate(ctx, current, judged, measured, unsure)
         if ctx.step % self.decide_every and judged is None and not measured:
             nxt = (ctx.step // self.decide_every + 1) * self.decide_every
             return self._hold(current, f"goodput decides every {self.decide_every} steps (next at {nxt})")
@@ -445,7 +426,10 @@ class GoodputSchedule:
         ``explore_factor`` times the largest tried (``tried``: its micro-batch, samples per rank and
         GAS: micro 1 x GAS 19 is not predicted from one-pass steps), which is left for later."""
         f = self.explore_factor  # GAS: at least one more than measured (for a factor below 2)
-        for batch in self._candidates(ctx.world_size, reference, current):
+        bounds = (self.min_global_batch, self.max_global_batch, self.max_change_factor)
+        for batch in candidate_batches(
+            ctx.world_size, reference, current, bounds, self.granularity, self.allow_uneven
+        ):
             if batch == reference or (batch == current and reference != current):
                 continue
             speed = self.speed(ctx, batch)
@@ -514,15 +498,29 @@ class GoodputSchedule:
         self.trial = (ctx.step, *shape, ctx.world_size, reference, int(plan.global_batch_size))
         return f" (a trial: judged again after {self._trial_steps} step times of it)"
 
-    def _by_cost(self, ctx: ScheduleContext, current: int) -> float:
-        """A decision of the default warm-up, before the noise estimate is expected: on the step times
-        alone. Whatever B_noise is, a batch's goodput over another's lies between their steps/s ratio
-        (B_noise near 0: a step's progress then does not grow with its samples) and their samples/s
-        ratio (B_noise far above both). A move must lose at most ``hysteresis`` at the first (its step
-        costs at most that much more) and gain more than it at the second; a trial is undone where
-        its step, once measured, costs more than that (going back then gains somewhere)."""
-        why = f"goodput warm-up (step {ctx.step} < {self.warmup_steps})"
-        judged = self._trial_judged(ctx)
+    def _without_estimate(
+        self, ctx: ScheduleContext, current: int, judged: int | None, measured: bool, why: str
+    ) -> float:
+        """No noise estimate to decide on (none yet, or too uncertain to bound) after the warm-up: a
+        trial judged now is judged by step cost (:meth:`_by_cost`), never dropped unjudged; with the
+        default warm-up, so is every decision due (the cadence's, the first on a new world size), as
+        in the warm-up; else hold (a ``warmup_steps`` given holds where the estimate cannot decide)."""
+        due = self.by_cost_in_warmup and (measured or ctx.step % self.decide_every == 0)
+        if judged is None and not due:
+            return self._hold(current, why)
+        return self._by_cost(ctx, current, judged, why, moves=self.by_cost_in_warmup)
+
+    def _by_cost(
+        self, ctx: ScheduleContext, current: int, judged: int | None, why: str, *, moves: bool = True
+    ) -> float:
+        """A decision on the step times alone (``why``: the warm-up, before the noise estimate is
+        expected, or an estimate that cannot decide). Whatever B_noise is, a batch's goodput over
+        another's lies between their steps/s ratio (B_noise near 0: a step's progress then does not
+        grow with its samples) and their samples/s ratio (B_noise far above both). A move must lose at
+        most ``hysteresis`` at the first (its step costs at most that much more) and gain more than it
+        at the second; a trial (the batch ``judged`` left, where this step judges one) is undone where
+        its step, once measured, costs more than that (going back then gains somewhere). ``moves``
+        False: only a trial's verdict."""
         if self.trial is not None:
             trial = f"trial of batch {current} (judged after {self._trial_steps} step times)"
             return self._hold(current, f"{why}: {trial}")
@@ -541,7 +539,7 @@ class GoodputSchedule:
             reference, now = judged, before
         best, best_speed, best_gain = reference, now, 1.0
         tried = self.throughput.largest_tried(ctx.world_size)
-        for batch, speed in self._reachable(ctx, current, reference, tried):
+        for batch, speed in self._reachable(ctx, current, reference, tried) if moves else ():
             steps_gain, samples_gain = cost_gains(batch, speed, reference, now)
             if steps_gain * limit >= 1.0 and samples_gain > max(limit, best_gain * (1 + 1e-12)):
                 best, best_speed, best_gain = batch, speed, samples_gain

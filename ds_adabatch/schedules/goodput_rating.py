@@ -1,5 +1,5 @@
-"""How the ``goodput`` schedule compares two batches' measured or predicted speeds, says its ratings,
-and reads the noise estimate's uncertainty.
+"""Which batches the ``goodput`` schedule rates, how it compares two batches' measured or predicted
+speeds, how it says its ratings, and how it reads the noise estimate's uncertainty.
 
 A speed is ``(samples per second, plan)``; a rating ``(samples per second, efficiency, plan)`` (the plan
 a batch runs as: a :class:`~ds_adabatch.plan.BatchPlan`, or with token budgets a
@@ -11,9 +11,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..plan import batch_multiple, feasible_range
 from .goodput_tokens import describe_split
 
-__all__ = ["WIDEST_ERROR", "cost_gains", "rated", "sped", "step_cost", "uncertainty_band"]
+__all__ = [
+    "WIDEST_ERROR",
+    "candidate_batches",
+    "cost_gains",
+    "rated",
+    "sped",
+    "step_cost",
+    "uncertainty_band",
+]
+
+MAX_CANDIDATES = 512
+"""More plannable batches than this are rated on a geometric grid of about 1% steps (on multiples)."""
 
 WIDEST_ERROR = 5.0
 """Relative errors above this bound nothing (a factor exp(10) either way): the schedule holds."""
@@ -61,3 +73,40 @@ def uncertainty_band(
         return ()
     spread = math.exp(2.0 * error)
     return (noise / spread, noise * spread)
+
+
+def candidate_batches(
+    world: int,
+    reference: int,
+    current: int,
+    bounds: tuple[int, int | None, float | None],
+    granularity: int,
+    allow_uneven: bool,
+) -> list[int]:
+    """The batches a decision from ``reference`` rates at ``world`` ranks: the plannable ones (multiples
+    of the world size and ``granularity``, or any with ``allow_uneven``) within ``bounds`` (the smallest
+    and largest batch considered, and the section's ``max_change_factor`` about ``current``), with
+    ``reference`` itself; above :data:`MAX_CANDIDATES` on a geometric grid."""
+    min_global_batch, max_global_batch, f = bounds
+    multiple = batch_multiple(world, granularity, allow_uneven)
+    lowest, highest = feasible_range(
+        world,
+        granularity=granularity,
+        min_global_batch=min_global_batch,
+        max_global_batch=max_global_batch,
+        allow_uneven=allow_uneven,
+    )
+    if highest is None:  # the config requires max_global_batch; a replay without one stays near
+        highest = max(reference, lowest) * 4
+    if f is not None:  # the controller's window about the current batch
+        lowest = max(lowest, math.ceil(current / f / multiple - 1e-9) * multiple)
+        highest = min(highest, math.floor(current * f / multiple + 1e-9) * multiple)
+    count = (highest - lowest) // multiple + 1
+    if count <= MAX_CANDIDATES:
+        values: set[int] | range = range(lowest, highest + 1, multiple)
+    else:  # a geometric grid of about 1% steps, on multiples
+        ratio = (highest / lowest) ** (1.0 / (MAX_CANDIDATES - 1))
+        values = {lowest, highest}
+        for i in range(MAX_CANDIDATES):
+            values.add(min(highest, max(lowest, round(lowest * ratio**i / multiple) * multiple)))
+    return sorted({*values, reference})

@@ -35,7 +35,7 @@ class StepTimeFit:
     measured at the curve's value times a lognormal factor of mean 1 whose log has this standard
     deviation (:meth:`measure`); 0 for a fit and for a curve without it."""
 
-    def predict(self, micro: int, gas: int) -> float:
+    def predict(self, micro: int, gas: float) -> float:
         """Seconds of one optimizer step of ``gas`` passes of ``micro`` samples (tokens) per rank."""
         return self.fixed + gas * (self.per_pass + self.per_sample * micro)
 

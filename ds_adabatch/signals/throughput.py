@@ -32,9 +32,11 @@ and keeps the flat fit wherever the best fit improves on it by no more than that
 (:func:`fit_step_time`'s ``spread``). Only the flat fit gets this benefit of the doubt, for the reason
 above: it leads to a trial that measures, where a fit in proportion to the samples would rule out ever
 trying a larger batch. With exact times (a simulated curve without ``jitter``) the spread is 0 and
-nothing changes. On a simulated 40 ms host-bound step scattered by 0.25 in log, 91 of 100 runs of the
+nothing changes. On a simulated 40 ms host-bound step scattered by 0.25 in log, 89 of 100 runs of the
 default warm-up climbed from 8 to 128 in its 20 steps, where 32 did when the slope between two noisy
-medians was taken as real (``tests/test_goodput.py``).
+medians was taken as real (``tests/test_goodput.py``). Two shapes a goodput trial's verdict told apart
+stay so (:meth:`ThroughputModel.judged_apart`), and where the fitted line contradicts the measured
+medians beyond their scatter the schedule rates with them (:meth:`ThroughputModel.rated_time`).
 
 Steps that also measure the noise scale (a one-pass step run as two half passes, with the probe's
 hooks working) are kept apart: their time is the shape's plus the measurement's, and fitted with the
@@ -155,6 +157,8 @@ class ThroughputModel:
         self._seen: dict[tuple[int, int, int], int] = {}
         self._measuring: dict[tuple[int, int, int], deque[float]] = {}
         self._fits: dict[int, StepTimeFit | None] = {}
+        self._apart: set[frozenset[tuple[int, int, int]]] = set()  # judged_apart
+        self._misfit_memo: dict[int, tuple[dict[tuple[int, int], float], list[tuple[float, float]]]] = {}
         # Token-budget steps: (samples, passes per rank, ranks) of the recent ones, and the latest
         # samples' lengths with how many were ever seen (passes_for).
         self._packed: deque[tuple[int, int, int]] = deque(maxlen=PACKED_STEPS)
@@ -202,7 +206,7 @@ class ThroughputModel:
             taken = [int(n) for n in lengths]
             self._lengths.extend(taken)
             self._lengths_seen += len(taken)
-        if not seconds > 0 or micro < 1 or gas < 1 or world < 1:
+        if not (math.isfinite(seconds) and seconds > 0) or micro < 1 or gas < 1 or world < 1:
             return  # a step with no time (a simulated zero, a clock that did not move) teaches nothing
         key = (int(micro), int(gas), int(world))
         self._clock += 1
@@ -227,6 +231,7 @@ class ThroughputModel:
             self._settling = 0  # no slower than before the pause: it is over
         kept.append(float(seconds))
         self._fits.clear()
+        self._misfit_memo.clear()
 
     def _forget_stale(self) -> None:
         if self.forget_after is None:
@@ -235,9 +240,11 @@ class ThroughputModel:
         for key in stale:
             for table in (self._times, self._seen, self._measuring, self._last):
                 table.pop(key, None)
+            self._apart = {pair for pair in self._apart if key not in pair}
         if stale:
             self.forgotten += len(stale)
             self._fits.clear()
+            self._misfit_memo.clear()
 
     def measured(self, world: int | None = None) -> list[tuple[int, int, float, int]]:
         """``(micro, gas, median seconds, steps kept)`` per measured shape (of ``world`` if given)."""
@@ -315,16 +322,84 @@ class ThroughputModel:
         in turns, batch 8's times slowed after a pause, widened the scatter, and a fit kept flat against
         batch 16's clear +84% tried 32, which cost +202% a step)."""
         logs = {k: math.log(statistics.median(self._times[k])) for k in keys if self._times.get(k)}
+        if any(pair <= logs.keys() for pair in self._apart):
+            return True
         for a, b in itertools.combinations(logs, 2):
             error = math.sqrt(spread * (1.0 / len(self._times[a]) + 1.0 / len(self._times[b])))
             if abs(logs[a] - logs[b]) > 2.0 * error:
                 return True
         return False
 
-    def predict(self, micro: int, gas: int, world: int) -> float | None:
+    def judged_apart(self, a: tuple[int, int], b: tuple[int, int], world: int) -> None:
+        """Shapes ``a`` and ``b`` (``(micro, GAS)`` at ``world``) whose medians now differ by more than two
+        standard errors of their ratio (:meth:`ratio_error`) stay told apart while both are kept: a goodput
+        trial undone on that verdict is not called free again by a flat fit that more times' scatter
+        would otherwise allow (2 ranks on the CPU: a trial of 16 undone at +100% a step, then a flat fit
+        on the next step rated 32 at +0.0% and tried it)."""
+        keys = [(int(m), int(g), int(world)) for m, g in (a, b)]
+        if not all(self._times.get(key) for key in keys) or keys[0] == keys[1]:
+            return
+        gap = abs(math.log(statistics.median(self._times[keys[0]]) / statistics.median(self._times[keys[1]])))
+        if gap > 2.0 * self.ratio_error(a, b, world):
+            self._apart.add(frozenset(keys))
+            self._fits.clear()
+            self._misfit_memo.clear()
+
+    def predict(self, micro: int, gas: float, world: int) -> float | None:
         """Predicted seconds of a step of that shape; None before any step was measured."""
         fit = self.fit(world)
         return None if fit is None else fit.predict(micro, gas)
+
+    def rated_time(self, micro: int, gas: float, world: int) -> float | None:
+        """Seconds a step of that shape is rated at: :meth:`predict`, corrected where the measured shapes
+        contradict the fit. A shape measured at ``world`` whose median lies farther from the fit than
+        two standard errors of the difference (the scatter of :meth:`log_spread`, at least 1%) is rated
+        at its median; any other shape at the fit times the ratio median / fit of the measured shapes
+        next to it in micro-batch (linear in the logarithms between two; the nearest one's beyond them;
+        1 for a shape the fit matches; 1 for every shape where no two measured ones differ clearly, as
+        the fit reads them). The affine form cannot follow every device: a step flat while
+        the device is host-bound, then in proportion to the micro-batch once it saturates, was fitted
+        at 57 ms for a measured micro 64 of 40 ms and at 131 ms for an untried 252 beside a measured 256
+        of 160 ms; a goodput trial of 128 that lost to 64 was kept, and 252-255 were each tried after
+        256 was undone. Only contradictions beyond the scatter correct the fit, so the benefit of the
+        doubt the flat fit gets for scattered times stays (module docstring). ``gas`` may be a
+        token-budget step's expected passes (not a whole number)."""
+        seconds = self.predict(micro, gas, world)
+        if seconds is None or not seconds > 0:
+            return seconds
+        own, by_micro = self._misfits(world)
+        if not by_micro:  # the fit matches every measured shape
+            return seconds
+        if gas == int(gas) and (int(micro), int(gas)) in own:
+            return seconds * math.exp(own[int(micro), int(gas)])
+        x = math.log(micro)
+        below = [(m, r) for m, r in by_micro if m <= x]
+        above = [(m, r) for m, r in by_micro if m > x]
+        if not below or not above:
+            return seconds * math.exp((below or above)[-1 if below else 0][1])
+        (x0, r0), (x1, r1) = below[-1], above[0]
+        return seconds * math.exp(r0 + (r1 - r0) * (x - x0) / (x1 - x0))
+
+    def _misfits(self, world: int) -> tuple[dict[tuple[int, int], float], list[tuple[float, float]]]:
+        """For :meth:`rated_time`: ``log(median / fit)`` of each shape measured at ``world`` (0 where the
+        fit is within the scatter of it), and their mean per micro-batch by ``log(micro)``, ascending
+        (empty where all are 0). None where no two of the shapes differ clearly (their scatter explains
+        every difference, and the fit's flat curve has the benefit of the doubt: :meth:`_fit_over`).
+        Read once per change of the kept times: a decision rates hundreds."""
+        if world not in self._misfit_memo:
+            keys = [key for key in self._times if key[2] == world and self._times[key]]
+            fit, spread = self.fit(world), self.log_spread(keys)
+            doubt = spread > 0 and not self._a_clear_difference(keys, spread)
+            own: dict[tuple[int, int], float] = {}
+            for m, g, median, n in self.measured(world) if fit is not None and not doubt else ():
+                error = math.log(median / fit.predict(m, g)) if fit.predict(m, g) > 0 else 0.0
+                own[m, g] = error if abs(error) > max(0.01, 3.0 * math.sqrt(2.0 * spread / n)) else 0.0
+            by_micro: dict[int, list[float]] = {}
+            for (m, _), error in own.items():
+                by_micro.setdefault(m, []).append(error)
+            means = [(math.log(m), statistics.fmean(es)) for m, es in sorted(by_micro.items())]
+            self._misfit_memo[world] = (own, means if any(e for _, e in means) else [])
+        return self._misfit_memo[world]
 
     def predict_measuring(self, micro: int, gas: int, world: int) -> float | None:
         """Seconds of a noise-measuring step of that shape: the median of those measured, else the
@@ -420,6 +495,7 @@ class ThroughputModel:
             "clock": self._clock,
             "last": [[m, g, w, n] for (m, g, w), n in sorted(self._last.items())],
             "forgotten": self.forgotten,
+            "apart": sorted([*a, *b] for a, b in (sorted(pair) for pair in self._apart)),
             "packed": [list(p) for p in self._packed],
             "lengths": list(self._lengths),
             "lengths_seen": self._lengths_seen,
@@ -448,6 +524,10 @@ class ThroughputModel:
         last = {(int(m), int(g), int(w)): int(n) for m, g, w, n in state.get("last", [])}
         self._last = {key: last.get(key, self._clock) for key in shapes}
         self.forgotten = int(state.get("forgotten", 0))
+        self._apart = {  # absent from states written before verdicts were kept
+            frozenset({(int(p[0]), int(p[1]), int(p[2])), (int(p[3]), int(p[4]), int(p[5]))})
+            for p in state.get("apart", [])
+        }
         # Absent from states written before token-budget steps were modelled.
         self._packed = deque(
             ((int(n), int(g), int(w)) for n, g, w in state.get("packed", [])), maxlen=PACKED_STEPS
@@ -456,4 +536,5 @@ class ThroughputModel:
         self._lengths_seen = int(state.get("lengths_seen", len(self._lengths)))
         self._passes_memo = (-1, [], {})
         self._fits.clear()
+        self._misfit_memo.clear()
         self._settling = SETTLE_STEPS  # a resumed job's first steps follow a pause

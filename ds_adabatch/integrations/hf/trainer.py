@@ -36,7 +36,7 @@ the inside of one optimizer step change:
   ``lr_scaling`` override both.
 * Checkpoints hold ``adabatch_state.json`` (schedule, sampler cursor, next decision) next to
   ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, also on another
-  world size (whether DeepSpeed reloads its own state there depends on its ZeRO stage).
+  world size, where a ZeRO 1-3 checkpoint is converted to DeepSpeed's universal format (``hf.resume``).
 * ``adabatch.log`` writes one JSONL record per step on rank 0 (``hf.metrics``); plan changes and
   warnings of the ``ds_adabatch`` logger go through transformers' logging (``hf.logs``).
 * Token budgets (``"adabatch".micro_batch_tokens``, for variable-length data): every step is formed by
@@ -77,6 +77,7 @@ from .logs import follow_transformers_logging
 from .metrics import TrainerStepLog
 from .prepare import build_batch_state, token_lengths
 from .progress import ShownInt
+from .resume import UniversalResume
 from .state import STATE_FILE, AdaptiveBatchState
 from .step import TrainerStep
 from .versions import check_versions
@@ -181,9 +182,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
                 f"batch_size_scheduler must be callable as fn(step, batch_size), got "
                 f"{type(batch_size_scheduler).__name__}; pass the Trainer's own arguments by keyword"
             )
-        args = trainer_kwargs.pop("args", None)
-        if args is None:
-            args = TrainingArguments(output_dir="tmp_trainer")  # the Trainer's own default
+        # Without args, the Trainer's own default.
+        args = trainer_kwargs.pop("args", None) or TrainingArguments(output_dir="tmp_trainer")
         self.user_gradient_accumulation_steps = args.gradient_accumulation_steps
         # The section and the token-budget lengths are checked before trainer_arguments sets up the
         # process group.
@@ -225,6 +225,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._step_log: TrainerStepLog | None = None
         self._resuming = False
         self._resume_path: str | None = None
+        self._universal = UniversalResume()
         # Read before deepspeed_init fills it (transformers before 5.18 fills 0: hf.compat).
         self._auto_warmup = auto_warmup(self.args)
         # First, so state.epoch / state.max_steps are set before DefaultFlowCallback and the progress bar.
@@ -241,9 +242,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
             self._trainer_step.close_recovery()  # its memory predictor's hook on the model goes with the run
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
-        # transformers Trainer.train passes the resolved checkpoint folder by keyword (4.57 reads it
-        # back in _load_callback_state: hf.compat).
+        # Trainer.train's resolved checkpoint folder (4.57 reads it back: hf.compat; converted: hf.resume).
         self._resume_path = kwargs.get("resume_from_checkpoint")
+        self._universal.expect(self._resume_path)
         return super()._inner_training_loop(*args, **kwargs)
 
     @property
@@ -465,8 +466,9 @@ class AdaptiveBatchSizeTrainer(Trainer):
     @deepspeed.setter
     def deepspeed(self, engine: Any) -> None:
         self._deepspeed = engine
-        if engine is not None:  # 4.57.6-5.2 couple the LR scheduler here (hf.compat)
+        if engine is not None:  # 4.57.6-5.2 couple the LR scheduler here (hf.compat); a resume loads next
             self._release_loop.engine_assigned(engine)
+            self._universal.engine_assigned(engine, self.args.world_size, self.args.process_index)
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = super().create_optimizer(*args, **kwargs)
@@ -475,6 +477,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         return optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self._universal.loaded()  # DeepSpeed loaded its checkpoint just before
         # Before 5.18: a multi-process CPU run's optimizer, which the Trainer cannot load (hf.compat).
         if not self._release_fixes.load_optimizer_and_scheduler(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -537,16 +540,15 @@ class AdaptiveBatchSizeTrainer(Trainer):
     # -- checkpoints and logs ------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         # Written before the Trainer's files: transformers 5.23 writes trainer_state.json last, the
-        # marker of a complete checkpoint. The folder name follows its Trainer._save_checkpoint.
+        # marker of a complete checkpoint. The folder name follows its Trainer._save_checkpoint. Every
+        # rank saves (5.23): the pending steps' records are written and the checkpoint holds the latest
+        # loss, as ds_adabatch.runtime's save_checkpoint does.
         if self.batch_state is not None:
-            # Every rank saves (transformers 5.23): the pending steps' records are written and the
-            # checkpoint holds the latest loss, as ds_adabatch.runtime's save_checkpoint does.
             self.batch_state.sync.reduce()
-        if self.batch_state is not None and self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            self.batch_state.save(folder, self.state.global_step)
+            if self.args.should_save:
+                step = self.state.global_step
+                folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+                self.batch_state.save(folder, step)
         super()._save_checkpoint(model, trial)
         if self._recovery is not None:  # the checkpoint holds the limits the records taught
             self._recovery.checkpoint_saved(self.args.output_dir)

@@ -34,6 +34,7 @@ __all__ = [
     "ensure_universal",
     "latest_complete_tag",
     "prune_checkpoints",
+    "saved_layout",
 ]
 
 logger = logging.getLogger("ds_adabatch")

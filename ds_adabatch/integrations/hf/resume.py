@@ -1,0 +1,75 @@
+"""A Trainer checkpoint resumed on another number of data-parallel ranks under DeepSpeed ZeRO 1-3.
+
+transformers hands a resumed run's checkpoint folder to the DeepSpeed engine's ``load_checkpoint``, and
+DeepSpeed 0.19.8 refuses ZeRO optimizer state partitioned over another number of ranks
+(``ZeRORuntimeException: ... Automatic adjustment of ZeRO's optimizer state partitioning with a new world
+size is not currently supported``). :class:`UniversalResume` does what ``ds_adabatch.initialize``'s
+engines do there: it converts the folder's DeepSpeed tag to DeepSpeed's universal format first
+(:func:`~ds_adabatch.runtime.checkpoint.universal.ensure_universal`: on rank 0 while the others wait,
+into ``<tag>_universal`` beside it, with a ``latest_universal`` file naming it) and has DeepSpeed read
+that copy for this one load. ZeRO stage 0 checkpoints, and those of the same number of ranks, load as
+they are. The batch schedule and the sample cursor (``adabatch_state.json``) resume on any number of
+ranks either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from ds_adabatch.runtime import deepspeed_internals as internals
+from ds_adabatch.runtime.checkpoint.universal import UNIVERSAL_SUFFIX, ensure_universal, saved_layout
+
+__all__ = ["UniversalResume"]
+
+
+class UniversalResume:
+    """Converts a resumed checkpoint written by another number of ranks before transformers loads it.
+
+    The Trainer says which folder a run resumes from (:meth:`expect`), then, as it assigns the DeepSpeed
+    engine right before loading it, :meth:`engine_assigned`; once loaded, :meth:`loaded` switches
+    DeepSpeed's universal load off again (later loads, such as the best model's at the end, read what
+    this run wrote)."""
+
+    def __init__(self) -> None:
+        self._pending: str | None = None
+        self._switch: contextlib.AbstractContextManager[None] | None = None
+
+    def expect(self, checkpoint: str | None) -> None:
+        """The folder this ``train()`` resumes from (None: a fresh start)."""
+        self._pending = checkpoint
+
+    def engine_assigned(self, engine: Any, world_size: int, rank: int) -> None:
+        """Every rank, before transformers loads the expected folder into ``engine``: where its ZeRO 1-3
+        state was written by another number than ``world_size`` of data-parallel ranks, convert it and
+        switch DeepSpeed's universal load on."""
+        checkpoint, self._pending = self._pending, None
+        if checkpoint is None or self._switch is not None or not os.path.isdir(checkpoint):
+            return
+        tag = _latest_tag(checkpoint)
+        if tag is None or tag.endswith(UNIVERSAL_SUFFIX) or not engine.zero_optimization_stage():
+            return
+        layout = saved_layout(checkpoint, tag)
+        if layout is None or layout[0] == world_size or engine.load_universal_checkpoint():
+            return
+        ensure_universal(checkpoint, tag, rank)
+        switch = internals.loading_universal_checkpoint(engine)
+        switch.__enter__()
+        self._switch = switch
+
+    def loaded(self) -> None:
+        """After transformers loaded the checkpoint: DeepSpeed's universal load off again."""
+        switch, self._switch = self._switch, None
+        if switch is not None:
+            switch.__exit__(None, None, None)
+
+
+def _latest_tag(checkpoint: str) -> str | None:
+    """The DeepSpeed tag a Trainer checkpoint folder's ``latest`` file names (None: not a DeepSpeed one)."""
+    try:
+        with open(os.path.join(checkpoint, "latest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return tag if tag and os.path.isdir(os.path.join(checkpoint, tag)) else None
