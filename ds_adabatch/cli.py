@@ -311,6 +311,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         extra["step_time"] = args.step_time
     if args.noise_scale is not None:
         extra["noise_scale"] = args.noise_scale
+        if args.replay is not None:
+            print(
+                f"the noise scale is --noise-scale's ({args.noise_scale:g}), not --replay's; its other signals are replayed"
+            )
     if args.lengths is not None:
         if not Path(args.lengths).is_file():
             raise UsageError(f"--lengths {args.lengths}: file not found")
@@ -320,6 +324,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             extra["steps"] = PackedSteps(loaded, read_lengths(args.lengths))
         except ValueError as err:
             raise UsageError(f"--lengths {args.lengths}: {err}") from None
+    for out in (args.out, args.csv):  # their folders are made, as an output_dir is
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     try:
         # Imported here: the simulator may draw with matplotlib, which the other subcommands never need.
         from ds_adabatch.schedules.simulate import simulate
@@ -515,8 +522,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="CURVE",
         help="what a step costs, for goodput: fixed=S,per_pass=S,per_sample=S (seconds), optionally with "
         "jitter=S (each step measured within a lognormal factor whose log has that standard deviation, "
-        "as a real device's times scatter), or a table of one-pass step times by micro-batch, "
-        "MICRO:S,MICRO:S,...",
+        "as a real device's times scatter), or a table of step times by shape, MICRO:S (one pass) or "
+        "MICROxGAS:S (several; without one, extra passes cost only their samples), e.g. 8:0.031,8x4:0.06",
     )
     p.add_argument(
         "--noise-scale",

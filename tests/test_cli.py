@@ -322,3 +322,24 @@ def test_simulate_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert out.is_file() and out.stat().st_size > 0
     assert "optimizer steps over 2000 samples on 2 ranks" in result.stdout
+
+
+def test_simulate_makes_the_output_folder_and_says_which_noise_scale_it_uses(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "goodput.json"
+    section = {
+        "schedule": {"type": "goodput", "start": 8},
+        "max_micro_batch_per_gpu": 16,
+        "max_global_batch": 64,
+    }
+    config.write_text(
+        json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "adabatch": section})
+    )
+    replay = tmp_path / "steps.jsonl"
+    replay.write_text("".join(json.dumps({"samples": 8 * i, "noise_scale": 5.0}) + "\n" for i in range(40)))
+    out = tmp_path / "not" / "yet" / "plan.png"
+    args = ["simulate", str(config), "--world-size", "2", "--samples", "600", "--out", str(out)]
+    args += ["--step-time", "fixed=0.02", "--replay", str(replay), "--noise-scale", "300"]
+    assert cli.main(args) == 0
+    said = capsys.readouterr().out
+    assert "the noise scale is --noise-scale's (300), not --replay's" in said, said
+    assert out.is_file() and out.with_suffix(".csv").is_file()

@@ -205,6 +205,19 @@ def test_cross_checks_run_despite_a_broken_schedule() -> None:
     assert len(paths) == len(set(paths)) == 5, paths  # sta, start, end, ramp_samples, min > max
 
 
+def test_a_key_given_with_the_wrong_type_is_not_also_reported_missing() -> None:
+    # goodput requires max_global_batch: a string there is one problem (its type), not also "required".
+    cfg = valid_config()
+    cfg["adabatch"].update(schedule={"type": "goodput", "start": 8}, max_global_batch="256")
+    with pytest.raises(ConfigError) as info:
+        load_ds_config(cfg)
+    assert info.value.paths == ["adabatch.max_global_batch"], str(info.value)
+    assert "must be an integer" in str(info.value) and "is required" not in str(info.value)
+    del cfg["adabatch"]["max_global_batch"]  # absent, it is required
+    with pytest.raises(ConfigError, match="is required by the goodput schedule"):
+        load_ds_config(cfg)
+
+
 def test_messages_say_what_would_be_valid() -> None:
     cases = [
         (top(train_batch_size=32), None, ['set it to "auto"', "16", "32"]),

@@ -173,6 +173,14 @@ def test_parse_step_time_curve():
     assert fit.predict(10, 2) == pytest.approx(0.03 + 2 * 0.004)
     table = parse_step_time_curve("8:0.034,32:0.046,128:0.094")
     assert table.predict(64, 1) == pytest.approx(0.030 + 0.0005 * 64)
+    # One-pass steps alone put a pass's cost in the step's fixed cost (accumulation costs only samples);
+    # an entry of several passes prices them.
+    assert table.predict(8, 4) == pytest.approx(0.030 + 4 * 0.0005 * 8)
+    passes = parse_step_time_curve("8:0.034,32:0.046,8X4:0.106")
+    assert passes.per_pass == pytest.approx(0.020) and passes.predict(8, 4) == pytest.approx(0.106)
+    for bad in ["8x0:0.1", "8x:0.1", "8:0.03,8x1:0.04", "ax2:0.1", "8x2x2:0.1"]:
+        with pytest.raises(ValueError, match="step-time table"):
+            parse_step_time_curve(bad)
     for bad in [
         "fixed=x",
         "speed=1",

@@ -299,7 +299,9 @@ def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[Conf
         seen = {(p.path, p.message) for p in problems}
         for extra in problems_from_validation_error(probe_err, probe, SECTION, AdaBatchConfig):
             about_stand_in = stand_in and extra.path.startswith(f"{SECTION}.schedule")
-            if (extra.path, extra.message) not in seen and not about_stand_in:
+            # A key already reported broken is absent from the probe: what its absence says is not news.
+            about_broken = any(f"{extra.path}.".startswith(f"{SECTION}.{key}.") for key in broken)
+            if (extra.path, extra.message) not in seen and not about_stand_in and not about_broken:
                 problems.append(extra)
     return None, problems
 

@@ -290,7 +290,7 @@ def _step_time_curve(
         raise ValueError(
             f"the {schedule.name} schedule learns what a step costs from the steps it runs; simulating it "
             "needs a step-time curve: --step-time fixed=0.03,per_pass=0.002,per_sample=0.0004 (seconds) "
-            "or a table of one-pass step times by micro-batch, e.g. --step-time 8:0.031,32:0.034,128:0.052"
+            "or a table of step times by shape (one pass, or MICROxGAS), e.g. --step-time 8:0.031,32:0.034,8x4:0.06"
         )
     from ..signals.step_time_fit import parse_step_time_curve
 

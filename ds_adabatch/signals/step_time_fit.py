@@ -165,8 +165,11 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
     """A step-time curve written by hand, for ``ds-adabatch simulate`` and for tests.
 
     Either the coefficients in seconds, ``"fixed=0.03,per_pass=0.002,per_sample=0.0004"`` (missing ones
-    are 0), or a table of one-pass step times by micro-batch, ``"8:0.031,32:0.034,128:0.052"``, which is
-    fitted as the runtime fits measured steps.
+    are 0), or a table of step times by shape, fitted as the runtime fits measured steps: one-pass steps
+    by micro-batch, ``"8:0.031,32:0.034,128:0.052"``, and steps of several passes as ``MICROxGAS``,
+    ``"8x4:0.060"``. One-pass steps alone cannot tell a pass's own cost from the step's (the optimizer,
+    the reduction): the fit then puts it in ``fixed``, so that further passes cost only their samples,
+    which prices gradient accumulation low; one entry of two or more passes (or ``per_pass=``) prices it.
 
     With the coefficients, ``jitter=S`` (unitless, default 0) makes the simulated steps' measured times
     noisy, as a real device's are: each is the curve's value times a lognormal factor of mean 1 whose log
@@ -211,22 +214,24 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
         )
     points = []
     for item in items:
-        micro, sep, seconds = item.partition(":")
+        shape, sep, seconds = item.partition(":")
+        micro, times, gas = shape.lower().partition("x")
         try:
             if not sep:
                 raise ValueError
-            points.append((int(micro), 1, float(seconds), 1))
+            points.append((int(micro), int(gas) if times else 1, float(seconds), 1))
         except ValueError:
             raise ValueError(
-                f"step-time table entry {item!r} is not micro:seconds (e.g. 8:0.031); or give "
-                "fixed=...,per_pass=...,per_sample=..."
+                f"step-time table entry {item!r} is not micro:seconds or microxgas:seconds (e.g. 8:0.031, "
+                "8x4:0.060); or give fixed=...,per_pass=...,per_sample=..."
             ) from None
-        if points[-1][0] < 1 or not (points[-1][2] > 0 and math.isfinite(points[-1][2])):
-            raise ValueError(f"step-time table entry {item!r} needs a micro-batch >= 1 and seconds > 0")
-        if points[-1][0] in {m for m, _, _, _ in points[:-1]}:
+        m, g, t, _ = points[-1]
+        if m < 1 or g < 1 or not (t > 0 and math.isfinite(t)):
             raise ValueError(
-                f"step-time table gives micro-batch {points[-1][0]} twice in {text!r}: give it once"
+                f"step-time table entry {item!r} needs a micro-batch and passes >= 1 and seconds > 0"
             )
+        if (m, g) in {(m0, g0) for m0, g0, _, _ in points[:-1]}:
+            raise ValueError(f"step-time table gives micro {m} x gas {g} twice in {text!r}: give it once")
     fit = fit_step_time(points)
     assert fit is not None  # every point has a positive time
     return fit
