@@ -591,6 +591,7 @@ def test_a_step_that_cannot_be_measured_is_said_once_under_the_schedule_that_nee
         (said,) = [r.getMessage() for r in caplog.records]
         assert said.startswith("goodput: step 0 is a single micro-batch on a single rank"), said
         assert ("training_data" in said) == splits, said
+        assert "goodput decides on step cost alone" in said and "the batch holds" not in said, said
 
 
 def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):

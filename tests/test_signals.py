@@ -555,6 +555,7 @@ def test_noise_cadence_measures_every_n_steps_and_warns_once_when_it_cannot(capl
             lib.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if "cannot be measured" in r.getMessage()]
     assert len(warnings) == 1 and "max_micro_batch_per_gpu" in warnings[0], warnings
+    assert "the batch holds until a step of two or more passes" in warnings[0], warnings
     assert cadence.due(10, 1, 2), "measuring resumes once a step has two micro-batches"
     constant = NoiseCadence(schedule({"type": "constant", "value": 8}))
     assert not any(constant.due(step, 2, 2) for step in range(4))

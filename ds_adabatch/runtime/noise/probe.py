@@ -376,12 +376,16 @@ class NoiseCadence:
                 if self.splits
                 else ""
             )
+            # goodput still moves where no noise scale could make a move lose (its step-cost rule).
+            holds = "goodput decides on step cost alone" if self.schedule == "goodput" else "the batch holds"
             logger.warning(
                 "%s: step %d is a single micro-batch on a single rank, so the noise scale cannot be "
-                "measured and the batch holds; make max_micro_batch_per_gpu smaller than the global batch "
-                "(two or more accumulation steps) or train on more ranks%s",
+                "measured and %s until a step of two or more passes measures it; make "
+                "max_micro_batch_per_gpu smaller than the global batch (two or more accumulation steps) or "
+                "train on more ranks%s",
                 self.schedule,
                 step,
+                holds,
                 split,
             )
         return False
