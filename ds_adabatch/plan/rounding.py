@@ -11,7 +11,7 @@ import math
 
 from .solver import PlanError
 
-__all__ = ["batch_multiple", "feasible_range", "nearest_plannable", "round_global_batch"]
+__all__ = ["batch_multiple", "feasible_range", "nearest_plannable", "plannable_grid", "round_global_batch"]
 
 
 def batch_multiple(world_size: int, granularity: int = 1, allow_uneven: bool = False) -> int:
@@ -65,7 +65,7 @@ def round_global_batch(
     """
     if not math.isfinite(desired):
         raise PlanError(f"desired global batch must be a finite number, got {desired!r}")
-    step, lo, hi = _grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
+    step, lo, hi = plannable_grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
     return _clamp(math.floor(desired / step + 0.5) * step, lo, hi)
 
 
@@ -86,19 +86,20 @@ def nearest_plannable(
     Raises:
         PlanError: the bounds admit no plannable batch at all.
     """
-    step, lo, hi = _grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
+    step, lo, hi = plannable_grid(world_size, granularity, min_global_batch, max_global_batch, allow_uneven)
     below, above = (value // step) * step, -(-value // step) * step
     return sorted({_clamp(below, lo, hi), _clamp(above, lo, hi)})
 
 
-def _grid(
+def plannable_grid(
     world_size: int,
     granularity: int,
     min_global_batch: int | None,
     max_global_batch: int | None,
     allow_uneven: bool,
 ) -> tuple[int, int, int | None]:
-    """(multiple, smallest, largest or None) of the plannable global batches."""
+    """(multiple, smallest, largest or None) of the plannable global batches: :func:`batch_multiple`
+    and :func:`feasible_range` together."""
     lo, hi = feasible_range(
         world_size,
         granularity=granularity,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..plan import batch_multiple, feasible_range
+from ..plan import plannable_grid
 from .goodput_tokens import describe_split
 
 __all__ = [
@@ -88,13 +88,8 @@ def candidate_batches(
     and largest batch considered, and the section's ``max_change_factor`` about ``current``), with
     ``reference`` itself; above :data:`MAX_CANDIDATES` on a geometric grid."""
     min_global_batch, max_global_batch, f = bounds
-    multiple = batch_multiple(world, granularity, allow_uneven)
-    lowest, highest = feasible_range(
-        world,
-        granularity=granularity,
-        min_global_batch=min_global_batch,
-        max_global_batch=max_global_batch,
-        allow_uneven=allow_uneven,
+    multiple, lowest, highest = plannable_grid(
+        world, granularity, min_global_batch, max_global_batch, allow_uneven
     )
     if highest is None:  # the config requires max_global_batch; a replay without one stays near
         highest = max(reference, lowest) * 4

@@ -353,7 +353,7 @@ class ThroughputModel:
     def rated_time(self, micro: int, gas: float, world: int) -> float | None:
         """Seconds a step of that shape is rated at: :meth:`predict`, corrected where the measured shapes
         contradict the fit. A shape measured at ``world`` whose median lies farther from the fit than
-        two standard errors of the difference (the scatter of :meth:`log_spread`, at least 1%) is rated
+        three standard errors of the difference (the scatter of :meth:`log_spread`, at least 1%) is rated
         at its median; any other shape at the fit times the ratio median / fit of the measured shapes
         next to it in micro-batch (linear in the logarithms between two; the nearest one's beyond them;
         1 for a shape the fit matches; 1 for every shape where no two measured ones differ clearly, as
@@ -383,7 +383,7 @@ class ThroughputModel:
     def _misfits(self, world: int) -> tuple[dict[tuple[int, int], float], list[tuple[float, float]]]:
         """For :meth:`rated_time`: ``log(median / fit)`` of each shape measured at ``world`` (0 where the
         fit is within the scatter of it), and their mean per micro-batch by ``log(micro)``, ascending
-        (empty where all are 0). None where no two of the shapes differ clearly (their scatter explains
+        (empty where all are 0). All 0 where no two of the shapes differ clearly (their scatter explains
         every difference, and the fit's flat curve has the benefit of the doubt: :meth:`_fit_over`).
         Read once per change of the kept times: a decision rates hundreds."""
         if world not in self._misfit_memo:
