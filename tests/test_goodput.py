@@ -585,13 +585,19 @@ def test_a_step_that_cannot_be_measured_is_said_once_under_the_schedule_that_nee
 
     for splits in (True, False):
         caplog.clear()
-        cadence = NoiseCadence(_section().schedule, splits=splits)
+        cadence = NoiseCadence(_section(schedule={"warmup_steps": None}).schedule, splits=splits)
         with caplog.at_level("WARNING", logger="ds_adabatch"):
             assert not any(cadence.due(s, 1, 1) for s in range(8))
         (said,) = [r.getMessage() for r in caplog.records]
         assert said.startswith("goodput: step 0 is a single micro-batch on a single rank"), said
         assert ("training_data" in said) == splits, said
         assert "goodput decides on step cost alone" in said and "the batch holds" not in said, said
+    # With a warmup_steps given (as _section's 0) goodput does not move by step cost: the batch holds.
+    caplog.clear()
+    cadence = NoiseCadence(_section(schedule={"warmup_steps": 5}).schedule)
+    with caplog.at_level("WARNING", logger="ds_adabatch"):
+        assert not cadence.due(0, 1, 1)
+    assert "the batch holds until" in caplog.records[0].getMessage()
 
 
 def test_pipelines_and_tensor_parallelism_refuse_goodput(tmp_path):
@@ -1177,30 +1183,37 @@ def test_a_shape_measured_in_an_unlucky_window_is_measured_again_after_remeasure
     assert controller.schedule.throughput.forgotten >= 2
 
 
-def test_a_trial_due_while_the_estimate_cannot_decide_is_judged_by_step_cost_not_dropped():
+def test_a_trial_taken_on_the_estimate_waits_for_it_where_it_cannot_decide_at_the_judgement():
     # Batch 8: 10 ms, batch 16: 19.5 ms (one rank); B_noise 100, confident: 16 is tried at step 10 and, at
     # its judgement (step 14), loses 4.5%. Where the estimate is missing or its error unknown at that very
-    # step, the verdict used to be dropped and 16 kept for good; it is now taken on step cost (going back
-    # gains 95% a step), with a warmup_steps given only the verdict, no move.
+    # step, the verdict used to be dropped and 16 kept for good; judged on step cost instead, a trial
+    # expected to cost more a step would always be undone. It waits for the estimate: judged at step 15.
     def cpu(m, g):
         return 0.0005 + g * 0.0011875 * m
 
-    for at_14 in [(None, None), (100.0, math.inf), (100.0, None)]:
+    for gap in [(None, None), (100.0, math.inf), (100.0, None)]:
 
-        def noise(step, at_14=at_14):
-            return at_14[0] if step == 14 else 100.0
+        def noise(step, gap=gap):
+            return gap[0] if step == 14 else 100.0
 
-        def error(step, at_14=at_14):
-            return at_14[1] if step == 14 else 0.1
+        def error(step, gap=gap):
+            return gap[1] if step == 14 else 0.1
 
         batches, decided, reasons, _ = _trial_loop(cpu, error=error, noise=noise, steps=60)
         assert batches[10:14] == [16] * 4 and decided[14], (batches[:20], reasons[14])
-        if at_14 == (100.0, None):  # a value without an error: decided on it as ever
-            assert "trial of batch 16 gains -4.5% over batch 8, not kept" in reasons[14], reasons[14]
-        else:
-            assert "by step cost alone: trial of batch 16 costs +95.0% a step, not kept" in reasons[14]
-            assert reasons[14].endswith("-> back to batch 8"), reasons[14]
-        assert set(batches[14:]) == {8}, (at_14, batches)
+        undone = 14 if gap == (100.0, None) else 15  # a value without an error: decided on it as ever
+        if undone == 15:
+            assert "goodput trial of batch 16: judged once the estimate can" in reasons[14], reasons[14]
+            assert batches[14] == 16 and decided[15], reasons[14]
+        assert "trial of batch 16 gains -4.5% over batch 8, not kept" in reasons[undone], reasons[undone]
+        assert set(batches[undone:]) == {8}, (gap, batches)
+    # A trial the estimate would keep (B_noise 1000: 16 gains 85%), the estimate gone from its judgement
+    # on: kept once a trial's bound has passed, as measured, not undone for its cost.
+    batches, _, reasons, _ = _trial_loop(
+        cpu, error=lambda s: 0.1 if s < 14 else None, noise=lambda s: 1000.0 if s < 14 else None, steps=40
+    )
+    assert set(batches[10:]) == {16}, batches
+    assert any("goodput trial of batch 16 kept: no usable noise-scale estimate (None)" in r for r in reasons)
 
 
 def test_a_warm_up_trial_due_after_the_warm_up_without_an_estimate_is_undone_by_step_cost():

@@ -76,7 +76,7 @@ from ..signals.throughput import ThroughputModel
 from .base import ScheduleContext, check_state
 from .goodput_rating import candidate_batches, cost_gains, rated, sped, step_cost, uncertainty_band
 from .goodput_tokens import PackedShape, packed_shape
-from .goodput_verdict import TRIAL_STEPS, within_the_scatter
+from .goodput_verdict import TRIAL_STEPS, trial_of_state, within_the_scatter
 from .noise import auto_warmup_steps
 
 __all__ = ["GoodputSchedule"]
@@ -151,6 +151,9 @@ class GoodputSchedule:
         """``(step, micro, gas, world, batch it left, batch it moved to)`` of a move to a shape not
         measured before, judged once :data:`TRIAL_STEPS` of its step times are kept; None: none open."""
         self._judging: tuple[int, int, int, int, int, int] | None = None  # the trial this step judges
+        self.trial_by_cost = False
+        """Whether the open trial was taken on step cost alone (:meth:`_by_cost`), and is judged so where
+        the noise estimate cannot decide; a trial taken on the estimate waits for it."""
         self.throughput = ThroughputModel(forget_after=config.remeasure_after)
         """Step times by shape and their fit; the runtime feeds it (identical on every rank)."""
 
@@ -488,10 +491,11 @@ class GoodputSchedule:
         self.last_reason = f"goodput {said} -> batch {best}: {rated(best_rating)}{trial}"
         return float(best)
 
-    def _moved(self, ctx: ScheduleContext, plan: Any, reference: int) -> str:
+    def _moved(self, ctx: ScheduleContext, plan: Any, reference: int, *, by_cost: bool = False) -> str:
         """Count a move from ``reference`` to ``plan``; a shape never measured opens a trial (what the
-        reason then adds)."""
+        reason then adds), ``by_cost``: on step cost alone."""
         self.moves += 1
+        self.trial_by_cost = by_cost
         shape = (plan.micro_batch_per_gpu, plan.gradient_accumulation_steps)
         if shape in {(m, g) for m, g, _, _ in self.throughput.measured(ctx.world_size)}:
             return ""
@@ -501,10 +505,16 @@ class GoodputSchedule:
     def _without_estimate(
         self, ctx: ScheduleContext, current: int, judged: int | None, measured: bool, why: str
     ) -> float:
-        """No noise estimate to decide on (none yet, or too uncertain to bound) after the warm-up: a
-        trial judged now is judged by step cost (:meth:`_by_cost`), never dropped unjudged; with the
-        default warm-up, so is every decision due (the cadence's, the first on a new world size), as
-        in the warm-up; else hold (a ``warmup_steps`` given holds where the estimate cannot decide)."""
+        """No noise estimate to decide on (none yet, or too uncertain to bound) after the warm-up. A trial
+        due now that was taken on step cost is judged so (:meth:`_by_cost`); one taken on the estimate
+        (expected to cost more a step) waits for it, within a trial's bound, then stays as measured.
+        With the default warm-up every decision due is by step cost, as in the warm-up; else hold."""
+        if judged is not None and self._judging is not None and not self.trial_by_cost:
+            trial, self._judging = self._judging, None
+            keep = self._overdue(ctx, trial[0])
+            self.trial = None if keep else trial
+            said = f" kept: {why} to judge it" if keep else f": judged once the estimate can ({why})"
+            return self._hold(current, f"goodput trial of batch {current}{said}")
         due = self.by_cost_in_warmup and (measured or ctx.step % self.decide_every == 0)
         if judged is None and not due:
             return self._hold(current, why)
@@ -513,14 +523,12 @@ class GoodputSchedule:
     def _by_cost(
         self, ctx: ScheduleContext, current: int, judged: int | None, why: str, *, moves: bool = True
     ) -> float:
-        """A decision on the step times alone (``why``: the warm-up, before the noise estimate is
-        expected, or an estimate that cannot decide). Whatever B_noise is, a batch's goodput over
-        another's lies between their steps/s ratio (B_noise near 0: a step's progress then does not
-        grow with its samples) and their samples/s ratio (B_noise far above both). A move must lose at
-        most ``hysteresis`` at the first (its step costs at most that much more) and gain more than it
-        at the second; a trial (the batch ``judged`` left, where this step judges one) is undone where
-        its step, once measured, costs more than that (going back then gains somewhere). ``moves``
-        False: only a trial's verdict."""
+        """A decision on the step times alone (``why``: the warm-up, or an estimate that cannot decide).
+        Whatever B_noise is, a batch's goodput over another's lies between their steps/s ratio (B_noise
+        near 0) and their samples/s ratio (B_noise far above both). A move must lose at most
+        ``hysteresis`` at the first (its step costs at most that much more) and gain more than it at the
+        second; a trial (the batch ``judged`` left, where one is judged) is undone where its step, once
+        measured, costs more than that. ``moves`` False: only a trial's verdict."""
         if self.trial is not None:
             trial = f"trial of batch {current} (judged after {self._trial_steps} step times)"
             return self._hold(current, f"{why}: {trial}")
@@ -551,7 +559,7 @@ class GoodputSchedule:
                 f"{self.hysteresis:g} more: at no noise scale does it lose more) for {best_gain - 1:+.1%} "
                 "samples/s"
             )
-            trial = self._moved(ctx, best_speed[1], reference)
+            trial = self._moved(ctx, best_speed[1], reference, by_cost=True)
             self.last_reason = f"{said} -> batch {best}: {sped(best_speed)}{trial}"
             return float(best)
         if reference == current:
@@ -570,6 +578,7 @@ class GoodputSchedule:
             "version": _STATE_VERSION,
             "moves": self.moves,
             "trial": None if self.trial is None else list(self.trial),
+            "trial_by_cost": self.trial_by_cost,
             "rating": self.last_rating,  # the step records carry it until the next decision
             "rating_world": self._rated_world,
             "rejoined": self.rejoined,
@@ -579,10 +588,7 @@ class GoodputSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, kind="GoodputSchedule", version=_STATE_VERSION)
         self.moves = int(state["moves"])
-        trial = state.get("trial")  # absent from states written before trials were judged early
-        if trial is not None and len(trial) == 5:  # written before a trial kept the batch it moved to:
-            trial = [*trial, trial[1] * trial[2] * trial[3]]  # its shape's batch, split evenly
-        self.trial = None if trial is None else tuple(int(v) for v in trial)
+        self.trial, self.trial_by_cost = trial_of_state(state, self.warmup_steps)
         self.last_rating = dict(state.get("rating") or {})
         self.rejoined = state.get("rejoined")
         self.throughput.load_state_dict(state["throughput"])

@@ -13,10 +13,11 @@ read +6% to +42% in 4 of 7 warm-up trials, and each undid it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..signals.throughput import ThroughputModel
 
-__all__ = ["TRIAL_STEPS", "within_the_scatter"]
+__all__ = ["TRIAL_STEPS", "trial_of_state", "within_the_scatter"]
 
 TRIAL_STEPS = 3
 """Kept step times of a shape never run before after which a move to it is judged again (a trial),
@@ -42,3 +43,17 @@ def within_the_scatter(
         return None
     kept = next((n for m, g, _, n in throughput.measured(world) if (m, g) == trial), 0)
     return f"less than two standard errors ({math.expm1(2.0 * error):.1%}) of its {kept} step times"
+
+
+def trial_of_state(
+    state: dict[str, Any], warmup_steps: int
+) -> tuple[tuple[int, int, int, int, int, int] | None, bool]:
+    """A goodput schedule state's open trial ``(step, micro, GAS, world, batch it left, batch it moved
+    to)`` and whether it was taken on step cost. States written before a trial kept its batch hold the
+    first five (its batch: its shape's, split evenly); before it kept how it was taken, a trial opened
+    in the warm-up was taken on step cost."""
+    trial = state.get("trial")  # absent from states written before trials were judged early
+    if trial is not None and len(trial) == 5:
+        trial = [*trial, trial[1] * trial[2] * trial[3]]
+    by_cost = state.get("trial_by_cost", trial is not None and trial[0] < warmup_steps)
+    return (None if trial is None else tuple(int(v) for v in trial)), bool(by_cost)  # type: ignore[return-value]

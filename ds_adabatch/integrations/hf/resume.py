@@ -15,11 +15,19 @@ ranks either way.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from typing import Any
 
 from ds_adabatch.runtime import deepspeed_internals as internals
-from ds_adabatch.runtime.checkpoint.universal import UNIVERSAL_SUFFIX, ensure_universal, saved_layout
+from ds_adabatch.runtime.checkpoint.universal import (
+    UNIVERSAL_SUFFIX,
+    CheckpointInfo,
+    ensure_universal,
+    saved_layout,
+)
+
+from .state import STATE_FILE
 
 __all__ = ["UniversalResume"]
 
@@ -38,14 +46,17 @@ class UniversalResume:
 
     def expect(self, checkpoint: str | None) -> None:
         """The folder this ``train()`` resumes from (None: a fresh start)."""
+        self.loaded()  # a load that failed before (an error inside it) left the switch on
         self._pending = checkpoint
 
     def engine_assigned(self, engine: Any, world_size: int, rank: int) -> None:
         """Every rank, before transformers loads the expected folder into ``engine``: where its ZeRO 1-3
         state was written by another number than ``world_size`` of data-parallel ranks, convert it and
-        switch DeepSpeed's universal load on."""
+        switch DeepSpeed's universal load on. An engine without an optimizer (``evaluate``'s, after a
+        ``train()`` that failed before its engine) loads no training state: nothing to convert."""
         checkpoint, self._pending = self._pending, None
-        if checkpoint is None or self._switch is not None or not os.path.isdir(checkpoint):
+        self.loaded()
+        if checkpoint is None or getattr(engine, "optimizer", None) is None or not os.path.isdir(checkpoint):
             return
         tag = _latest_tag(checkpoint)
         if tag is None or tag.endswith(UNIVERSAL_SUFFIX) or not engine.zero_optimization_stage():
@@ -53,7 +64,7 @@ class UniversalResume:
         layout = saved_layout(checkpoint, tag)
         if layout is None or layout[0] == world_size or engine.load_universal_checkpoint():
             return
-        ensure_universal(checkpoint, tag, rank)
+        ensure_universal(checkpoint, tag, rank, _record(checkpoint, tag, layout))
         switch = internals.loading_universal_checkpoint(engine)
         switch.__enter__()
         self._switch = switch
@@ -73,3 +84,27 @@ def _latest_tag(checkpoint: str) -> str | None:
     except OSError:
         return None
     return tag if tag and os.path.isdir(os.path.join(checkpoint, tag)) else None
+
+
+def _record(checkpoint: str, tag: str, layout: tuple[int, int]) -> CheckpointInfo:
+    """The completion record a Trainer checkpoint lacks (DeepSpeed's own ``save_checkpoint`` wrote it), for
+    its universal copy, so that a later resume reuses the copy: the ranks and ZeRO stage that wrote it
+    (-1: some stage above 0), its step and samples (``trainer_state.json``, ``adabatch_state.json``)."""
+
+    def read(name: str) -> dict[str, Any]:
+        try:
+            with open(os.path.join(checkpoint, name)) as f:
+                value = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    sampler = read(STATE_FILE).get("data", {}).get("sampler", {})
+    return CheckpointInfo(
+        tag=tag,
+        world_size=layout[0],
+        zero_stage=layout[1],
+        global_steps=int(read("trainer_state.json").get("global_step", 0)),
+        global_samples=int(sampler.get("samples_consumed", 0)) if isinstance(sampler, dict) else 0,
+        saved_at=os.path.getmtime(os.path.join(checkpoint, tag)),
+    )

@@ -159,12 +159,14 @@ def saved_layout(save_dir: str, tag: str) -> tuple[int, int] | None:
     return None
 
 
-def ensure_universal(save_dir: str, tag: str, rank: int) -> str:
+def ensure_universal(save_dir: str, tag: str, rank: int, info: CheckpointInfo | None = None) -> str:
     """The universal-format copy of ``tag`` (``<tag>_universal``), converting it once if needed.
 
     Call on every rank: rank 0 converts (with DeepSpeed's ``ds_to_universal``, in process) while the
     others wait at a barrier. The copy is written under a temporary name and renamed when done, so a
-    crash mid-conversion never leaves a half copy that a later resume would reuse.
+    crash mid-conversion never leaves a half copy that a later resume would reuse. Its completion record
+    (what lets a later resume reuse it) is the tag's, or ``info`` where the tag has none (a checkpoint
+    DeepSpeed's own ``save_checkpoint`` wrote, such as the Trainer's).
     """
     out_tag = tag + UNIVERSAL_SUFFIX
     out = os.path.join(save_dir, out_tag)
@@ -172,7 +174,7 @@ def ensure_universal(save_dir: str, tag: str, rank: int) -> str:
     if rank == 0 and _needs_conversion(out):
         try:
             started = time.perf_counter()
-            _convert(os.path.join(save_dir, tag), out, read_marker(save_dir, tag))
+            _convert(os.path.join(save_dir, tag), out, read_marker(save_dir, tag) or info)
             logger.warning(
                 "converted checkpoint %s to DeepSpeed's universal format in %.1f s (cached as %s)",
                 tag,

@@ -317,12 +317,14 @@ class NoiseCadence:
     in 13 where a split step costs a quarter more, one in 17 where it costs a third more (the 2-core CPU
     benchmark's), one in 50 where it costs twice the whole step. Otherwise the
     step is skipped with a warning, once per run: the schedule then holds its batch until a step can be
-    measured.
+    measured (``goodput`` with its default warm-up decides on step cost meanwhile).
     """
 
     def __init__(self, schedule_config: Any, *, splits: bool = True) -> None:
         self.every = int(schedule_config.measure_every) if measures_noise(schedule_config) else 0
         self.schedule = str(schedule_config.type)
+        # goodput with its default warm-up still moves by step cost where the noise cannot decide.
+        self.by_cost = self.schedule == "goodput" and getattr(schedule_config, "warmup_steps", 0) is None
         self.splits = splits  # whether a step can ever be split here (not in the Trainer's steps)
         self.warned = False
         self.last_split: int | None = None
@@ -376,8 +378,7 @@ class NoiseCadence:
                 if self.splits
                 else ""
             )
-            # goodput still moves where no noise scale could make a move lose (its step-cost rule).
-            holds = "goodput decides on step cost alone" if self.schedule == "goodput" else "the batch holds"
+            holds = "goodput decides on step cost alone" if self.by_cost else "the batch holds"
             logger.warning(
                 "%s: step %d is a single micro-batch on a single rank, so the noise scale cannot be "
                 "measured and %s until a step of two or more passes measures it; make "
