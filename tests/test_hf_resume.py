@@ -20,9 +20,9 @@ from ds_adabatch.integrations.hf import resume
 class _Engine:
     """What the resume reads of a DeepSpeed engine, and the config switch it sets."""
 
-    def __init__(self, *, optimizer: object | None = object(), stage: int = 2) -> None:
+    def __init__(self, *, groups: int | None = 1, stage: int = 2) -> None:
         self._config = SimpleNamespace(load_universal_checkpoint=False)
-        self.optimizer = optimizer
+        self.optimizer = None if groups is None else SimpleNamespace(param_groups=[{}] * groups)
         self._stage = stage
 
     def zero_optimization_stage(self) -> int:
@@ -76,7 +76,7 @@ def test_the_switch_is_set_for_the_load_and_off_after_it_and_after_a_failed_one(
 def test_nothing_is_converted_on_the_same_world_for_stage_0_or_an_engine_without_an_optimizer(checkpoint):
     folder, calls = checkpoint
     universal = resume.UniversalResume()
-    for engine, world in [(_Engine(), 2), (_Engine(stage=0), 1), (_Engine(optimizer=None), 1)]:
+    for engine, world in [(_Engine(), 2), (_Engine(stage=0), 1), (_Engine(groups=None), 1)]:
         universal.expect(str(folder))
         universal.engine_assigned(engine, world_size=world, rank=0)
         assert not engine.load_universal_checkpoint() and not calls
@@ -86,3 +86,32 @@ def test_nothing_is_converted_on_the_same_world_for_stage_0_or_an_engine_without
     universal.loaded()
     universal.engine_assigned(later := _Engine(), world_size=1, rank=0)
     assert trained is not later and not later.load_universal_checkpoint() and len(calls) == 1
+
+
+def test_zero_3_with_several_parameter_groups_is_refused_with_what_to_do(checkpoint):
+    # DeepSpeed 0.19.8's ZeRO 3 universal load restores only the first group's optimizer state rightly.
+    folder, calls = checkpoint
+    universal = resume.UniversalResume()
+    for engine in (_Engine(groups=2, stage=2), _Engine(groups=1, stage=3)):
+        universal.expect(str(folder))
+        universal.engine_assigned(engine, world_size=1, rank=0)
+        assert engine.load_universal_checkpoint()
+        universal.loaded()
+    universal.expect(str(folder))
+    with pytest.raises(
+        ValueError, match="2 parameter groups under ZeRO 3.*resume on 2 ranks.*one parameter group"
+    ):
+        universal.engine_assigned(_Engine(groups=2, stage=3), world_size=1, rank=0)
+    assert len(calls) == 2, "refused before any conversion"
+
+
+def test_the_best_model_written_before_a_resume_is_loaded_through_the_universal_copy(checkpoint):
+    folder, calls = checkpoint
+    universal = resume.UniversalResume()
+    engine, args = _Engine(), SimpleNamespace(world_size=1, process_index=0)
+    with universal.loading(str(folder), engine, args):
+        assert engine.load_universal_checkpoint() and len(calls) == 1
+    assert not engine.load_universal_checkpoint()
+    with universal.loading(str(folder), None, args):  # no DeepSpeed: nothing to do
+        pass
+    assert len(calls) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ds_adabatch.runtime import deepspeed_internals as internals
@@ -25,6 +26,7 @@ from ds_adabatch.runtime.checkpoint.universal import (
     CheckpointInfo,
     ensure_universal,
     saved_layout,
+    universal_refusal,
 )
 
 from .state import STATE_FILE
@@ -64,10 +66,26 @@ class UniversalResume:
         layout = saved_layout(checkpoint, tag)
         if layout is None or layout[0] == world_size or engine.load_universal_checkpoint():
             return
+        if refusal := universal_refusal(engine, layout[0]):
+            raise ValueError(f"resume_from_checkpoint {checkpoint}: {refusal}")
         ensure_universal(checkpoint, tag, rank, _record(checkpoint, tag, layout))
         switch = internals.loading_universal_checkpoint(engine)
         switch.__enter__()
         self._switch = switch
+
+    @contextlib.contextmanager
+    def loading(self, checkpoint: str | None, engine: Any, args: Any) -> Iterator[None]:
+        """Around a load of ``checkpoint`` into ``engine`` other than ``train()``'s (the best model's at
+        the end: written before a resume, by another number of ranks), ``args`` the Trainer's."""
+        if engine is None or checkpoint is None:
+            yield
+            return
+        self.expect(checkpoint)
+        self.engine_assigned(engine, args.world_size, args.process_index)
+        try:
+            yield
+        finally:
+            self.loaded()
 
     def loaded(self) -> None:
         """After transformers loaded the checkpoint: DeepSpeed's universal load off again."""

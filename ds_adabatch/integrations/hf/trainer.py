@@ -209,8 +209,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         check_arguments(args)
         args = trainer_arguments(args)
         adapt_arguments(args)
-        # What the overrides below hand the work to (Trainer.__init__ already assigns self.deepspeed):
-        # the adaptive step (hf.step), and what this transformers release needs (hf.compat).
+        # What the overrides below hand the work to (Trainer.__init__ assigns self.deepspeed): hf.step, hf.compat.
         self._trainer_step = TrainerStep(self)
         self._release_loop = loop_for()(self)
         self._release_fixes = fixes_for()(self)
@@ -476,10 +475,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
         self._release_loop.optimizer_created()  # 4.57.6-5.2: the banner's GAS
         return optimizer
 
+    def _load_best_model(self) -> None:  # written on another world size before a resume: converted
+        with self._universal.loading(self.state.best_model_checkpoint, self.deepspeed, self.args):
+            super()._load_best_model()
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        self._universal.loaded()  # DeepSpeed loaded its checkpoint just before
-        # Before 5.18: a multi-process CPU run's optimizer, which the Trainer cannot load (hf.compat).
-        if not self._release_fixes.load_optimizer_and_scheduler(checkpoint):
+        self._universal.loaded()  # DeepSpeed loaded its checkpoint just before; hf.compat: before 5.18
+        if not self._release_fixes.load_optimizer_and_scheduler(checkpoint):  # a CPU run's optimizer
             super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- one optimizer step --------------------------------------------------------------------------
@@ -539,10 +541,8 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     # -- checkpoints and logs ------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        # Written before the Trainer's files: transformers 5.23 writes trainer_state.json last, the
-        # marker of a complete checkpoint. The folder name follows its Trainer._save_checkpoint. Every
-        # rank saves (5.23): the pending steps' records are written and the checkpoint holds the latest
-        # loss, as ds_adabatch.runtime's save_checkpoint does.
+        # Before the Trainer's files (5.23 writes trainer_state.json, the completion marker, last), in its
+        # folder; every rank resolves the pending records, so the checkpoint holds the latest loss.
         if self.batch_state is not None:
             self.batch_state.sync.reduce()
             if self.args.should_save:

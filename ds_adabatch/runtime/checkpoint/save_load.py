@@ -173,6 +173,8 @@ class EngineCheckpoints:
                     f"checkpoint {os.path.join(load_dir, tag)} was written by {layout[0]} data-parallel "
                     f"ranks and this run has {engine.world_size}: pass elastic=True to convert it"
                 )
+            if refusal := elastic_ckpt.universal_refusal(ds, layout[0]):
+                raise ValueError(f"checkpoint {os.path.join(load_dir, tag)}: {refusal}")
             tag = elastic_ckpt.ensure_universal(load_dir, tag, engine.rank)
             universal = True
         return tag, universal

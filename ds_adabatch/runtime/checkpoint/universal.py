@@ -35,6 +35,7 @@ __all__ = [
     "latest_complete_tag",
     "prune_checkpoints",
     "saved_layout",
+    "universal_refusal",
 ]
 
 logger = logging.getLogger("ds_adabatch")
@@ -157,6 +158,25 @@ def saved_layout(save_dir: str, tag: str) -> tuple[int, int] | None:
     if optim:
         return len(optim), -1  # some ZeRO stage >= 1; the stage itself is not in the file names
     return None
+
+
+def universal_refusal(ds_engine: object, written_by: int) -> str | None:
+    """Why a checkpoint written by ``written_by`` data-parallel ranks is not loaded into ``ds_engine``
+    through the universal format, or None. DeepSpeed 0.19.8's ZeRO 3 universal load restores one
+    optimizer parameter group correctly, not several: it gives every group the first group's settings
+    (its weight decay included) and, measured on a 2 -> 1 rank resume of a GPT-2 whose biases and
+    LayerNorm weights the Trainer puts in a group without weight decay, left those off by about 2% after
+    the next step, where the one-group run matched to 1e-6."""
+    groups = len(getattr(getattr(ds_engine, "optimizer", None), "param_groups", ()) or ())
+    if ds_engine.zero_optimization_stage() != 3 or groups < 2:  # type: ignore[attr-defined]
+        return None
+    return (
+        f"the checkpoint was written by {written_by} data-parallel ranks and this run's optimizer has "
+        f"{groups} parameter groups under ZeRO 3, whose state DeepSpeed 0.19.8's universal checkpoint "
+        f"restores wrongly beyond the first group: resume on {written_by} ranks, or build the optimizer "
+        'with one parameter group (an "optimizer" section in the DeepSpeed config, or one group of '
+        "your own), or use ZeRO 1 or 2"
+    )
 
 
 def ensure_universal(save_dir: str, tag: str, rank: int, info: CheckpointInfo | None = None) -> str:
