@@ -22,10 +22,9 @@ from typing import Any
 
 from ds_adabatch.runtime import deepspeed_internals as internals
 from ds_adabatch.runtime.checkpoint.universal import (
-    UNIVERSAL_SUFFIX,
     CheckpointInfo,
+    conversion_needed,
     ensure_universal,
-    saved_layout,
     universal_refusal,
 )
 
@@ -61,10 +60,8 @@ class UniversalResume:
         if checkpoint is None or getattr(engine, "optimizer", None) is None or not os.path.isdir(checkpoint):
             return
         tag = _latest_tag(checkpoint)
-        if tag is None or tag.endswith(UNIVERSAL_SUFFIX) or not engine.zero_optimization_stage():
-            return
-        layout = saved_layout(checkpoint, tag)
-        if layout is None or layout[0] == world_size or engine.load_universal_checkpoint():
+        layout = None if tag is None else conversion_needed(engine, checkpoint, tag, world_size)
+        if tag is None or layout is None:
             return
         if refusal := universal_refusal(engine, layout[0]):
             raise ValueError(f"resume_from_checkpoint {checkpoint}: {refusal}")

@@ -160,14 +160,8 @@ class EngineCheckpoints:
         engine = self.engine
         ds = engine.deepspeed
         universal = tag.endswith(elastic_ckpt.UNIVERSAL_SUFFIX) and not ds.load_universal_checkpoint()
-        layout = elastic_ckpt.saved_layout(load_dir, tag)
-        if (
-            not universal
-            and layout is not None
-            and layout[0] != engine.world_size
-            and ds.zero_optimization_stage() > 0
-            and not ds.load_universal_checkpoint()
-        ):
+        layout = elastic_ckpt.conversion_needed(ds, load_dir, tag, engine.world_size)
+        if layout is not None:
             if not elastic:
                 raise ValueError(
                     f"checkpoint {os.path.join(load_dir, tag)} was written by {layout[0]} data-parallel "

@@ -31,6 +31,7 @@ from ... import checkpoint_manifest as manifest
 __all__ = [
     "CheckpointInfo",
     "complete_checkpoints",
+    "conversion_needed",
     "ensure_universal",
     "latest_complete_tag",
     "prune_checkpoints",
@@ -158,6 +159,20 @@ def saved_layout(save_dir: str, tag: str) -> tuple[int, int] | None:
     if optim:
         return len(optim), -1  # some ZeRO stage >= 1; the stage itself is not in the file names
     return None
+
+
+def conversion_needed(ds_engine: object, save_dir: str, tag: str, world_size: int) -> tuple[int, int] | None:
+    """``tag``'s saved layout (:func:`saved_layout`) where loading it into ``ds_engine`` on ``world_size``
+    data-parallel ranks needs the universal format: ZeRO 1-3 state written by another number of ranks,
+    not already a universal copy or load. None: it loads as it is."""
+    if (
+        tag.endswith(UNIVERSAL_SUFFIX)
+        or not ds_engine.zero_optimization_stage()  # type: ignore[attr-defined]
+        or ds_engine.load_universal_checkpoint()  # type: ignore[attr-defined]
+    ):
+        return None
+    layout = saved_layout(save_dir, tag)
+    return layout if layout is not None and layout[0] != world_size else None
 
 
 def universal_refusal(ds_engine: object, written_by: int) -> str | None:
