@@ -315,11 +315,20 @@ def masked_loss(model, batch):
     return (((model(x) - y) ** 2) * m).sum() / m.sum()
 
 
+def masked_loss_and_tokens(model, batch, extra: int = 0):
+    """``(mean loss over target tokens, their count + extra)``: the tuple a loss_fn may return."""
+    return masked_loss(model, batch), int(batch[2].sum()) + extra
+
+
 def phase_tokens(out_dir: str) -> None:
     data = MaskedTargets()
     cfg = ds_config(2, extra={"adabatch": {"loss_normalization": "token"}})
     engine, *_ = ds_adabatch.initialize(
-        make_token_model(), cfg, data, loss_fn=masked_loss, token_count_fn=lambda b: int(b[2].sum())
+        make_token_model(),
+        cfg,
+        data,
+        loss_fn=masked_loss_and_tokens,
+        token_count_fn=lambda b: int(b[2].sum()),
     )
     batches = []
     for b in (8, 13, 6, 16):
@@ -327,6 +336,14 @@ def phase_tokens(out_dir: str) -> None:
         engine.train_batch()
         batches.append(engine.last_step_batch.global_batch.all_indices())
     got = full_params(engine)
+    # A loss_fn whose num_tokens is not the count the weights were built from is refused before its
+    # micro-batch's backward (on every rank: each has real samples in a step of 8).
+    engine.loss_fn = lambda model, batch: masked_loss_and_tokens(model, batch, extra=1)
+    try:
+        engine.train_batch()
+        refused = None
+    except ValueError as err:
+        refused = str(err)
     if engine.global_rank == 0:
         model = make_token_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
@@ -342,6 +359,7 @@ def phase_tokens(out_dir: str) -> None:
                 "max_rel_err": float((got - want).abs().max() / want.abs().max()),
                 "tokens": engine.global_tokens,
                 "want_tokens": int(sum(float(data.mask[idx].sum()) for idx in batches)),
+                "refused": refused,
             },
         )
     engine.close()

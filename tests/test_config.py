@@ -327,6 +327,37 @@ def test_valid_config_loads_and_fills_batch_keys() -> None:
     assert planned.with_world_size(2).deepspeed["gradient_clipping"] == 1.0, "state leaked between results"
 
 
+def test_a_world_the_config_was_not_chosen_for_rounds_instead_of_refusing() -> None:
+    cfg = {
+        "train_batch_size": 9,
+        "train_micro_batch_size_per_gpu": 3,
+        "adabatch": {"schedule": {"type": "constant", "value": 9}, "max_micro_batch_per_gpu": 4},
+    }
+    loaded = load_ds_config(cfg)
+    assert loaded.with_world_size(3).plan.global_batch_size == 9
+    with pytest.raises(ConfigError, match="adabatch.schedule.value"):
+        loaded.with_world_size(2)  # a start on 2 ranks: the schedule is wrong for it
+    # The survivors of a live recovery on 2 ranks: 9 rounds to 10 (ties up, as the controller rounds),
+    # and the batch keys written for 3 ranks are replaced by the plan's.
+    survivors = loaded.with_world_size(2, rounds=True)
+    assert survivors.plan.global_batch_size == 10 and survivors.deepspeed["train_batch_size"] == 10
+    assert (
+        survivors.deepspeed["train_micro_batch_size_per_gpu"]
+        * survivors.deepspeed["gradient_accumulation_steps"]
+        * 2
+        == 10
+    )
+
+
+def test_numeric_batch_keys_are_refused_with_token_budgets() -> None:
+    section = {"schedule": {"type": "constant", "value": 40, "unit": "tokens"}, "micro_batch_tokens": 16}
+    with pytest.raises(ConfigError) as err:
+        load_ds_config({"train_micro_batch_size_per_gpu": 40, "train_batch_size": 40, "adabatch": section})
+    assert set(err.value.paths) == {"train_micro_batch_size_per_gpu", "train_batch_size"}, str(err.value)
+    assert "micro_batch_tokens" in str(err.value) and '"auto"' in str(err.value)
+    assert load_ds_config({"train_batch_size": "auto", "adabatch": section}, world_size=2).plan is not None
+
+
 def test_defaults_and_round_trip() -> None:
     cfg = load_ds_config(valid_config()).adabatch
     assert (cfg.granularity, cfg.allow_uneven, cfg.update_interval) == (1, False, 1)

@@ -125,6 +125,8 @@ def test_token_normalisation_is_mean_over_global_tokens(results):
     r = read_result(results, "tokens_z2")
     assert r["tokens"] == r["want_tokens"], "global token count"
     assert r["max_rel_err"] <= 1e-5, f"token-weighted update off by {r['max_rel_err']:.2e}"
+    # loss_fn returned (loss, num_tokens) above; a num_tokens the weights were not built from is refused.
+    assert r["refused"] and "num_tokens=" in r["refused"] and "token_count_fn" in r["refused"], r["refused"]
 
 
 @pytest.mark.parametrize("stage", (0, 2, 3))

@@ -377,6 +377,19 @@ def test_the_sections_data_keys_win_over_training_arguments(tmp_path):
     assert sum(s["plan"][0] for s in rec.steps) == 20, "data.drop_last true: the 2-sample tail is skipped"
 
 
+def test_drop_last_with_a_batch_beyond_the_dataset_is_refused_naming_the_argument(tmp_path):
+    section = {
+        "schedule": {"type": "linear", "start": 4, "end": 32, "ramp_samples": 24},
+        "max_micro_batch_per_gpu": 4,
+    }
+    args = _args(tmp_path, num_train_epochs=1, dataloader_drop_last=True)
+    with pytest.raises(ConfigError) as err:
+        trainer, _ = _trainer(tmp_path, args=args, adabatch_config=section)
+        trainer.train()
+    msg = str(err.value)
+    assert "adabatch.schedule.end" in msg and "24 samples" in msg and "dataloader_drop_last" in msg, msg
+
+
 def test_caller_owned_accumulation_is_refused_by_the_trainer(tmp_path):
     # accelerate steps DeepSpeed after every backward: each micro-batch would be an update of its own.
     from hf_worker import ds_config

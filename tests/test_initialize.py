@@ -46,6 +46,47 @@ def test_bad_deepspeed_section_fails_before_any_process_group(section, path):
     assert _no_group(), "DeepSpeed's own sections must be checked before a process group is created"
 
 
+@pytest.mark.parametrize(
+    ("adabatch", "path"),
+    [
+        (
+            {"schedule": {"type": "linear", "start": 8, "end": 128, "ramp_samples": 64}},
+            "adabatch.schedule.end",
+        ),
+        (
+            {"schedule": {"type": "constant", "value": 8}, "max_global_batch": 100},
+            "adabatch.max_global_batch",
+        ),
+    ],
+)
+def test_drop_last_with_a_batch_beyond_the_dataset_fails_before_any_process_group(adabatch, path):
+    config = {**GOOD, "adabatch": {**adabatch, "max_micro_batch_per_gpu": 4, "data": {"drop_last": True}}}
+    data = [(torch.zeros(2), torch.zeros(1))] * 64
+    with pytest.raises(ds_adabatch.ConfigError) as err:
+        ds_adabatch.initialize(torch.nn.Linear(2, 1), config, data)
+    assert path in str(err.value) and "64 samples" in str(err.value), str(err.value)
+    assert _no_group()
+
+
+def test_deepspeed_sections_are_checked_without_judging_the_batch_keys_for_one_rank():
+    from ds_adabatch.config import load_ds_config
+    from ds_adabatch.runtime.initialize.build import _check_deepspeed_sections
+
+    # DeepSpeed's own 2-rank keys (8 = micro 4 x gas 1 x 2 ranks): right for the world they are run on,
+    # which is checked once it is known; the early check of the other sections must not refuse them.
+    two_ranks = {
+        **GOOD,
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+    }
+    two_ranks["adabatch"] = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
+    _check_deepspeed_sections(load_ds_config(two_ranks))
+    assert load_ds_config(two_ranks, world_size=2).plan.gradient_accumulation_steps == 1
+    with pytest.raises(ds_adabatch.ConfigError, match="zero_optimization.stage"):
+        _check_deepspeed_sections(load_ds_config({**two_ranks, "zero_optimization": {"stage": 5}}))
+
+
 def test_missing_adabatch_section_is_a_config_error():
     with pytest.raises(ds_adabatch.ConfigError, match="adabatch"):
         ds_adabatch.initialize(torch.nn.Linear(2, 1), {"optimizer": GOOD["optimizer"]})

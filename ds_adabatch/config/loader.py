@@ -20,7 +20,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..plan import BatchPlan, PlanError, batch_multiple, feasible_range, nearest_plannable, plan_batch
+from ..plan import (
+    BatchPlan,
+    PlanError,
+    batch_multiple,
+    feasible_range,
+    nearest_plannable,
+    plan_batch,
+    round_global_batch,
+)
 from ._pydantic import problems_from_validation_error
 from .errors import ConfigError, ConfigProblem
 from .models import AdaBatchConfig, endpoint_problems
@@ -63,14 +71,19 @@ class LoadedConfig:
         """Data-parallel ranks the plan was made for; None without a world size."""
         return None if self.plan is None else self.plan.world_size
 
-    def with_world_size(self, world_size: int) -> LoadedConfig:
+    def with_world_size(self, world_size: int, *, rounds: bool = False) -> LoadedConfig:
         """The same config planned for ``world_size`` ranks (re-running every check that needs it).
+
+        ``rounds``: the world is not one the config was chosen for (the survivors of a live recovery): a
+        schedule batch that is not plannable on it is no error, the first one is rounded to the nearest
+        plannable batch (as the controller rounds every later one) and DeepSpeed's batch keys, written
+        for the first world, are replaced by the plan's.
 
         Raises:
             ConfigError: the schedule cannot be planned on ``world_size`` ranks, or DeepSpeed's batch
-                keys disagree with the plan.
+                keys disagree with the plan (without ``rounds``); the bounds admit no batch on it.
         """
-        return _validate(self.original, self.source, world_size)
+        return _validate(self.original, self.source, world_size, rounds=rounds)
 
 
 def load_ds_config(
@@ -200,7 +213,7 @@ def _read_hjson(text: str, hook: Any) -> object | None:
         return None
 
 
-def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
+def _validate(raw: object, name: str, world_size: int | None, *, rounds: bool = False) -> LoadedConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError.single(
             "", f"the top level must be a JSON object (a ds_config), got {_json_kind(raw)}", source=name
@@ -232,9 +245,12 @@ def _validate(raw: object, name: str, world_size: int | None) -> LoadedConfig:
     plan: BatchPlan | None = None
     if cfg is not None:
         if world_size is not None:
-            plan, plan_problems = _plan_problems(cfg, world_size)
+            plan, plan_problems = (
+                _rounded_plan(cfg, world_size) if rounds else _plan_problems(cfg, world_size)
+            )
             problems += plan_problems
-        problems += _batch_key_agreement_problems(raw, cfg, plan)
+        if not rounds:
+            problems += _batch_key_agreement_problems(raw, cfg, plan)
         problems += _geometry_problems(raw, cfg)
     if problems:
         raise ConfigError(problems, source=name)
@@ -366,6 +382,26 @@ def _plan_problems(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | No
     return plan, problems
 
 
+def _rounded_plan(cfg: AdaBatchConfig, world_size: int) -> tuple[BatchPlan | None, list[ConfigProblem]]:
+    """The first plan on a world the config was not chosen for: the schedule's first batch rounded to the
+    nearest plannable one there (a problem only where the bounds admit none)."""
+    uneven = cfg.allow_uneven or cfg.token_budget
+    bounds = {
+        "granularity": cfg.granularity,
+        "min_global_batch": cfg.min_global_batch,
+        "max_global_batch": cfg.max_global_batch,
+        "allow_uneven": uneven,
+    }
+    initial = cfg.schedule.initial_batch(world_size)
+    try:
+        if initial is None:
+            raise PlanError(f"the schedule gives no initial global batch for world size {world_size}")
+        batch = initial if cfg.token_budget else round_global_batch(initial, world_size, **bounds)
+        return plan_batch(batch, world_size, cfg.initial_micro_batch_limit, allow_uneven=uneven), []
+    except PlanError as err:
+        return None, [ConfigProblem(f"{SECTION}.schedule", f"on {world_size} ranks: {err}", initial)]
+
+
 def _uneven_message(value: int, world_size: int, cfg: AdaBatchConfig) -> str | None:
     """Why ``value`` cannot be split evenly, naming the plannable batches next to it under the section's
     granularity and bounds (None where the bounds admit none: that is reported on its own)."""
@@ -410,6 +446,18 @@ def _batch_key_agreement_problems(
     """DeepSpeed's batch keys, where the user wrote numbers, against the initial plan."""
     problems: list[ConfigProblem] = []
     given = {key: raw[key] for key in BATCH_KEYS if _is_count(raw.get(key))}
+    if cfg.token_budget:
+        # Every step is cut anew by its samples' lengths: no number of samples per pass or of passes holds.
+        return [
+            ConfigProblem(
+                key,
+                "cannot be a number with adabatch.micro_batch_tokens: each step's passes are cut by its "
+                "samples' lengths, so ds_adabatch sets the batch keys at every step; remove it or set it "
+                'to "auto" (the token target is the schedule\'s, the pass budget micro_batch_tokens)',
+                value,
+            )
+            for key, value in given.items()
+        ]
     if plan is None:
         initial = cfg.schedule.initial_batch(None)
         tbs = given.get("train_batch_size")

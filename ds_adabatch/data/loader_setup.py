@@ -14,12 +14,17 @@ from typing import Any, Protocol
 
 from torch.utils.data import IterableDataset
 
+from ..config import ConfigProblem
+
 from .loader import ElasticDataLoader
 from .sampler import ElasticSampler
 from .token_loader import TokenBudgetLoader
 from .tokens import TokenBudgetSampler
 
-__all__ = ["DataOrder", "SampleOrder", "build_rank_loader"]
+__all__ = ["DataOrder", "SampleOrder", "build_rank_loader", "drop_last_problems"]
+
+_FIXED_SCHEDULES = ("constant", "linear", "step", "piecewise")
+"""Schedules whose every batch is written in the config (their endpoints bound them)."""
 
 
 class SampleOrder(Protocol):
@@ -50,6 +55,41 @@ class DataOrder:
     """Skip an epoch's tail smaller than the requested batch."""
     num_workers: int
     """Worker processes loading micro-batches (0: loaded in the training process)."""
+
+
+def drop_last_problems(
+    config: Any, num_samples: int, *, drop_last: bool, drop_last_key: str = "adabatch.data.drop_last"
+) -> list[ConfigProblem]:
+    """What to change where ``drop_last`` meets a global batch larger than the dataset.
+
+    Such a batch never fits an epoch, so ``drop_last`` would skip every sample of every epoch: the
+    largest batch the run can ask for (``max_global_batch``, else the endpoints of a schedule whose
+    batches are all in the config) must be at most ``num_samples``. Schedules that grow without a
+    written bound (the adaptive rules and a callable without ``max_global_batch``) are not known here;
+    the sampler refuses such a batch when it is drawn. Token targets (``unit: "tokens"``) are not
+    counted in samples and are left to the sampler too.
+    """
+    schedule = config.schedule
+    if not drop_last or schedule.batch_unit != "samples":
+        return []
+    if config.max_global_batch is not None:
+        bounds = [("adabatch.max_global_batch", config.max_global_batch)]
+    elif schedule.type in _FIXED_SCHEDULES:
+        bounds = [(f"adabatch.schedule.{field}", batch) for field, batch in schedule.endpoint_batches()]
+    else:
+        return []
+    return [
+        ConfigProblem(
+            path,
+            f"is larger than the dataset ({num_samples} samples), and with {drop_last_key} true a batch "
+            "larger than the dataset skips every sample of every epoch: set it to at most "
+            f"{num_samples} (or adabatch.max_global_batch), or {drop_last_key} false (a batch then "
+            "takes what is left of the epoch)",
+            batch,
+        )
+        for path, batch in bounds
+        if batch > num_samples
+    ]
 
 
 def build_rank_loader(

@@ -313,7 +313,8 @@ class ElasticSampler:
             if want > n:
                 raise ValueError(
                     f"global batch {want} is larger than the dataset ({n} samples) and drop_last=True "
-                    f"would skip every sample; request at most {n} samples or use drop_last=False"
+                    f"would skip every sample; request at most {n} samples (adabatch.max_global_batch bounds "
+                    "what a schedule asks for) or use drop_last=False (adabatch.data.drop_last)"
                 )
             return epoch + 1, 0, remaining, plan
         tail = plan_batch(remaining, plan.world_size, plan.max_micro_batch_per_gpu, allow_uneven=True)

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_adabatch.config import AdaBatchConfig
+from ds_adabatch.config import AdaBatchConfig, ConfigError
 from ds_adabatch.data import ElasticDataLoader
 from ds_adabatch.data.lengths import SampleLengths
-from ds_adabatch.data.loader_setup import DataOrder, build_rank_loader
+from ds_adabatch.data.loader_setup import DataOrder, build_rank_loader, drop_last_problems
 from ds_adabatch.data.token_config import sampler_for_config
 from ds_adabatch.data.token_loader import TokenBudgetLoader
 from ds_adabatch.data.tokens import TokenBudgetSampler
@@ -331,6 +331,12 @@ def _rank_loader(
     section: TrainerSection | None,
 ) -> ElasticDataLoader | TokenBudgetLoader:
     """This rank's loader: samples cut by the plan, or token-budget steps over the samples' lengths."""
+    given = section is not None and section.data_given("drop_last")
+    key = "adabatch.data.drop_last" if given else "TrainingArguments.dataloader_drop_last"
+    if problems := drop_last_problems(
+        config, len(train_dataset), drop_last=order.drop_last, drop_last_key=key
+    ):
+        raise ConfigError(problems)
     token_sampler = None
     if config.token_budget:
         if lengths is None:  # a caller other than the trainer: the lengths as the trainer finds them

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["default_token_count", "loss_weight", "make_token_counter", "pipeline_token_count"]
+__all__ = ["default_token_count", "loss_of", "loss_weight", "make_token_counter", "pipeline_token_count"]
 
 IGNORE_INDEX = -100
 
@@ -29,6 +29,34 @@ def loss_weight(count: int, world_size: int, total: int) -> float:
     return count * world_size / total
 
 
+def loss_of(out: Any, counted: float | None, who: str) -> Any:
+    """The loss in what a loss function returned: ``out`` itself, or the loss of ``(loss, num_tokens)``.
+
+    Every micro-batch's weight needs the global batch's target tokens, summed over ranks before the
+    step's first forward, so they are counted from the batches (``labels != -100`` or
+    ``token_count_fn``), never from the loss. A returned ``num_tokens`` is checked against that count
+    (``counted``; None: not checked, as under sample normalisation or for a pad): where they differ, the
+    weights would not give the mean over the tokens the loss averages, so it is refused with what to
+    pass. A tensor ``num_tokens`` is read to the host (once per micro-batch): return an ``int``.
+    """
+    if not isinstance(out, tuple):
+        return out
+    if len(out) != 2:
+        raise TypeError(
+            f"{who} returned a tuple of {len(out)} items: return the mean loss, or (loss, num_tokens)"
+        )
+    loss, tokens = out
+    if counted is not None and int(tokens) != int(counted):
+        raise ValueError(
+            f"{who} returned num_tokens={int(tokens)} for a micro-batch whose target tokens were counted as "
+            f"{int(counted)} (labels != -100, shifted by one for causal LMs, or token_count_fn) before its "
+            "forward: the weights of an exact token mean need every count before the step's first forward, "
+            "so they cannot come from the loss. Pass token_count_fn=... to ds_adabatch.initialize that counts "
+            "the tokens your loss averages over"
+        )
+    return loss
+
+
 def default_token_count(batch: Any, *, shifted: bool) -> int:
     """Target tokens of a Hugging Face style batch: ``labels != -100``.
 
@@ -38,7 +66,9 @@ def default_token_count(batch: Any, *, shifted: bool) -> int:
     if not isinstance(batch, Mapping) or "labels" not in batch:
         raise ValueError(
             'loss_normalization "token" needs batches that are dicts with a "labels" tensor, or a '
-            "token_count_fn passed to ds_adabatch.initialize, or a loss_fn returning (loss, num_tokens)"
+            "token_count_fn passed to ds_adabatch.initialize that counts the target tokens of a "
+            "micro-batch (the weights need every count before the step's first forward, so a count "
+            "returned by loss_fn cannot stand in for it)"
         )
     labels = batch["labels"]
     if shifted:

@@ -33,6 +33,7 @@ import torch
 from ...plan import BatchPlan
 from ..core.loss import StepLoss
 from ..core.passes import StepPasses
+from ..core.weights import loss_of
 from ..memory.recovery import replan_after_oom, replan_token_step_after_oom, resplit_micro_batches
 from ..noise.probe import NoiseProbe, update_estimator
 from .base import AdaptiveEngineBase
@@ -273,7 +274,8 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
                 if armed:
                     recovery.begin_pass(f"in micro-batch {i} of step {self.global_steps}", index=i)
                 passes.set_boundary(i)
-                passes.backward(i, self._micro_loss(_to_device(batch, device)))
+                counted = passes.counts[i] if self.by_token and passes.counts[i] else None
+                passes.backward(i, self._micro_loss(_to_device(batch, device), counted))
                 if i == passes.last and armed:
                     recovery.begin_optimizer_step(self.global_steps)
                 passes.step(i)  # DeepSpeed updates only on the boundary
@@ -281,11 +283,10 @@ class AdaptiveBatchEngine(AdaptiveEngineBase):
             passes.close()
         return passes.result()
 
-    def _micro_loss(self, batch: Any) -> torch.Tensor:
+    def _micro_loss(self, batch: Any, counted: int | None) -> torch.Tensor:
         if self.loss_fn is not None:
-            out = self.loss_fn(self, batch)
-            if isinstance(out, tuple):  # (mean loss, num_tokens) — the count was taken already
-                out = out[0]
+            # (mean loss, num_tokens): the count is checked against the one the weights were built from
+            out = loss_of(self.loss_fn(self, batch), counted, "loss_fn")
         else:
             if not isinstance(batch, dict):
                 raise TypeError(

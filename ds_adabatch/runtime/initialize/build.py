@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...config import ConfigError, ConfigProblem, load_ds_config
+from ...config import BATCH_KEYS, ConfigError, ConfigProblem, load_ds_config
 from ...config.parallel import caller_accumulation_problems
-from ...data.loader_setup import build_rank_loader
+from ...data.loader_setup import build_rank_loader, drop_last_problems
 from ...schedules import BatchSizeController
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
 from ..core.weights import make_token_counter, pipeline_token_count
@@ -117,7 +117,8 @@ def initialize(
         collate_fn: turns a list of samples into a micro-batch (default: torch's default collate).
         loss_fn: for ``train_batch``: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the
             micro-batch's samples (or target tokens with ``loss_normalization: "token"``; it may then
-            return ``(loss, num_tokens)``). Default: ``engine(**batch).loss`` (Hugging Face models). For
+            return ``(loss, num_tokens)``, where ``num_tokens`` must equal the count the engine took
+            before the forward, from ``labels`` or ``token_count_fn``, else it is refused). Default: ``engine(**batch).loss`` (Hugging Face models). For
             a ``PipelineModule``: ``loss_fn(outputs, labels)`` (a function, a ``functools.partial`` or
             a loss module such as ``torch.nn.CrossEntropyLoss()``), the module's own by default; the
             engine weights it (see :class:`~ds_adabatch.runtime.pipeline.feed.WeightedPipelineLoss`).
@@ -196,6 +197,12 @@ class _EngineBuilder:
         )
         self.pipelined = is_pipeline_module(self.model)
         schedule = loaded.adabatch.schedule
+        data = self.training_data
+        if data is not None and not isinstance(data, torch.utils.data.IterableDataset):
+            if problems := drop_last_problems(
+                loaded.adabatch, len(data), drop_last=loaded.adabatch.data.drop_last
+            ):
+                raise ConfigError(problems, loaded.source)
         if problems := caller_accumulation_problems(
             loaded.deepspeed, pipelined=self.pipelined, schedule=schedule
         ):
@@ -244,7 +251,7 @@ class _EngineBuilder:
     def build(self, into: AdaptiveBatchEngine | None = None) -> AdaptiveBatchEngine | AdaptivePipelineEngine:
         """Everything from the process group on. After a live recovery (live_recovery.py) it runs again
         on the new world ``into`` the engine the script holds, which keeps its LR wrapper and loader."""
-        layout, planned = self._plan_world()
+        layout, planned = self._plan_world(rounds=into is not None)
         cfg = planned.adabatch
         world, rank = layout.data_parallel_size, layout.data_parallel_rank
         _configure_logging(self.dist.get_rank())
@@ -281,8 +288,12 @@ class _EngineBuilder:
             return into
         return AdaptiveBatchEngine(ds_engine, lr=coupled, loss_fn=self.loss_fn, **data_parallel)
 
-    def _plan_world(self) -> tuple[ParallelLayout, LoadedConfig]:
-        """The parallel layout of this world (checked) and the config planned for its data-parallel size."""
+    def _plan_world(self, *, rounds: bool) -> tuple[ParallelLayout, LoadedConfig]:
+        """The parallel layout of this world (checked) and the config planned for its data-parallel size.
+
+        ``rounds``: the survivors of a live recovery plan a schedule batch that is not plannable on their
+        world by rounding it, as the controller rounds every batch, rather than refusing the config a
+        start refuses (``LoadedConfig.with_world_size``)."""
         model, loaded, dist = self.model, self.loaded, self.dist
         layout = parallel_layout(
             model, self.deepspeed_kwargs.get("mpu"), dist.get_world_size(), dist.get_rank()
@@ -293,7 +304,7 @@ class _EngineBuilder:
             problems = model_parallel_problems(loaded, layout)
             if problems:
                 raise ConfigError(problems, loaded.source)
-        return layout, loaded.with_world_size(layout.data_parallel_size)
+        return layout, loaded.with_world_size(layout.data_parallel_size, rounds=rounds)
 
     def _deepspeed_engine(self, planned: LoadedConfig) -> tuple[Any, Any]:
         """DeepSpeed's engine and LR scheduler for the planned config (an optimizer is required)."""
@@ -436,14 +447,15 @@ def _check_deepspeed_sections(loaded: LoadedConfig) -> None:
     """Let DeepSpeed validate its own sections now, before a process group exists.
 
     ``deepspeed.runtime.config.DeepSpeedConfig`` (0.19.8) parses every section without a process group;
-    the batch keys are filled for a world of one here because only the other sections are checked (the
-    plan for the real world size is checked once it is known).
+    it is given a batch of one here (micro 1 x GAS 1) because only the other sections are checked: the
+    batch keys as written are checked against the plan once the world size is known.
     """
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
+    sections = {key: value for key, value in loaded.deepspeed.items() if key not in BATCH_KEYS}
     try:
-        DeepSpeedConfig(loaded.with_world_size(1).deepspeed)
+        DeepSpeedConfig({**sections, **dict.fromkeys(BATCH_KEYS, 1)})
     except ValidationError as err:
         section = _DS_SECTIONS.get(err.title, err.title)
         problems = [

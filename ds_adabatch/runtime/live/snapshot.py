@@ -184,8 +184,12 @@ def _open_slot(path: str, numel: int) -> _Slot:
     return _Slot(torch.from_file(path, shared=True, size=max(numel, 1), dtype=torch.float32), path)
 
 
+def _meta_tmp(slot: _Slot) -> str:
+    return f"{slot.meta_path}.{os.getpid()}.tmp"
+
+
 def _write_meta(slot: _Slot, meta: dict[str, Any]) -> None:
-    tmp = slot.meta_path + ".tmp"
+    tmp = _meta_tmp(slot)
     with open(tmp, "wb") as f:
         pickle.dump(meta, f)
     os.replace(tmp, slot.meta_path)
@@ -239,7 +243,10 @@ class Snapshots:
     def _slot(self, table: dict[int, _Slot], index: int, partition: int, numel: int) -> _Slot:
         slot = table.get(index)
         if slot is None or slot.data.numel() != max(numel, 1):
-            path = os.path.join(self.folder, f"{self.family}.p{partition}.s{index}.bin")
+            # A buddy copy is named after its holder too: where the "nodes" share one host's /dev/shm
+            # (agents on one machine), the partition's owner writes a slot of the same partition.
+            holder = f".c{self.rank}" if table is self._buddy else ""
+            path = os.path.join(self.folder, f"{self.family}.p{partition}.s{index}{holder}.bin")
             slot = table[index] = _open_slot(path, numel)
         return slot
 
@@ -320,7 +327,7 @@ class Snapshots:
         once the node's last rank has done so. Only its own: the node's other ranks may still be
         writing theirs (a rank that ends first must not delete a slower one's last snapshot)."""
         for slot in (*self._own.values(), *self._buddy.values()):
-            for path in (slot.path, slot.meta_path, slot.meta_path + ".tmp"):
+            for path in (slot.path, slot.meta_path, _meta_tmp(slot)):
                 with contextlib.suppress(OSError):
                     os.remove(path)
         self._own, self._buddy = {}, {}

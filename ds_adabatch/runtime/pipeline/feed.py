@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ..core.weights import loss_of
+
 __all__ = ["WeightedPipelineLoss", "check_pipeline_batch", "loss_reduction", "pad_rows", "rows_of"]
 
 
@@ -158,11 +160,12 @@ class WeightedPipelineLoss(torch.nn.Module):
         # stage receives the gradient it waits for.
         keep = max(rows, 1)
         out = self.user_loss(_take(outputs, keep), _take(labels, keep))
+        out = loss_of(out, count if self.by_token and rows else None, "the pipeline's loss_fn")
         return self._mean(out, keep, max(count, 1)) * weight
 
     def _mean(self, out: Any, rows: int, count: float) -> torch.Tensor:
         """The pass's mean loss over its ``rows`` (or ``count`` target tokens) from ``out`` as reduced."""
-        if isinstance(out, tuple):  # (mean loss, num_tokens): the count was taken when feeding
+        if isinstance(out, tuple):  # (mean loss, num_tokens) in eval_batch: nothing to weigh
             out = out[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(
