@@ -15,7 +15,6 @@ from typing import Any, Protocol
 from torch.utils.data import IterableDataset
 
 from ..config import ConfigProblem
-
 from .loader import ElasticDataLoader
 from .sampler import ElasticSampler
 from .token_loader import TokenBudgetLoader

@@ -198,11 +198,13 @@ class _EngineBuilder:
         self.pipelined = is_pipeline_module(self.model)
         schedule = loaded.adabatch.schedule
         data = self.training_data
-        if data is not None and not isinstance(data, torch.utils.data.IterableDataset):
-            if problems := drop_last_problems(
+        map_style = data is not None and not isinstance(data, torch.utils.data.IterableDataset)
+        if map_style and (
+            problems := drop_last_problems(
                 loaded.adabatch, len(data), drop_last=loaded.adabatch.data.drop_last
-            ):
-                raise ConfigError(problems, loaded.source)
+            )
+        ):
+            raise ConfigError(problems, loaded.source)
         if problems := caller_accumulation_problems(
             loaded.deepspeed, pipelined=self.pipelined, schedule=schedule
         ):
