@@ -319,6 +319,8 @@ def test_an_even_split_of_many_more_passes_than_needed_is_said_once(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="ds_adabatch"):
         assert uneven.plan_for(29).gradient_accumulation_steps == 8
+        # 9 on 2 ranks under 4: 5 samples on a rank need 2 passes (not 1), and the split is uneven already.
+        assert core_for({"type": "constant", "value": 8}, world=2, allow_uneven=True)[0].plan_for(9)
     assert not caplog.records
 
 

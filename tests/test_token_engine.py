@@ -63,6 +63,17 @@ def test_token_budget_steps_are_exact_and_exactly_once(results, case):
     assert said == [f"{a} -> {b} tokens" for a, b in zip(TARGETS, TARGETS[1:])], r["plan_lines"]
 
 
+def test_the_lr_follows_every_token_target(results):
+    r = read_result(results, "token_lr")
+    targets = [t for t, *_ in r["rows"]]
+    assert len(set(targets)) >= 4, targets
+    for target, multiplier, *_ in r["rows"]:
+        assert multiplier == pytest.approx(target / 60), r["rows"]
+    # Each new target is a plan change (recorded), whether or not its packed shape changed.
+    changes = sum(a != b for a, b in zip(targets, targets[1:]))
+    assert len(r["history"]) == changes, (r["history"], r["rows"])
+
+
 def test_same_stream_on_every_stage_and_with_length_fn(results):
     base = read_result(results, "train_z0_token")
     for case in ("z1_token", "z2_token", "z3_token", "z0_sample"):

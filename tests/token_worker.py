@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+import numpy as np
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -212,6 +213,44 @@ def train(out_dir: str) -> None:
         record[key] += rest[key]
     record["params"] = params(engine).tolist()
     write(out_dir, "train_length_fn_workers", record)
+    engine.close()
+    # A token ramp with the LR scaled by the target: every step's multiplier is its target over the
+    # start, also where a new target packs into the same samples and passes as the step before (as
+    # these lengths do at steps 3 -> 4: 120 and 149 tokens, 12 samples each).
+    lengths = [int(n) for n in np.random.default_rng(0).integers(1, 21, size=150)]
+    rows_data = [torch.full((n,), 1.0) for n in lengths]
+    engine, *_ = ds_adabatch.initialize(
+        torch.nn.Linear(1, 1),
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "adabatch": {
+                "schedule": {
+                    "type": "linear",
+                    "unit": "tokens",
+                    "start": 60,
+                    "end": 300,
+                    "ramp_samples": 100,
+                },
+                "micro_batch_tokens": 40,
+                "bucket_window": 16,
+                "lr_scaling": {"rule": "linear", "reference_batch": 60},
+            },
+        },
+        rows_data,
+        lengths=lengths,
+        collate_fn=lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+        loss_fn=lambda e, b: e(b.mean(1, keepdim=True)).mean(),
+    )
+    rows = []
+    for _ in range(9):
+        engine.next_plan()
+        multiplier = engine.lr_multiplier
+        engine.train_batch()
+        step = engine.last_step_batch.global_batch
+        rows.append(
+            [step.target_tokens, multiplier, len(step.indices), engine.plan.gradient_accumulation_steps]
+        )
+    write(out_dir, "token_lr", {"rows": rows, "history": [e.to_dict() for e in engine.history]})
     engine.close()
 
 

@@ -303,9 +303,11 @@ class StepCore:
     def _say_if_split_poorly(self, plan: BatchPlan, limit: int) -> None:
         """Once per run (rank 0): an even split of at least twice the passes an uneven one needs (a
         ramp through 29 samples with micro-batches of at most 16 runs micro 1 x GAS 29)."""
-        per_rank = plan.global_batch_size // plan.world_size
+        if self.split_said or self.allow_uneven:  # an uneven split already holds it in the fewest passes
+            return
+        per_rank = -(-plan.global_batch_size // plan.world_size)
         fewest = -(-per_rank // limit)
-        if self.split_said or plan.gradient_accumulation_steps < 2 * fewest:
+        if plan.gradient_accumulation_steps < 2 * fewest:
             return
         self.split_said = True
         if self.rank == 0:

@@ -473,7 +473,7 @@ class AdaptiveEngineBase:
         memory_reason = self.core.take_memory_reason()
         plan = decision.plan
         self.lr_coupling.observe_noise(self.noise.noise_scale_or_inf)  # "adascale" reads it each step
-        if plan != self.plan:
+        if plan != self.plan or (self.token_budget and record):  # a new token target: its LR, its line
             reason = decision.reason
             if memory_reason is not None and decision.batch == self.plan.global_batch_size:
                 reason = memory_reason
