@@ -200,6 +200,18 @@ def phase_exact(args) -> None:
     )
     engine.close()
 
+    # len(loader) at a constant batch of 20 over 96 samples on 2 ranks (micro 2 x gas 5, and the
+    # epoch's last 16 samples as micro 4 x gas 2: 22 a rank): what each epoch then hands out, twice.
+    section = {"schedule": {"type": "constant", "value": 20}, "max_micro_batch_per_gpu": 4}
+    engine, _, loader, _ = ds_adabatch.initialize(Net(), {**ref_config(2), "adabatch": section}, data)
+    lengths = []
+    for _ in range(2):
+        before = len(loader)
+        handed = sum(1 for _ in _counted(engine, loader))
+        lengths.append([before, handed])
+    write(args.out, "loop_len", {"lengths": lengths})
+    engine.close()
+
 
 def phase_resume(args) -> None:
     data = SyntheticCIFAR(N)
@@ -219,6 +231,14 @@ def phase_resume(args) -> None:
         },
     )
     engine.close()
+
+
+def _counted(engine, loader):
+    """One epoch of the tutorial loop, yielding once per micro-batch handed out."""
+    for inputs, labels in loader:
+        engine.backward(torch.nn.functional.cross_entropy(engine(inputs), labels))
+        engine.step()
+        yield None
 
 
 def _ce(engine, batch):

@@ -88,6 +88,7 @@ LANES = (("loop", "pipe_z0"), ("cifar", "pipe", "base"))
 RUNS_OF = {  # the launches each test reads (by name, or by name and parameters)
     "test_the_tutorial_loop_equals_train_batch": {"loop"},
     "test_the_loop_equals_the_big_batch_reference": {"loop"},
+    "test_the_loop_under_caller_owned_accumulation_equals_the_hand_set_boundary": {"loop"},
     "test_a_checkpoint_inside_a_step_resumes_that_step_on_another_world_size": {"loop"},
     "test_the_pipeline_example_with_a_loss_module_trains_exactly[pipe]": {"pipe"},
     "test_the_pipeline_example_with_a_loss_module_trains_exactly[pipe_z0]": {"pipe_z0"},
@@ -172,6 +173,9 @@ def test_the_loop_under_caller_owned_accumulation_equals_the_hand_set_boundary(l
     assert r["same_ledger"], "caller-owned accumulation trained other samples per step"
     assert r["global_steps"] == r["ds_global_steps"], "one DeepSpeed optimizer step per loop step"
     assert r["rel_err"] <= 1e-6, f"caller-owned vs the hand-set boundary: {r['rel_err']:.2e}"
+    # len(loader) at a constant batch is what each epoch hands out, its smaller last step included.
+    lengths = _read(loop_runs, "loop_len")["lengths"]
+    assert all(before == handed for before, handed in lengths), lengths
 
 
 @pytest.mark.matrix

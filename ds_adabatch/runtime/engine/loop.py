@@ -35,12 +35,12 @@ weighted for a plan DeepSpeed's loader does not follow: ``engine.backward`` refu
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ...plan import plan_batch
 from ..core.passes import StepPasses
 from ..memory.oom import UnrecoverableOutOfMemory, is_out_of_memory
 from ..memory.recovery import optimizer_step_oom
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ...plan import BatchPlan
     from ..core.loss import StepLoss
     from ..core.lr import BatchCoupledLR
+    from ..core.step_core import StepCore
     from ..memory.recovery import OomRecovery
 
 __all__ = ["ForwardBackwardLoop", "LoopDataLoader", "LoopEngine", "LoopHolder", "LoopStep", "LoopStepHooks"]
@@ -84,6 +85,7 @@ class LoopHolder(Protocol):
     loop: ForwardBackwardLoop
     dataloader: Any
     plan: BatchPlan
+    core: StepCore
 
 
 class LoopDataLoader:
@@ -109,21 +111,37 @@ class LoopDataLoader:
         return _EpochIterator(self.engine)
 
     def __len__(self) -> int:
-        """Micro-batches this rank is handed in the rest of the epoch if the current plan held."""
+        """Micro-batches this rank is handed in the rest of the epoch (the next epoch where this one is
+        done) if the scheduled batch held: its steps, the epoch's smaller last one (or none with
+        ``drop_last``), and what is left of a step in progress; token-budget steps are laid out as the
+        sampler would cut them."""
         engine, loader = self.engine, self.loader
         sampler = getattr(loader, "sampler", None)
         if sampler is None or not hasattr(sampler, "position"):
             raise TypeError("the length of an IterableDataset's stream is unknown")
         loop = engine.loop.in_progress
-        left = sampler.num_samples - sampler.position
-        if left == 0 or sampler.train_coverage >= 1.0:
-            left = sampler.num_samples
-        plan = engine.plan
-        steps = (
-            left // plan.global_batch_size if sampler.drop_last else math.ceil(left / plan.global_batch_size)
-        )
         in_progress = len(loop.micro) - loop.next_index if loop is not None else 0
-        return steps * plan.gradient_accumulation_steps + in_progress
+        n, position = sampler.num_samples, sampler.position
+        batch, world = engine.core.scheduled_batch, engine.plan.world_size
+        if hasattr(sampler, "peek_step"):  # token budgets: the steps as the sampler cuts them
+            epoch = sampler.epoch + (1 if position == n else 0)
+            step, passes = None, 0
+            while True:
+                step = sampler.peek_step(batch, world, after=step)
+                if step.epoch != epoch:
+                    break
+                passes += step.passes
+                if step.stop >= n:
+                    break
+            return passes + in_progress
+        left = n - position if position < n else n
+        plan = engine.core.plan_for(batch)
+        steps, tail = divmod(left, plan.global_batch_size)
+        passes = steps * plan.gradient_accumulation_steps
+        if tail and not sampler.drop_last:
+            last = plan_batch(tail, world, plan.max_micro_batch_per_gpu, allow_uneven=True)
+            passes += last.gradient_accumulation_steps
+        return passes + in_progress
 
     def __repr__(self) -> str:
         return f"LoopDataLoader({self.loader!r})"
