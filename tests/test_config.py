@@ -358,6 +358,17 @@ def test_numeric_batch_keys_are_refused_with_token_budgets() -> None:
     assert load_ds_config({"train_batch_size": "auto", "adabatch": section}, world_size=2).plan is not None
 
 
+def test_deepspeeds_dataloader_drop_last_applies_unless_the_section_sets_it() -> None:
+    section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
+    assert load_ds_config({"dataloader_drop_last": True, "adabatch": section}).adabatch.data.drop_last
+    assert not load_ds_config({"adabatch": section}).adabatch.data.drop_last
+    both = {**section, "data": {"drop_last": True}}
+    assert load_ds_config({"dataloader_drop_last": True, "adabatch": both}).adabatch.data.drop_last
+    with pytest.raises(ConfigError) as err:
+        load_ds_config({"dataloader_drop_last": False, "adabatch": both})
+    assert err.value.paths == ["dataloader_drop_last"] and "adabatch.data.drop_last" in str(err.value)
+
+
 def test_defaults_and_round_trip() -> None:
     cfg = load_ds_config(valid_config()).adabatch
     assert (cfg.granularity, cfg.allow_uneven, cfg.update_interval) == (1, False, 1)

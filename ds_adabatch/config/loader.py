@@ -240,6 +240,9 @@ def _validate(raw: object, name: str, world_size: int | None, *, rounds: bool = 
     else:
         cfg, section_problems = _validate_section(raw[SECTION])
         problems += section_problems
+        if cfg is not None:
+            cfg, drop_problems = _with_deepspeed_drop_last(raw, cfg)
+            problems += drop_problems
     problems += _batch_key_type_problems(raw)
 
     plan: BatchPlan | None = None
@@ -289,6 +292,22 @@ def _geometry_problems(raw: Mapping[str, Any], cfg: AdaBatchConfig) -> list[Conf
         'none: set it to "sgd" (or "auto") or train with an Adam-type optimizer'
     )
     return [ConfigProblem(f"{SECTION}.schedule.geometry", message, "adam")]
+
+
+def _with_deepspeed_drop_last(
+    raw: Mapping[str, Any], cfg: AdaBatchConfig
+) -> tuple[AdaBatchConfig, list[ConfigProblem]]:
+    """DeepSpeed's own ``dataloader_drop_last`` applies to the sample stream as it would to DeepSpeed's
+    loader, where ``adabatch.data.drop_last`` is not set; where both are set they must agree."""
+    value = raw.get("dataloader_drop_last")
+    if not isinstance(value, bool):  # absent (DeepSpeed's default, False), or DeepSpeed refuses it
+        return cfg, []
+    if "drop_last" in cfg.data.model_fields_set:
+        if cfg.data.drop_last == value:
+            return cfg, []
+        message = f"disagrees with adabatch.data.drop_last ({cfg.data.drop_last}): set one of them, or both alike"
+        return cfg, [ConfigProblem("dataloader_drop_last", message, value)]
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"drop_last": value})}), []
 
 
 def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[ConfigProblem]]:

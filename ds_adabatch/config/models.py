@@ -82,7 +82,8 @@ class DataConfig(_Section):
         False,
         description=(
             "Drop an epoch's final global batch when fewer samples remain than planned; otherwise it "
-            "is trained as a smaller global batch."
+            "is trained as a smaller global batch. Unset, DeepSpeed's own top-level "
+            "dataloader_drop_last decides (as it would for DeepSpeed's loader); set, the two must agree."
         ),
     )
     num_workers: int = Field(
