@@ -244,6 +244,15 @@ def _validate(raw: object, name: str, world_size: int | None, *, rounds: bool = 
             cfg, drop_problems = _with_deepspeed_drop_last(raw, cfg)
             problems += drop_problems
     problems += _batch_key_type_problems(raw)
+    problems += [
+        ConfigProblem(
+            key,
+            f'is a key of the "{SECTION}" section, not of DeepSpeed (which ignores it at the top level): '
+            f'move it inside "{SECTION}"',
+        )
+        for key in raw
+        if key in AdaBatchConfig.model_fields
+    ]
 
     plan: BatchPlan | None = None
     if cfg is not None:
