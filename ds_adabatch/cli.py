@@ -216,6 +216,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     problems.append(f"with --world-size {world}: {err}")
             replicas = min((p.plan.world_size for p in planned_by_world.values()), default=1)
             problems += _layout_problems(loaded, stages, tensor, replicas)
+            problems += _deepspeed_problems(loaded)
             if problems:
                 raise UsageError("\n".join(problems))
             lines = _summary_lines(loaded, planned_by_world)
@@ -233,6 +234,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if failed and len(args.configs) > 1:
         print(f"{failed} of {len(args.configs)} configs have problems", file=sys.stderr)
     return 2 if failed else 0
+
+
+def _deepspeed_problems(loaded: Any) -> list[str]:
+    """What DeepSpeed would refuse of its own sections (``deepspeed.initialize``'s checks, run early)."""
+    from .runtime.initialize.sections import check_deepspeed_sections, untested_optimizer_problems
+
+    try:
+        check_deepspeed_sections(loaded)
+    except ConfigError as err:
+        return [str(err)]
+    found = untested_optimizer_problems(loaded.deepspeed)
+    return [str(ConfigError(found, loaded.source))] if found else []
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -415,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("validate", help="check ds_config files and print the resolved plan")
+    p = sub.add_parser(
+        "validate",
+        help="check ds_config files (the adabatch section, and DeepSpeed's own sections through DeepSpeed) "
+        "and print the resolved plan",
+    )
     p.add_argument(
         "configs", nargs="+", metavar="CONFIG", help="ds_config JSON file(s) with an adabatch section"
     )

@@ -372,7 +372,9 @@ def test_deepspeeds_dataloader_drop_last_applies_unless_the_section_sets_it() ->
 def test_section_keys_at_the_top_level_are_refused() -> None:
     section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
     with pytest.raises(ConfigError) as err:
-        load_ds_config({"adabatch": section, "live_elastic": {"enabled": True}, "lr_scaling": {"rule": "sqrt"}})
+        load_ds_config(
+            {"adabatch": section, "live_elastic": {"enabled": True}, "lr_scaling": {"rule": "sqrt"}}
+        )
     assert sorted(err.value.paths) == ["live_elastic", "lr_scaling"] and 'inside "adabatch"' in str(err.value)
 
 

@@ -70,7 +70,7 @@ def test_drop_last_with_a_batch_beyond_the_dataset_fails_before_any_process_grou
 
 def test_deepspeed_sections_are_checked_without_judging_the_batch_keys_for_one_rank():
     from ds_adabatch.config import load_ds_config
-    from ds_adabatch.runtime.initialize.build import _check_deepspeed_sections
+    from ds_adabatch.runtime.initialize.sections import check_deepspeed_sections
 
     # DeepSpeed's own 2-rank keys (8 = micro 4 x gas 1 x 2 ranks): right for the world they are run on,
     # which is checked once it is known; the early check of the other sections must not refuse them.
@@ -81,10 +81,22 @@ def test_deepspeed_sections_are_checked_without_judging_the_batch_keys_for_one_r
         "gradient_accumulation_steps": 1,
     }
     two_ranks["adabatch"] = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
-    _check_deepspeed_sections(load_ds_config(two_ranks))
+    check_deepspeed_sections(load_ds_config(two_ranks))
     assert load_ds_config(two_ranks, world_size=2).plan.gradient_accumulation_steps == 1
     with pytest.raises(ds_adabatch.ConfigError, match="zero_optimization.stage"):
-        _check_deepspeed_sections(load_ds_config({**two_ranks, "zero_optimization": {"stage": 5}}))
+        check_deepspeed_sections(load_ds_config({**two_ranks, "zero_optimization": {"stage": 5}}))
+
+
+@pytest.mark.parametrize("client", [False, True])
+def test_zero_with_an_untested_optimizer_fails_before_any_process_group(client):
+    model = torch.nn.Linear(2, 1)
+    config = {**GOOD, "zero_optimization": {"stage": 2}}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if client else None
+    if client:
+        del config["optimizer"]
+    with pytest.raises(ds_adabatch.ConfigError, match="zero_allow_untested_optimizer"):
+        ds_adabatch.initialize(model, config, optimizer=optimizer)
+    assert _no_group()
 
 
 def test_missing_adabatch_section_is_a_config_error():

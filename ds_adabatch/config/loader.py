@@ -314,7 +314,9 @@ def _with_deepspeed_drop_last(
     if "drop_last" in cfg.data.model_fields_set:
         if cfg.data.drop_last == value:
             return cfg, []
-        message = f"disagrees with adabatch.data.drop_last ({cfg.data.drop_last}): set one of them, or both alike"
+        message = (
+            f"disagrees with adabatch.data.drop_last ({cfg.data.drop_last}): set one of them, or both alike"
+        )
         return cfg, [ConfigProblem("dataloader_drop_last", message, value)]
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"drop_last": value})}), []
 

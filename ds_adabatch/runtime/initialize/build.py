@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...config import BATCH_KEYS, ConfigError, ConfigProblem, load_ds_config
+from ...config import ConfigError, load_ds_config
 from ...config.parallel import caller_accumulation_problems
 from ...data.loader_setup import build_rank_loader, drop_last_problems
 from ...schedules import BatchSizeController
@@ -26,6 +26,7 @@ from ..live.recovery import CurrentOptimizer, attach_live_recovery, prepare_live
 from ..pipeline.engine import AdaptivePipelineEngine
 from .arguments import InitializeCall, ModelParameters, OptimizerArgument, SchedulerArgument, resolve_call
 from .layout import is_pipeline_module, model_parallel_problems, parallel_layout, pipeline_problems
+from .sections import check_deepspeed_sections, untested_optimizer_problems
 from .tokens import token_budget_sampler
 
 if TYPE_CHECKING:
@@ -217,7 +218,9 @@ class _EngineBuilder:
 
         self.deepspeed, self.dist = deepspeed, dist
         if not dist.is_initialized():
-            _check_deepspeed_sections(loaded)
+            check_deepspeed_sections(loaded)
+        if problems := untested_optimizer_problems(loaded.deepspeed, self.optimizer):
+            raise ConfigError(problems, loaded.source)
         from deepspeed.accelerator import get_accelerator
 
         if problems := cuda_arch_list_problems(
@@ -425,54 +428,6 @@ def _check_arguments(model, training_data, loss_fn, collate_fn, token_count_fn, 
             )
         if len(training_data) == 0:
             raise ValueError("training_data is empty")
-
-
-# DeepSpeed 0.19.8 names its section models after the config keys they parse.
-_DS_SECTIONS = {
-    "DeepSpeedZeroConfig": "zero_optimization",
-    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
-    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
-    "DeepSpeedFP16Config": "fp16",
-    "DeepSpeedBF16Config": "bf16",
-    "DeepSpeedMonitorConfig": "monitor",
-    "TensorBoardConfig": "tensorboard",
-    "WandbConfig": "wandb",
-    "CSVConfig": "csv_monitor",
-    "CometConfig": "comet",
-    "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
-    "DeepSpeedFlopsProfilerConfig": "flops_profiler",
-    "DeepSpeedCommsConfig": "comms_logger",
-}
-
-
-def _check_deepspeed_sections(loaded: LoadedConfig) -> None:
-    """Let DeepSpeed validate its own sections now, before a process group exists.
-
-    ``deepspeed.runtime.config.DeepSpeedConfig`` (0.19.8) parses every section without a process group;
-    it is given a batch of one here (micro 1 x GAS 1) because only the other sections are checked: the
-    batch keys as written are checked against the plan once the world size is known.
-    """
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
-
-    sections = {key: value for key, value in loaded.deepspeed.items() if key not in BATCH_KEYS}
-    try:
-        DeepSpeedConfig({**sections, **dict.fromkeys(BATCH_KEYS, 1)})
-    except ValidationError as err:
-        section = _DS_SECTIONS.get(err.title, err.title)
-        problems = [
-            ConfigProblem(
-                ".".join([section, *(str(p) for p in e["loc"])]),
-                f"{e['msg']} (DeepSpeed's {err.title})",
-                e.get("input"),
-            )
-            for e in err.errors()
-        ]
-        raise ConfigError(problems, loaded.source) from None
-    except (ValueError, AssertionError, KeyError, TypeError) as err:
-        raise ConfigError(
-            [ConfigProblem("<deepspeed>", f"DeepSpeed rejects the config: {err}")], loaded.source
-        ) from None
 
 
 def _init_distributed(deepspeed, dist, kwargs, live) -> None:
