@@ -428,11 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "validate",
-        help="check ds_config files (the adabatch section, and DeepSpeed's own sections through DeepSpeed) "
-        "and print the resolved plan",
-    )
+    p = sub.add_parser("validate", help="check ds_config files (DeepSpeed's sections too); print the plan")
     p.add_argument(
         "configs", nargs="+", metavar="CONFIG", help="ds_config JSON file(s) with an adabatch section"
     )
