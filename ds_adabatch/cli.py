@@ -237,10 +237,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _deepspeed_problems(loaded: Any) -> list[str]:
-    """What DeepSpeed would refuse of its own sections (``deepspeed.initialize``'s checks, run early)."""
+    """What initialize refuses before any process group besides the plan (the function, DeepSpeed's own)."""
     from .runtime.initialize.sections import check_deepspeed_sections, untested_optimizer_problems
+    from .schedules.user import check_schedule_function
 
     try:
+        check_schedule_function(loaded.adabatch.schedule)
         check_deepspeed_sections(loaded)
     except ConfigError as err:
         return [str(err)]

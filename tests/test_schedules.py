@@ -330,6 +330,27 @@ def test_callable_resolution_errors_name_the_function(function, match):
     assert info.value.paths == ["adabatch.schedule.function"]
 
 
+def no_arguments() -> int:
+    return 1
+
+
+@pytest.mark.parametrize(
+    ("function", "kwargs", "match"),
+    [
+        ("grow_every", {"intervl": 5}, "unexpected keyword argument 'intervl'"),
+        ("no_arguments", {}, "positional"),
+    ],
+)
+def test_a_function_that_cannot_take_the_call_is_refused_before_it_runs(function, kwargs, match):
+    from ds_adabatch.schedules.user import check_schedule_function
+
+    cfg = schedule(type="callable", function=f"{__name__}:{function}", start=1, kwargs=kwargs)
+    for build in (lambda: check_schedule_function(cfg), lambda: build_schedule(cfg, world_size=1)):
+        with pytest.raises(ConfigError, match=match) as info:
+            build()
+        assert info.value.paths == ["adabatch.schedule.kwargs"] and "signature" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("function", "shown"),
     [("returns_float", "1.0 (float)"), ("returns_bool", "True (bool)"), ("returns_zero", "0 (int)")],

@@ -16,6 +16,7 @@ size, so the function's behaviour does not depend on how many ranks run it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from ..config.errors import ConfigError
 from .base import ScheduleContext, ScheduleError, check_state
 
-__all__ = ["CallableSchedule", "resolve_function"]
+__all__ = ["CallableSchedule", "check_call", "resolve_function", "check_schedule_function"]
 
 _CONFIG_PATH = "adabatch.schedule.function"
 _STATE_VERSION = 1
@@ -56,6 +57,41 @@ def resolve_function(path: str) -> Callable[..., Any]:
     return obj
 
 
+def check_call(fn: Callable[..., Any], kwargs: dict[str, Any], path: str) -> None:
+    """Refuse a function that cannot be called as ``fn(step, batch_size, **kwargs)``.
+
+    Raises:
+        ConfigError: the arguments do not fit its signature (a misspelt keyword, a function of no
+            arguments), naming it; a signature Python cannot read (a builtin) is not checked.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0, 1, **kwargs)
+    except TypeError as err:
+        raise ConfigError.single(
+            "adabatch.schedule.kwargs",
+            f"{path} cannot be called as {path.rpartition(':')[2] or path}(step, batch_size"
+            + "".join(f", {k}=..." for k in kwargs)
+            + f"): {err}; its signature is {signature}",
+            kwargs,
+        ) from None
+
+
+def check_schedule_function(schedule: Any) -> None:
+    """For a ``callable`` schedule config: import its function and check the call, before any process
+    group (``ds_adabatch.initialize``, ``ds-adabatch validate``); other schedules pass.
+
+    Raises:
+        ConfigError: the function cannot be imported or called with the configured arguments.
+    """
+    if getattr(schedule, "type", None) != "callable" or not isinstance(schedule.function, str):
+        return
+    check_call(resolve_function(schedule.function), dict(schedule.kwargs), schedule.function)
+
+
 class CallableSchedule:
     """Calls the configured function at every evaluation and remembers its result."""
 
@@ -70,6 +106,7 @@ class CallableSchedule:
         self.per = str(config.per)
         self.kwargs = dict(config.kwargs)
         self.fn = function if function is not None else resolve_function(self.path)
+        check_call(self.fn, self.kwargs, self.path)
         self.current = int(config.start)
         """The function's latest result (``start`` before the first call), in the function's unit."""
         self.last_reason = ""

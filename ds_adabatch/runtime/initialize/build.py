@@ -16,6 +16,7 @@ from ...config import ConfigError, load_ds_config
 from ...config.parallel import caller_accumulation_problems
 from ...data.loader_setup import build_rank_loader, drop_last_problems
 from ...schedules import BatchSizeController
+from ...schedules.user import check_schedule_function
 from ..core.lr import BatchCoupledLR, CurrentBaseLR
 from ..core.weights import make_token_counter, pipeline_token_count
 from ..distributed.op_builds import cuda_arch_list_problems, guard_jit_builds
@@ -210,6 +211,9 @@ class _EngineBuilder:
             loaded.deepspeed, pipelined=self.pipelined, schedule=schedule
         ):
             raise ConfigError(problems, loaded.source)
+        check_schedule_function(
+            schedule
+        )  # a callable schedule's function: importable, callable as configured
         # Lengths are validated (and an over-long sample named) before any process group starts.
         self.token_sampler = token_budget_sampler(loaded.adabatch, self.training_data, lengths, length_fn)
 
