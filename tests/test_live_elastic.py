@@ -238,6 +238,12 @@ def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage, 
     rows = check_exact(out, reference, stage)
     assert rows[-1]["world_size"] == world - lost and rows[0]["world_size"] == world
     assert len({r["pid"] for r in rows}) == 1, "rank 0 was restarted"
+    # Numbered as the step lines number steps (the first train_batch() is step 0): the worker kills its
+    # node during the train_batch() that follows its (kill step - 1)th; a loss felt in the snapshot
+    # exchange after that step is the next one's.
+    kill_step = int(JOBS[name][4]["LIVE_KILL"].split(":")[1])
+    assert event["failed_step"] in (kill_step - 1, kill_step), (event, kill_step)
+    assert event["failed_step"] - event["rolled_back_to"] == event["steps_redone"], event
     first_after = next(r for r in rows if r["world_size"] == 2)
     print(
         f"ZeRO {stage}: loss in step {event['failed_step']}, first resumed step {first_after['time'] - kill_time(out):.2f} s "

@@ -359,9 +359,10 @@ class LiveRecovery:
             if failure is None:
                 self._after_first_step()
                 return loss
-            # The step in progress: this one, or the next where the snapshot exchange after it failed
-            # (the rollback then undoes this one too).
-            failed_step = self.engine.global_steps + 1
+            # The step in progress, numbered as every step line numbers it (the first train_batch() is
+            # step 0): this one, or the next where the snapshot exchange after it failed (the rollback
+            # then undoes this one too).
+            failed_step = self.engine.global_steps
             # Outside the except block: the exception's frames no longer hold the failed engine.
             logger.warning(
                 "rank %d (process %d of the first world) lost a peer in step %d: %s",
@@ -397,7 +398,7 @@ class LiveRecovery:
         except (NoCompleteSnapshot, StoreLost, LeftOut, TimeoutError) as err:
             self._fail(str(err), failure)
         self.shrinks += 1
-        redo = failed_step - 1 - state.step
+        redo = failed_step - state.step  # the steps before the failed one trained again
         event = {
             "kind": "shrink" if lost else "reform",
             "failed_step": failed_step,
