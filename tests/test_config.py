@@ -369,6 +369,24 @@ def test_deepspeeds_dataloader_drop_last_applies_unless_the_section_sets_it() ->
     assert err.value.paths == ["dataloader_drop_last"] and "adabatch.data.drop_last" in str(err.value)
 
 
+def test_deepspeed_keys_inside_the_section_are_sent_to_the_top_level() -> None:
+    section = {
+        "schedule": {"type": "constant", "value": 8},
+        "max_micro_batch_per_gpu": 4,
+        "zero_optimization": {},
+    }
+    with pytest.raises(ConfigError) as err:
+        load_ds_config({"adabatch": section})
+    assert err.value.paths == ["adabatch.zero_optimization"] and "top level" in str(err.value), str(err.value)
+
+
+def test_gain_power_without_adascale_is_refused() -> None:
+    section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
+    with pytest.raises(ConfigError) as err:
+        load_ds_config({"adabatch": {**section, "lr_scaling": {"rule": "linear", "gain_power": 1.0}}})
+    assert err.value.paths == ["adabatch.lr_scaling.gain_power"] and "'adascale'" in str(err.value)
+
+
 def test_section_keys_at_the_top_level_are_refused() -> None:
     section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
     with pytest.raises(ConfigError) as err:

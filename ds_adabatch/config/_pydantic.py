@@ -87,6 +87,19 @@ def _document_path(loc: tuple[str | int, ...], data: object) -> list[str | int]:
     return parts
 
 
+_DEEPSPEED_KEYS = frozenset(
+    {
+        "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "checkpoint", "comms_logger",
+        "communication_data_type", "compile", "csv_monitor", "data_types", "dataloader_drop_last", "fp16",
+        "flops_profiler", "gradient_accumulation_steps", "gradient_clipping", "gradient_predivide_factor",
+        "memory_breakdown", "optimizer", "pipeline", "prescale_gradients", "scheduler", "steps_per_print",
+        "tensor_parallel", "tensorboard", "train_batch_size", "train_micro_batch_size_per_gpu",
+        "wall_clock_breakdown", "wandb", "zero_allow_untested_optimizer", "zero_optimization",
+    }
+)  # fmt: skip
+"""Top-level keys of DeepSpeed's ds_config (0.19.8): written inside the section, they are misplaced."""
+
+
 def _message(error: Any, parts: list[str | int], data: object, root: type[BaseModel] | None) -> str:
     kind = error["type"]
     ctx = error.get("ctx") or {}
@@ -109,6 +122,8 @@ def _message(error: Any, parts: list[str | int], data: object, root: type[BaseMo
                 "micro_batch_tokens, each step's samples are packed into passes of the token budget); "
                 "unit 'tokens' is for the constant, linear, step and piecewise schedules: remove it"
             )
+        if len(parts) == 1 and parts[0] in _DEEPSPEED_KEYS:
+            return "is a DeepSpeed key, not one of this section: move it to the top level of the ds_config"
         close = difflib.get_close_matches(str(parts[-1]), valid, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         return f"is not a known key: {hint}valid keys here are {', '.join(valid)}"

@@ -56,7 +56,7 @@ class LrScalingConfig(_Section):
         description=(
             "Power of AdaScale's gain under rule 'adascale': 0.5 for Adam-type optimizers (AdaptDL's "
             "form; it meets 'sqrt' where the gradient is all noise), 1 for plain SGD (AdaScale's rule). "
-            "Used only by 'adascale'."
+            "Used only by 'adascale' (another value with another rule is refused)."
         ),
     )
     reference_batch: int | None = Field(
@@ -318,6 +318,16 @@ class AdaBatchConfig(_Section):
                     "has no effect with lr_scaling.rule 'none' and lr_schedule_unit 'steps': set rule to "
                     "'linear' or 'sqrt', set lr_schedule_unit to 'samples', or remove reference_batch",
                     scaling.reference_batch,
+                )
+            )
+        default_power = LrScalingConfig.model_fields["gain_power"].default
+        if scaling.gain_power != default_power and scaling.rule != "adascale":
+            problems.append(
+                ConfigProblem(
+                    "lr_scaling.gain_power",
+                    f"has no effect with lr_scaling.rule {scaling.rule!r} (it is the power of AdaScale's "
+                    "gain): set rule to 'adascale', or remove gain_power",
+                    scaling.gain_power,
                 )
             )
         if scaling.rule == "adascale" and not measures_noise(self.schedule):

@@ -321,8 +321,9 @@ def _check_measurements(
     count_tokens = counted or tokens_per_sample > 0 or (data is not None and data.has("tokens"))
     if "tokens" in schedule.requires and not count_tokens:
         raise ValueError(
-            f"the {schedule.name} schedule is keyed on tokens; give tokens_per_sample (e.g. the sequence "
-            f"length) or a replay that records 'tokens'"
+            f"the {schedule.name} schedule is keyed on tokens; give tokens_per_sample (`ds-adabatch simulate "
+            "--tokens-per-sample N`, e.g. the sequence length), sample lengths (--lengths) or a replay that "
+            "records 'tokens'"
         )
     return count_tokens
 
