@@ -220,12 +220,17 @@ def describe_skipped(skipped: list[FileProblem], save_dir: str) -> str:
 def verify_folder(save_dir: str) -> tuple[list[str], bool]:
     """Check every checkpoint in ``save_dir`` completely (``ds-adabatch verify``): one line per
     checkpoint folder, newest first, and whether all complete ones verify (False also when there is
-    none). Folders without a completion record are listed as incomplete and do not count."""
+    none). Folders without a completion record are listed as incomplete and do not count; a record that
+    cannot be read is BAD. ``save_dir`` may also be one checkpoint's own folder."""
     if not os.path.isdir(save_dir):
         return [f"{save_dir}: no such folder"], False
     entries = []
-    for name in os.listdir(save_dir):
-        folder = os.path.join(save_dir, name)
+    # One checkpoint's own folder (a tag: it holds the completion record) is checked as itself.
+    own = os.path.exists(os.path.join(save_dir, COMPLETE_FILE))
+    parent = os.path.dirname(os.path.normpath(save_dir)) if own else save_dir
+    names = [os.path.basename(os.path.normpath(save_dir))] if own else os.listdir(save_dir)
+    for name in names:
+        folder = os.path.join(parent, name)
         if not os.path.isdir(folder):
             continue
         record = read_record(folder)
@@ -237,6 +242,10 @@ def verify_folder(save_dir: str) -> tuple[list[str], bool]:
         if record is None and os.path.isfile(os.path.join(folder, "trainer_state.json")):
             complete += 1  # written by transformers' Trainer, which keeps no manifest
             lines.append(f"{name}: unverified (a Hugging Face Trainer checkpoint: no manifest)")
+            continue
+        if record is None and os.path.exists(os.path.join(folder, COMPLETE_FILE)):
+            ok = False  # the save finished, and its record has been damaged since: nothing vouches for it
+            lines.append(f"{name}: BAD, its {COMPLETE_FILE} cannot be read (damaged)")
             continue
         if record is None:
             if any(n.endswith((".pt", ".json")) for n in os.listdir(folder)):

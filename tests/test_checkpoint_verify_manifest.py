@@ -147,6 +147,16 @@ def test_verify_prints_one_line_per_checkpoint_and_exits_1_on_damage(tmp_path, c
     assert lines[2].startswith("global_step4: ok")
 
 
+def test_verify_of_one_checkpoint_folder_and_of_a_damaged_record(tmp_path, capsys):
+    for step in (4, 6):
+        _checkpoint(tmp_path, step)
+    assert _verify(tmp_path / "global_step4", capsys) == (0, ["global_step4: ok, step 4, 4 files, 6.2 kB"])
+    (tmp_path / "global_step6" / "adabatch_complete.json").write_text("{not json")
+    code, lines = _verify(tmp_path, capsys)
+    assert code == 1 and lines[0] == "global_step6: BAD, its adabatch_complete.json cannot be read (damaged)"
+    assert lines[1].startswith("global_step4: ok")
+
+
 def test_verify_names_a_trainer_checkpoint_unverified(tmp_path, capsys):
     (tmp_path / "checkpoint-8").mkdir()
     (tmp_path / "checkpoint-8" / "trainer_state.json").write_text("{}")
