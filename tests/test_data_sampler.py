@@ -325,9 +325,9 @@ def test_state_is_global_counts_with_a_version() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"num_samples": 11}, "num_samples=11"),
-        ({"seed": 5}, "seed=5"),
-        ({"shuffle": False}, "shuffle=False"),
+        ({"num_samples": 11}, r"num_samples=11.*the same dataset \(11 samples\)"),
+        ({"seed": 5}, "seed=5.*set adabatch.data.seed"),
+        ({"shuffle": False}, "shuffle=False.*set adabatch.data.shuffle to false"),
         ({"version": 2}, "version"),
         ({"position": 11}, "position"),
         ({"epoch": -1}, "epoch"),

@@ -36,6 +36,23 @@ STATE_VERSION = 1
 """Version of :meth:`ElasticSampler.state_dict`; loading refuses any other."""
 
 _CONFIG_KEYS = ("num_samples", "seed", "shuffle")
+
+
+def stream_mismatch(name: str, saved: object, current: object) -> str:
+    """Why a checkpoint's sample stream cannot continue here, and what to set (``name``: a sampler's
+    ``num_samples``, ``seed``, ``shuffle`` or ``bucket_window``)."""
+    fix = {
+        "num_samples": f"train on the same dataset ({saved} samples), or start the run afresh",
+        "seed": f"set adabatch.data.seed (with the Trainer: data_seed, else seed) to {saved!r}",
+        "shuffle": f"set adabatch.data.shuffle to {str(saved).lower()}",
+        "bucket_window": f"set adabatch.bucket_window to {saved!r}",
+    }.get(name, f"use {name}={saved!r}")
+    return (
+        f"the checkpoint's sample stream was drawn with {name}={saved!r}, this run's with {name}={current!r}: "
+        f"the stream would not continue where it stopped; {fix}"
+    )
+
+
 _STATE_KEYS = ("epoch", "position", "samples_consumed", "samples_skipped")
 
 
@@ -414,11 +431,7 @@ class ElasticSampler:
             raise ValueError(f"sampler state lacks {', '.join(missing)}")
         for name in _CONFIG_KEYS:
             if state[name] != getattr(self, name):
-                raise ValueError(
-                    f"the checkpoint was written by a sampler with {name}={state[name]!r} but this one has "
-                    f"{name}={getattr(self, name)!r}; the sample stream would not continue, so build the "
-                    f"sampler with {name}={state[name]!r}"
-                )
+                raise ValueError(stream_mismatch(name, state[name], getattr(self, name)))
         epoch = _check_count("state['epoch']", state["epoch"])
         position = _check_count("state['position']", state["position"], 0, self._num_samples)
         consumed = _check_count("state['samples_consumed']", state["samples_consumed"])

@@ -33,6 +33,7 @@ from ds_adabatch.plan import BatchPlan
 from .lengths import SampleLengths
 from .order import MAX_NUM_SAMPLES, EpochOrder, epoch_order
 from .packing import PADDING_MODES, RankLayout, count_passes, micro_batch_cost, pack_step
+from .sampler import stream_mismatch
 
 __all__ = ["TOKEN_STATE_VERSION", "SampleLengths", "TokenBudgetSampler", "TokenStep"]
 
@@ -427,11 +428,7 @@ class TokenBudgetSampler:
             )
         for name in ("num_samples", "seed", "shuffle", "bucket_window"):
             if state.get(name) != getattr(self, name):
-                raise ValueError(
-                    f"the checkpoint was written with {name}={state.get(name)!r} but this sampler has "
-                    f"{name}={getattr(self, name)!r}; the sample stream would not continue, so use "
-                    f"{name}={state.get(name)!r}"
-                )
+                raise ValueError(stream_mismatch(name, state.get(name), getattr(self, name)))
         self._epoch = _count("state['epoch']", state.get("epoch"))
         self._position = _count("state['position']", state.get("position"), 0, self.num_samples)
         self._consumed = _count("state['samples_consumed']", state.get("samples_consumed"))
