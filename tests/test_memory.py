@@ -258,11 +258,24 @@ def test_an_imposed_failure_lowers_the_limit_over_a_later_checkpoint_and_is_neve
     assert fresh.limit == 7, "the bound travels in checkpoints written afterwards"
 
 
+def test_an_imposed_failure_plans_at_the_largest_size_that_had_run_clean():
+    memory = MicroBatchMemory(8, 8, grow_after_steps=1)
+    memory.impose(None, 8, good=6)  # the process that failed at 8 had run 6 clean: at least half of 8
+    assert memory.limit == 6
+    far = MicroBatchMemory(16, 16, grow_after_steps=1)
+    far.impose(None, 16, good=3)  # below half: halving, as in the same process
+    assert far.limit == 8
+    older = new_record(None, 8, rank=0, where="x")
+    assert older.good == 0, "a record without the clean size (as older ones) plans by halving"
+
+
 def test_restart_records_round_trip_and_bad_files_are_skipped(tmp_path):
-    first = write_record(str(tmp_path), new_record(2048, 8, rank=1, where="in micro-batch 0 of step 3"))
+    first = write_record(
+        str(tmp_path), new_record(2048, 8, rank=1, where="in micro-batch 0 of step 3", good=5)
+    )
     (tmp_path / "adabatch_oom_rank0.json").write_text("{not json")
     records = read_records(str(tmp_path))
-    assert [(p, r.key, r.failed, r.rank) for p, r in records] == [(first, "2048", 8, 1)]
+    assert [(p, r.key, r.failed, r.rank, r.good) for p, r in records] == [(first, "2048", 8, 1, 5)]
     remove_records([first, first])
     assert read_records(str(tmp_path)) == []
 

@@ -94,7 +94,8 @@ class MicroBatchMemory:
         self.backoff_factor = backoff_factor
         self.key: Hashable = None
         self._states: dict[Hashable, _KeyState] = {}
-        self._imposed: list[tuple[Hashable, int]] = []  # (key, failing size) learned by an earlier process
+        # (key, failing size, largest clean size) learned by an earlier process
+        self._imposed: list[tuple[Hashable, int, int]] = []
         self._capped: MemoryDecision | None = None  # a move of the limit by the prediction, not yet said
 
     # -- reading --------------------------------------------------------------------------------
@@ -198,18 +199,25 @@ class MicroBatchMemory:
         return (state.limit + state.failed_at + 1) // 2
 
     # -- limits learned by a process that had to exit -------------------------------------------
-    def impose(self, key: Hashable, failed: int) -> None:
+    def impose(self, key: Hashable, failed: int, good: int = 0) -> None:
         """An earlier process ran out of memory at size ``failed`` under ``key`` and could not recover:
-        plan below it, as :meth:`on_oom` would have, also over a checkpoint loaded later, and never try
-        ``failed`` or more again under that key (a probe there would end the process again)."""
-        self._imposed.append((key, int(failed)))
-        self._apply_imposed([(key, int(failed))])
+        plan below it, as :meth:`on_oom` would have (from ``good``, the largest size that had run clean
+        there, where it is at least half of ``failed``; 0: unknown), also over a checkpoint loaded later,
+        and never try ``failed`` or more again under that key (a probe there would end the process again)."""
+        self._imposed.append((key, int(failed), int(good)))
+        self._apply_imposed([(key, int(failed), int(good))])
 
-    def _apply_imposed(self, imposed: list[tuple[Hashable, int]]) -> None:
+    def good_size(self) -> int:
+        """The largest size that completed a step under the current key (0: none yet)."""
+        return self._state().good or 0
+
+    def _apply_imposed(self, imposed: list[tuple[Hashable, int, int]]) -> None:
         current = self.key
-        for key, failed in imposed:
+        for key, failed, good in imposed:
             self.key = key
             state = self._state()
+            if 0 < good < failed:
+                state.good = max(state.good or 0, good) if (state.good or 0) < failed else good
             if failed > 1 and state.limit >= failed:
                 self.on_oom(failed)
             elif failed > 1:

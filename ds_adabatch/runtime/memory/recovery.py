@@ -224,7 +224,9 @@ class OomRecovery:
     def _record(self, error: UnrecoverableOutOfMemory) -> None:
         size = self.predictor.pass_size if self.predictor is not None else None
         # The optimizer step, or a size never read: the limit in force is what failed.
-        self.records.record(error, self.memory.key, size or self.memory.limit, where=self.where)
+        self.records.record(
+            error, self.memory.key, size or self.memory.limit, where=self.where, good=self.memory.good_size()
+        )
 
     def use_checkpoint_dir(self, folder: str) -> None:
         """``load_checkpoint(folder)`` is starting: impose the records an earlier process left there, and

@@ -79,6 +79,8 @@ class OomRecord:
     written_at: float
     run: str = ""
     """The launch that wrote it (torchrun's ``TORCHELASTIC_RUN_ID``; empty without torchrun)."""
+    good: int = 0
+    """The largest size that had completed a step under ``key`` (0: none), where the next start plans."""
 
 
 def write_record(folder: str, record: OomRecord) -> str:
@@ -116,9 +118,15 @@ def remove_records(paths: list[str]) -> None:
             os.remove(path)
 
 
-def new_record(key: Hashable, failed: int, *, rank: int, where: str) -> OomRecord:
+def new_record(key: Hashable, failed: int, *, rank: int, where: str, good: int = 0) -> OomRecord:
     return OomRecord(
-        key=repr(key), failed=int(failed), rank=rank, where=where, written_at=time.time(), run=_run_id()
+        key=repr(key),
+        failed=int(failed),
+        rank=rank,
+        where=where,
+        written_at=time.time(),
+        run=_run_id(),
+        good=int(good),
     )
 
 
@@ -156,11 +164,13 @@ class RestartRecords:
         self._imposed: set[tuple[int, float]] = set()  # (rank, written_at) of records imposed
         self._read: list[str] = []  # paths this rank read records from (deleted once a checkpoint holds them)
 
-    def record(self, error: UnrecoverableOutOfMemory, key: Hashable, failed: int, *, where: str) -> None:
+    def record(
+        self, error: UnrecoverableOutOfMemory, key: Hashable, failed: int, *, where: str, good: int = 0
+    ) -> None:
         """Write this rank's record and say so in ``error`` (an ``UnrecoverableOutOfMemory``, whose
-        ``exit_code`` becomes :data:`OOM_RESTART_EXIT_CODE`)."""
+        ``exit_code`` becomes :data:`OOM_RESTART_EXIT_CODE`); ``good``: the largest size that ran clean."""
         folder = self.record_dir or self.folder or self.default_dir
-        path = write_record(folder, new_record(key, failed, rank=self.rank, where=where))
+        path = write_record(folder, new_record(key, failed, rank=self.rank, where=where, good=good))
         error.exit_code, error.record = OOM_RESTART_EXIT_CODE, path
         if self.folder is not None:
             resume = f"resumes from the last complete checkpoint in {self.folder}"
@@ -206,7 +216,7 @@ class RestartRecords:
             if ident in self._imposed:
                 continue
             self._imposed.add(ident)
-            memory.impose(parse_key(record.key), record.failed)
+            memory.impose(parse_key(record.key), record.failed, record.good)
             if self.rank == 0:
                 logger.warning(
                     "out-of-memory record of rank %d in %s: it could not recover at %d %s per pass (%s); "
