@@ -12,9 +12,8 @@ Subcommands::
     ds-adabatch verify CKPT_DIR
 
 Exit status: 0 on success; 1 from ``config-docs --check`` when the page is stale, and from ``verify`` when a
-checkpoint fails its manifest or the folder holds no complete checkpoint; 2 on bad input or
-an invalid config, with a message on stderr and no traceback. The command imports neither DeepSpeed
-nor torch, so it answers in well under a second.
+checkpoint fails its manifest or the folder holds no complete checkpoint; 2 on bad input or an invalid
+config, with a message on stderr and no traceback. Only ``validate`` imports DeepSpeed (to check its sections).
 """
 
 from __future__ import annotations
@@ -216,7 +215,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     problems.append(f"with --world-size {world}: {err}")
             replicas = min((p.plan.world_size for p in planned_by_world.values()), default=1)
             problems += _layout_problems(loaded, stages, tensor, replicas)
-            problems += _deepspeed_problems(loaded)
+            problems += _early_problems(loaded)
             if problems:
                 raise UsageError("\n".join(problems))
             lines = _summary_lines(loaded, planned_by_world)
@@ -236,18 +235,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
-def _deepspeed_problems(loaded: Any) -> list[str]:
-    """What initialize refuses before any process group besides the plan (the function, DeepSpeed's own)."""
-    from .runtime.initialize.sections import check_deepspeed_sections, untested_optimizer_problems
-    from .schedules.user import check_schedule_function
+def _early_problems(loaded: Any) -> list[str]:
+    from .runtime.initialize.sections import early_problems
 
-    try:
-        check_schedule_function(loaded.adabatch.schedule)
-        check_deepspeed_sections(loaded)
-    except ConfigError as err:
-        return [str(err)]
-    found = untested_optimizer_problems(loaded.deepspeed)
-    return [str(ConfigError(found, loaded.source))] if found else []
+    return early_problems(loaded)
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -573,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse has printed usage or --help / --version
         return int(exit_.code or 0)
     command: Callable[[argparse.Namespace], int] = args.func
+    if os.getcwd() not in sys.path:  # a callable schedule's module, found as `python train.py` here finds it
+        sys.path.insert(0, os.getcwd())
     try:
         return command(args)
     except (ConfigError, PlanError, UsageError) as err:

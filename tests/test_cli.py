@@ -191,6 +191,23 @@ def test_validate_refuses_what_deepspeed_would_refuse_of_its_own_sections(tmp_pa
     assert run("validate", allowed).returncode == 0
 
 
+def test_validate_checks_a_callable_schedule_beside_the_script_as_python_finds_it(tmp_path: Path) -> None:
+    (tmp_path / "my_sched.py").write_text("def grow(step, batch_size, interval=5):\n    return batch_size\n")
+    schedule = {"type": "callable", "function": "my_sched:grow", "start": 8}
+    for kwargs, code in (({"interval": 2}, 0), ({"intervl": 2}, 2)):
+        config = {"adabatch": {"schedule": {**schedule, "kwargs": kwargs}, "max_micro_batch_per_gpu": 4}}
+        write(tmp_path / "cfg.json", config)
+        script = Path(sys.executable).parent / "ds-adabatch"  # the console script: no cwd on sys.path
+        result = subprocess.run(
+            [str(script), "validate", "cfg.json"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+        assert result.returncode == code, result.stderr
+    assert (
+        "unexpected keyword argument 'intervl'" in result.stderr
+        and "adabatch.schedule.kwargs" in result.stderr
+    )
+
+
 def test_plan_counts_replicas_of_a_layout() -> None:
     result = run(
         "plan", "--global-batch", "16", "--world-size", "4", "--max-micro", "4", "--pipeline-stages", "2"

@@ -360,12 +360,17 @@ def test_numeric_batch_keys_are_refused_with_token_budgets() -> None:
 
 def test_deepspeeds_dataloader_drop_last_applies_unless_the_section_sets_it() -> None:
     section = {"schedule": {"type": "constant", "value": 8}, "max_micro_batch_per_gpu": 4}
-    assert load_ds_config({"dataloader_drop_last": True, "adabatch": section}).adabatch.data.drop_last
-    assert not load_ds_config({"adabatch": section}).adabatch.data.drop_last
+    plain = load_ds_config({"dataloader_drop_last": True, "adabatch": section})
+    assert not plain.adabatch.data.drop_last, "the Trainer and accelerate read the section as written"
+    assert plain.honouring_deepspeed_drop_last().adabatch.data.drop_last
+    assert plain.honouring_deepspeed_drop_last().with_world_size(2).adabatch.data.drop_last
+    assert (
+        load_ds_config({"adabatch": section}).honouring_deepspeed_drop_last().adabatch.data.drop_last is False
+    )
     both = {**section, "data": {"drop_last": True}}
-    assert load_ds_config({"dataloader_drop_last": True, "adabatch": both}).adabatch.data.drop_last
+    assert load_ds_config({"dataloader_drop_last": True, "adabatch": both}).honouring_deepspeed_drop_last()
     with pytest.raises(ConfigError) as err:
-        load_ds_config({"dataloader_drop_last": False, "adabatch": both})
+        load_ds_config({"dataloader_drop_last": False, "adabatch": both}).honouring_deepspeed_drop_last()
     assert err.value.paths == ["dataloader_drop_last"] and "adabatch.data.drop_last" in str(err.value)
 
 

@@ -200,6 +200,35 @@ def test_a_partial_is_named_by_its_function_and_called_with_its_keywords(tmp_pat
     assert "keep_batch_size" not in json.dumps(state), "the stand-in schedule leaked into the checkpoint"
 
 
+def _keyword_only(step: int, batch_size: int, *, interval: int, increment: int) -> int:
+    return batch_size + increment if step % interval == 0 and step > 0 else batch_size
+
+
+def test_a_partial_supplies_arguments_without_defaults_and_a_function_that_cannot_take_the_call_is_named(
+    tmp_path,
+):
+    from ds_adabatch.integrations import AdaptiveBatchSizeTrainer
+
+    args = _args(tmp_path, max_steps=5, per_device_train_batch_size=1)
+    trainer, rec = _trainer(
+        tmp_path, args=args, batch_size_scheduler=partial(_keyword_only, interval=2, increment=3)
+    )
+    trainer.train()
+    assert [p[0] for p in _plans(rec)] == [1, 1, 4, 4, 7]
+    with pytest.raises(ConfigError) as err:
+        from hf_worker import IndexRegression, Regressor
+
+        AdaptiveBatchSizeTrainer(
+            model=Regressor(),
+            args=args,
+            train_dataset=IndexRegression(24),
+            batch_size_scheduler=lambda step: 8,
+        ).train()
+    assert err.value.paths == ["batch_size_scheduler"] and "keep_batch_size" not in str(err.value), str(
+        err.value
+    )
+
+
 def test_without_a_section_a_rank_splits_unevenly_rather_than_one_sample_per_pass(tmp_path):
     # 5 samples per device at most 4 per pass: 3 + 2, not 1 x 5.
     args = _args(tmp_path, max_steps=2, per_device_train_batch_size=4)

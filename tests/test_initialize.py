@@ -54,7 +54,7 @@ def test_bad_deepspeed_section_fails_before_any_process_group(section, path):
             "adabatch.schedule.end",
         ),
         (
-            {"schedule": {"type": "constant", "value": 8}, "max_global_batch": 100},
+            {"schedule": {"type": "gradient_noise", "start": 8}, "max_global_batch": 100},
             "adabatch.max_global_batch",
         ),
     ],
@@ -66,6 +66,29 @@ def test_drop_last_with_a_batch_beyond_the_dataset_fails_before_any_process_grou
         ds_adabatch.initialize(torch.nn.Linear(2, 1), config, data)
     assert path in str(err.value) and "64 samples" in str(err.value), str(err.value)
     assert _no_group()
+    # DeepSpeed's own dataloader_drop_last sets it where the section does not, and is named.
+    config = {**GOOD, "dataloader_drop_last": True, "adabatch": {**adabatch, "max_micro_batch_per_gpu": 4}}
+    with pytest.raises(ds_adabatch.ConfigError) as err:
+        ds_adabatch.initialize(torch.nn.Linear(2, 1), config, data)
+    assert "with dataloader_drop_last true" in str(err.value), str(err.value)
+    assert _no_group()
+
+
+def test_drop_last_accepts_what_never_asks_for_more_than_the_dataset():
+    from ds_adabatch.config import load_ds_config
+    from ds_adabatch.data.loader_setup import drop_last_problems
+
+    def problems(section: dict) -> list:
+        cfg = load_ds_config({"adabatch": {"max_micro_batch_per_gpu": 4, **section}}).adabatch
+        return drop_last_problems(cfg, 100, drop_last=True)
+
+    # A fixed schedule within the dataset: a larger max_global_batch is never reached.
+    assert problems({"schedule": {"type": "constant", "value": 8}, "max_global_batch": 1024}) == []
+    # Token budgets: a step takes what the epoch holds.
+    assert problems({"schedule": {"type": "constant", "value": 200}, "micro_batch_tokens": 40}) == []
+    # An adaptive rule: its max_global_batch is what it may reach.
+    noisy = problems({"schedule": {"type": "gradient_noise", "start": 8}, "max_global_batch": 128})
+    assert [p.path for p in noisy] == ["adabatch.max_global_batch"]
 
 
 def test_deepspeed_sections_are_checked_without_judging_the_batch_keys_for_one_rank():

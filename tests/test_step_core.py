@@ -336,3 +336,16 @@ def test_a_limit_the_prediction_lowers_is_the_reason_of_the_plan_change_it_cause
     core.clean_step(3)
     assert core.take_memory_reason() is None
     assert core.decide(1).plan == plan_batch(8, 2, 3)
+
+
+def test_a_loss_is_read_from_a_tuple_and_only_a_token_count_is_checked():
+    from ds_adabatch.runtime.core.weights import loss_of
+
+    loss = torch.tensor(1.5)
+    assert loss_of(loss, 3, "loss_fn") is loss
+    assert loss_of((loss, torch.randn(4, 5), None), 3, "loss_fn") is loss  # (loss, logits, ...)
+    assert loss_of((loss, torch.randn(4, 5)), 3, "loss_fn") is loss  # logits are not a count
+    assert loss_of((loss, 3), 3, "loss_fn") is loss and loss_of((loss, torch.tensor(3)), 3, "loss_fn") is loss
+    assert loss_of((loss, 4), None, "loss_fn") is loss  # sample normalisation: nothing to check
+    with pytest.raises(ValueError, match="num_tokens=4 .* counted as 3 .*token_count_fn"):
+        loss_of((loss, 4), 3, "loss_fn")

@@ -66,6 +66,32 @@ class LoadedConfig:
     original: dict[str, Any] = field(repr=False, compare=False)
     """The ds_config as read, ``"adabatch"`` and user-written batch keys included."""
 
+    def honouring_deepspeed_drop_last(self) -> LoadedConfig:
+        """The config with DeepSpeed's own top-level ``dataloader_drop_last`` applied to the sample stream,
+        as it would apply to DeepSpeed's loader, where ``adabatch.data.drop_last`` is not set
+        (``ds_adabatch.initialize``; the Trainer has ``TrainingArguments.dataloader_drop_last``).
+
+        Raises:
+            ConfigError: both are set and disagree.
+        """
+        value = self.original.get("dataloader_drop_last")
+        data = self.original[SECTION].get("data")
+        if not isinstance(value, bool):  # absent (DeepSpeed's default, False), or DeepSpeed refuses it
+            return self
+        if isinstance(data, Mapping) and "drop_last" in data:
+            if data["drop_last"] == value:
+                return self
+            raise ConfigError.single(
+                "dataloader_drop_last",
+                f"disagrees with adabatch.data.drop_last ({data['drop_last']}): set one of them, or both alike",
+                value,
+                source=self.source,
+            )
+        original = copy.deepcopy(self.original)
+        section = original[SECTION]
+        section["data"] = {**(data if isinstance(data, Mapping) else {}), "drop_last": value}
+        return _validate(original, self.source, self.world_size)
+
     @property
     def world_size(self) -> int | None:
         """Data-parallel ranks the plan was made for; None without a world size."""
@@ -240,9 +266,6 @@ def _validate(raw: object, name: str, world_size: int | None, *, rounds: bool = 
     else:
         cfg, section_problems = _validate_section(raw[SECTION])
         problems += section_problems
-        if cfg is not None:
-            cfg, drop_problems = _with_deepspeed_drop_last(raw, cfg)
-            problems += drop_problems
     problems += _batch_key_type_problems(raw)
     problems += [
         ConfigProblem(
@@ -301,24 +324,6 @@ def _geometry_problems(raw: Mapping[str, Any], cfg: AdaBatchConfig) -> list[Conf
         'none: set it to "sgd" (or "auto") or train with an Adam-type optimizer'
     )
     return [ConfigProblem(f"{SECTION}.schedule.geometry", message, "adam")]
-
-
-def _with_deepspeed_drop_last(
-    raw: Mapping[str, Any], cfg: AdaBatchConfig
-) -> tuple[AdaBatchConfig, list[ConfigProblem]]:
-    """DeepSpeed's own ``dataloader_drop_last`` applies to the sample stream as it would to DeepSpeed's
-    loader, where ``adabatch.data.drop_last`` is not set; where both are set they must agree."""
-    value = raw.get("dataloader_drop_last")
-    if not isinstance(value, bool):  # absent (DeepSpeed's default, False), or DeepSpeed refuses it
-        return cfg, []
-    if "drop_last" in cfg.data.model_fields_set:
-        if cfg.data.drop_last == value:
-            return cfg, []
-        message = (
-            f"disagrees with adabatch.data.drop_last ({cfg.data.drop_last}): set one of them, or both alike"
-        )
-        return cfg, [ConfigProblem("dataloader_drop_last", message, value)]
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"drop_last": value})}), []
 
 
 def _validate_section(section: object) -> tuple[AdaBatchConfig | None, list[ConfigProblem]]:

@@ -82,8 +82,9 @@ class DataConfig(_Section):
         False,
         description=(
             "Drop an epoch's final global batch when fewer samples remain than planned; otherwise it "
-            "is trained as a smaller global batch. Unset, DeepSpeed's own top-level "
-            "dataloader_drop_last decides (as it would for DeepSpeed's loader); set, the two must agree."
+            "is trained as a smaller global batch. Unset, ds_adabatch.initialize takes DeepSpeed's own "
+            "top-level dataloader_drop_last (as DeepSpeed's loader would; set, the two must agree) and the "
+            "Trainer TrainingArguments.dataloader_drop_last."
         ),
     )
     num_workers: int = Field(

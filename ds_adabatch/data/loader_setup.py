@@ -62,28 +62,27 @@ def drop_last_problems(
     """What to change where ``drop_last`` meets a global batch larger than the dataset.
 
     Such a batch never fits an epoch, so ``drop_last`` would skip every sample of every epoch: the
-    largest batch the run can ask for (``max_global_batch``, else the endpoints of a schedule whose
-    batches are all in the config) must be at most ``num_samples``. Schedules that grow without a
-    written bound (the adaptive rules and a callable without ``max_global_batch``) are not known here;
-    the sampler refuses such a batch when it is drawn. Token targets (``unit: "tokens"``) are not
-    counted in samples and are left to the sampler too.
+    largest batch the run can ask for must be at most ``num_samples``. That is the endpoints of a
+    schedule whose batches are all in the config (within ``max_global_batch``), else
+    ``max_global_batch``; schedules that grow without a written bound (the adaptive rules and a callable
+    without ``max_global_batch``) are not known here, and the sampler refuses such a batch when it is
+    drawn. Token budgets are left out: their steps take what the epoch holds.
     """
     schedule = config.schedule
-    if not drop_last or schedule.batch_unit != "samples":
+    if not drop_last or config.token_budget or schedule.batch_unit != "samples":
         return []
-    if config.max_global_batch is not None:
-        bounds = [("adabatch.max_global_batch", config.max_global_batch)]
-    elif schedule.type in _FIXED_SCHEDULES:
+    if schedule.type in _FIXED_SCHEDULES:  # its endpoints (within max_global_batch, as the config checks)
         bounds = [(f"adabatch.schedule.{field}", batch) for field, batch in schedule.endpoint_batches()]
+    elif config.max_global_batch is not None:
+        bounds = [("adabatch.max_global_batch", config.max_global_batch)]
     else:
         return []
     return [
         ConfigProblem(
             path,
             f"is larger than the dataset ({num_samples} samples), and with {drop_last_key} true a batch "
-            "larger than the dataset skips every sample of every epoch: set it to at most "
-            f"{num_samples} (or adabatch.max_global_batch), or {drop_last_key} false (a batch then "
-            "takes what is left of the epoch)",
+            f"larger than the dataset skips every sample of every epoch: set it to at most {num_samples}, "
+            f"or {drop_last_key} false (a batch then takes what is left of the epoch)",
             batch,
         )
         for path, batch in bounds

@@ -57,8 +57,11 @@ def resolve_function(path: str) -> Callable[..., Any]:
     return obj
 
 
-def check_call(fn: Callable[..., Any], kwargs: dict[str, Any], path: str) -> None:
-    """Refuse a function that cannot be called as ``fn(step, batch_size, **kwargs)``.
+def check_call(
+    fn: Callable[..., Any], kwargs: dict[str, Any], path: str, where: str = "adabatch.schedule.kwargs"
+) -> None:
+    """Refuse a function that cannot be called as ``fn(step, batch_size, **kwargs)`` (``where``: what
+    the error names, the config key or the argument the function came from).
 
     Raises:
         ConfigError: the arguments do not fit its signature (a misspelt keyword, a function of no
@@ -72,7 +75,7 @@ def check_call(fn: Callable[..., Any], kwargs: dict[str, Any], path: str) -> Non
         signature.bind(0, 1, **kwargs)
     except TypeError as err:
         raise ConfigError.single(
-            "adabatch.schedule.kwargs",
+            where,
             f"{path} cannot be called as {path.rpartition(':')[2] or path}(step, batch_size"
             + "".join(f", {k}=..." for k in kwargs)
             + f"): {err}; its signature is {signature}",
@@ -101,12 +104,23 @@ class CallableSchedule:
     """A user's function may answer differently on different ranks (time, files, randomness): the
     runtime applies rank 0's answer everywhere, and its remembered batch with it."""
 
-    def __init__(self, config: Any, function: Callable[..., Any] | None = None) -> None:
-        self.path = str(config.function)
+    def __init__(
+        self,
+        config: Any,
+        function: Callable[..., Any] | None = None,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        path: str | None = None,
+        given_as: str = "adabatch.schedule.kwargs",
+    ) -> None:
+        """``function``, ``kwargs`` and ``path``: the function itself, its keywords and its name where it
+        is given as an object (the Trainer's ``batch_size_scheduler``, named by ``given_as`` in errors)
+        rather than by the config's import path."""
+        self.path = str(config.function) if path is None else path
         self.per = str(config.per)
-        self.kwargs = dict(config.kwargs)
+        self.kwargs = dict(config.kwargs) if kwargs is None else dict(kwargs)
         self.fn = function if function is not None else resolve_function(self.path)
-        check_call(self.fn, self.kwargs, self.path)
+        check_call(self.fn, self.kwargs, self.path, given_as)
         self.current = int(config.start)
         """The function's latest result (``start`` before the first call), in the function's unit."""
         self.last_reason = ""

@@ -183,8 +183,9 @@ def _callable_schedule(
         fn, kwargs = fn.func, dict(fn.keywords)
     stand_in = {"type": "callable", "function": FUNCTION_PLACEHOLDER, "start": start, "per": "device"}
     config = AdaBatchConfig.model_validate({"schedule": stand_in, "max_micro_batch_per_gpu": 1}).schedule
-    schedule = CallableSchedule(config, function=fn)
-    schedule.path, schedule.kwargs = function_name(fn), kwargs
+    schedule = CallableSchedule(
+        config, function=fn, kwargs=kwargs, path=function_name(fn), given_as="batch_size_scheduler"
+    )
     if ask_step_zero:
         schedule(ScheduleContext(step=0, samples=0, global_batch=start * world, world_size=world))
         schedule.load_shared_state([broadcast_int(schedule.current, device)])

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 __all__ = ["default_token_count", "loss_of", "loss_weight", "make_token_counter", "pipeline_token_count"]
 
 IGNORE_INDEX = -100
@@ -29,30 +31,37 @@ def loss_weight(count: int, world_size: int, total: int) -> float:
     return count * world_size / total
 
 
-def loss_of(out: Any, counted: float | None, who: str) -> Any:
-    """The loss in what a loss function returned: ``out`` itself, or the loss of ``(loss, num_tokens)``.
+def loss_of(
+    out: Any,
+    counted: float | None,
+    who: str,
+    counter: str = "labels != -100, shifted by one for causal LMs, or token_count_fn",
+) -> Any:
+    """The loss in what a loss function returned: ``out`` itself, or the first item of a tuple.
 
     Every micro-batch's weight needs the global batch's target tokens, summed over ranks before the
-    step's first forward, so they are counted from the batches (``labels != -100`` or
-    ``token_count_fn``), never from the loss. A returned ``num_tokens`` is checked against that count
-    (``counted``; None: not checked, as under sample normalisation or for a pad): where they differ, the
-    weights would not give the mean over the tokens the loss averages, so it is refused with what to
-    pass. A tensor ``num_tokens`` is read to the host (once per micro-batch): return an ``int``.
+    step's first forward, so they are counted from the batches (``counter`` says how), never from the
+    loss. A ``(loss, num_tokens)`` pair's count (an int, or a one-element tensor: read to the host) is
+    checked against that count (``counted``; None: not checked, as under sample normalisation or for
+    a pad): where they differ, the weights would not give the mean over the tokens the loss averages,
+    so it is refused with what to pass. Other tuples (``(loss, logits, ...)``) give their first item.
     """
-    if not isinstance(out, tuple):
+    if not isinstance(out, tuple) or not out:
         return out
-    if len(out) != 2:
-        raise TypeError(
-            f"{who} returned a tuple of {len(out)} items: return the mean loss, or (loss, num_tokens)"
-        )
-    loss, tokens = out
-    if counted is not None and int(tokens) != int(counted):
+    loss = out[0]
+    if counted is None or len(out) != 2:
+        return loss
+    tokens = out[1]
+    if isinstance(tokens, bool) or not (
+        isinstance(tokens, int) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1)
+    ):
+        return loss
+    if int(tokens) != int(counted):
         raise ValueError(
             f"{who} returned num_tokens={int(tokens)} for a micro-batch whose target tokens were counted as "
-            f"{int(counted)} (labels != -100, shifted by one for causal LMs, or token_count_fn) before its "
-            "forward: the weights of an exact token mean need every count before the step's first forward, "
-            "so they cannot come from the loss. Pass token_count_fn=... to ds_adabatch.initialize that counts "
-            "the tokens your loss averages over"
+            f"{int(counted)} ({counter}) before its forward: the weights of an exact token mean need every "
+            "count before the step's first forward, so they cannot come from the loss. Pass "
+            "token_count_fn=... to ds_adabatch.initialize that counts the tokens your loss averages over"
         )
     return loss
 

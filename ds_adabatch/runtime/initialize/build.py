@@ -193,7 +193,11 @@ class _EngineBuilder:
         self.lengths, self.length_fn = lengths, length_fn
         deepspeed_kwargs.update(call.deepspeed_kwargs)
         self.deepspeed_kwargs = deepspeed_kwargs
-        self.loaded = loaded = load_ds_config(call.config)
+        loaded = load_ds_config(call.config)
+        # DeepSpeed's dataloader_drop_last, where the section leaves drop_last out, as for its own loader.
+        self.loaded = honoured = loaded.honouring_deepspeed_drop_last()
+        drop_key = "adabatch.data.drop_last" if honoured is loaded else "dataloader_drop_last"
+        loaded = honoured
         _check_arguments(
             self.model, self.training_data, loss_fn, self.collate_fn, token_count_fn, deepspeed_kwargs
         )
@@ -203,7 +207,7 @@ class _EngineBuilder:
         map_style = data is not None and not isinstance(data, torch.utils.data.IterableDataset)
         if map_style and (
             problems := drop_last_problems(
-                loaded.adabatch, len(data), drop_last=loaded.adabatch.data.drop_last
+                loaded.adabatch, len(data), drop_last=loaded.adabatch.data.drop_last, drop_last_key=drop_key
             )
         ):
             raise ConfigError(problems, loaded.source)

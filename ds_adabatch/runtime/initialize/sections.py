@@ -7,7 +7,7 @@ from typing import Any
 
 from ...config import BATCH_KEYS, ConfigError, ConfigProblem, LoadedConfig
 
-__all__ = ["check_deepspeed_sections", "untested_optimizer_problems"]
+__all__ = ["check_deepspeed_sections", "early_problems", "untested_optimizer_problems"]
 
 # DeepSpeed 0.19.8 names its section models after the config keys they parse.
 _DS_SECTIONS = {
@@ -95,3 +95,18 @@ def untested_optimizer_problems(config: dict[str, Any], client_optimizer: Any = 
     if not isinstance(kind, str) or kind.lower() in _ZERO_TESTED_TYPES:
         return []
     return [ConfigProblem("optimizer.type", fix, kind)]
+
+
+def early_problems(loaded: LoadedConfig) -> list[str]:
+    """What ``ds_adabatch.initialize`` refuses before any process group besides the plan, as text
+    (``ds-adabatch validate``): a callable schedule's function, DeepSpeed's own sections, ZeRO's
+    tested optimizers."""
+    from ...schedules.user import check_schedule_function
+
+    try:
+        check_schedule_function(loaded.adabatch.schedule)
+        check_deepspeed_sections(loaded)
+    except ConfigError as err:
+        return [str(err)]
+    found = untested_optimizer_problems(loaded.deepspeed)
+    return [str(ConfigError(found, loaded.source))] if found else []

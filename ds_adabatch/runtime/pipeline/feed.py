@@ -160,7 +160,10 @@ class WeightedPipelineLoss(torch.nn.Module):
         # stage receives the gradient it waits for.
         keep = max(rows, 1)
         out = self.user_loss(_take(outputs, keep), _take(labels, keep))
-        out = loss_of(out, count if self.by_token and rows else None, "the pipeline's loss_fn")
+        counted = count if self.by_token and rows else None
+        out = loss_of(
+            out, counted, "the pipeline's loss_fn", "labels != -100 of the labels, or token_count_fn"
+        )
         return self._mean(out, keep, max(count, 1)) * weight
 
     def _mean(self, out: Any, rows: int, count: float) -> torch.Tensor:
