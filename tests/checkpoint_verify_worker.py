@@ -176,6 +176,29 @@ def phase_resume(out_dir: str) -> None:
     damage(os.path.join(out_dir, "truncated"), 4, os.path.join("..", "global_step4_universal", name), "flip")
     write(out_dir, "reconverted_file", {"name": name})
     resume(out_dir, "w1", "reconverted", folder="truncated")
+    # One rank saves over a tag two ranks wrote (resumed from step 4, it reaches step 6 again): the old
+    # world's shards and the universal copy converted from the old save go with it.
+    resaved = os.path.join(out_dir, "resaved")
+    shutil.copytree(os.path.join(out_dir, "saved"), resaved)
+    engine = _engine()
+    engine.load_checkpoint(resaved, tag="global_step6")  # caches global_step6_universal of the 2-rank save
+    engine.close()
+    engine = _engine()
+    engine.load_checkpoint(resaved, tag="global_step4")
+    while engine.global_steps < 6:
+        engine.train_batch()
+    had_copy = os.path.isdir(os.path.join(resaved, "global_step6_universal"))
+    engine.save_checkpoint(resaved)
+    engine.close()
+    write(
+        out_dir,
+        "resaved",
+        {
+            "had_copy": had_copy,
+            "files": sorted(os.listdir(os.path.join(resaved, "global_step6"))),
+            "copy_left": os.path.isdir(os.path.join(resaved, "global_step6_universal")),
+        },
+    )
 
 
 def main() -> None:

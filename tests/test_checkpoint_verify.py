@@ -187,3 +187,12 @@ def test_a_damaged_universal_copy_is_converted_again(results):
     ), said
     assert said[0].endswith("): converting it again"), said
     assert verify_folder(str(results / "truncated"))[0][1].startswith("global_step4_universal: ok")
+
+
+def test_a_save_over_a_tag_of_another_world_leaves_none_of_its_files(results):
+    r = read_result(results, "resaved")
+    assert r["had_copy"], "the 2-rank save's universal copy existed before the save over its tag"
+    assert SHARD.format(0) in r["files"] and SHARD.format(1) not in r["files"], r["files"]
+    assert not r["copy_left"], "the universal copy of the old save must go with it"
+    lines, ok = verify_folder(str(results / "resaved"))
+    assert ok and lines[0].startswith("global_step6: ok, step 6, 3 files"), lines  # model, 1 shard, RNG

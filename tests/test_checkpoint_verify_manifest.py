@@ -182,3 +182,23 @@ def test_verify_imports_neither_torch_nor_deepspeed(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("global_step2: ok")
+
+
+def test_a_universal_copy_is_reused_only_for_the_save_it_was_converted_from(tmp_path):
+    from ds_adabatch.checkpoint_manifest import COMPLETE_FILE, hash_folder, manifest_json
+    from ds_adabatch.runtime.checkpoint import universal
+
+    src, out = tmp_path / "global_step6", tmp_path / "global_step6_universal"
+    src.mkdir()
+    out.mkdir()
+    (src / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 10)
+    (out / "weights.pt").write_bytes(b"y")
+    (out / universal._SOURCE_FILE).write_text(json.dumps(universal._source_fingerprint(str(src))))
+    (out / COMPLETE_FILE).write_text(json.dumps({"files": manifest_json(hash_folder(str(out)))}))
+    assert not universal._needs_conversion(str(out), str(src))
+    (src / COMPLETE_FILE).write_text("{}")  # the source's own record is not part of what it saved
+    assert not universal._needs_conversion(str(out), str(src))
+    (src / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"z")  # saved over since
+    assert universal._needs_conversion(str(out), str(src))
+    (out / universal._SOURCE_FILE).unlink()  # a copy that does not say its source: converted again
+    assert universal._needs_conversion(str(out), str(src))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -73,11 +74,9 @@ class EngineCheckpoints:
         save_latest = kwargs.pop("save_latest", True)
         # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
         # known to have finished; that file is written below, after the barrier, instead.
-        if engine.rank == 0:
-            # A save over an existing tag (a run resumed from an older checkpoint reaches the same step):
-            # the old record goes first, so that a crash mid-save leaves the tag incomplete.
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(save_dir, tag, elastic_ckpt.COMPLETE_FILE))
+        if ds.local_rank == 0:  # each node's first process, for a folder that is not shared
+            _clear_tag(save_dir, tag)
+        comm.barrier()  # no rank writes into the tag before its old files are gone
         with checkpoint_verify.recording_writes(ds) as written:
             result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
@@ -205,3 +204,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _clear_tag(save_dir: str, tag: str) -> None:
+    """Before a save over an existing tag (a run resumed from an older checkpoint reaches the same step,
+    possibly on another number of ranks): its old files and its universal copy go, so that neither a
+    shard of the old world nor a copy converted from the old save is read with the new one. The record
+    goes first, so that a crash mid-way leaves the tag incomplete, never complete with mixed files."""
+    folder = os.path.join(save_dir, tag)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, elastic_ckpt.COMPLETE_FILE))
+    shutil.rmtree(folder + elastic_ckpt.UNIVERSAL_SUFFIX, ignore_errors=True)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            with contextlib.suppress(FileNotFoundError):  # another node's process may be clearing too
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)

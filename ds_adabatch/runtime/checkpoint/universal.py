@@ -206,7 +206,7 @@ def ensure_universal(save_dir: str, tag: str, rank: int, info: CheckpointInfo | 
     out_tag = tag + UNIVERSAL_SUFFIX
     out = os.path.join(save_dir, out_tag)
     error = ""
-    if rank == 0 and _needs_conversion(out):
+    if rank == 0 and _needs_conversion(out, os.path.join(save_dir, tag)):
         try:
             started = time.perf_counter()
             _convert(os.path.join(save_dir, tag), out, read_marker(save_dir, tag) or info)
@@ -233,9 +233,37 @@ def ensure_universal(save_dir: str, tag: str, rank: int, info: CheckpointInfo | 
     return out_tag
 
 
-def _needs_conversion(out: str) -> bool:
-    """Rank 0: no complete universal copy at ``out``, or one that fails its manifest (converted again)."""
+_SOURCE_FILE = "adabatch_universal_source.json"
+"""In a universal copy: the files of the tag it was converted from (name, size, modification time)."""
+
+
+def _source_fingerprint(src: str) -> list[list[object]]:
+    """The files of checkpoint folder ``src`` as a save left them: a save over the tag changes it."""
+    entries = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name != COMPLETE_FILE and os.path.isfile(path):
+            stat = os.stat(path)
+            entries.append([name, stat.st_size, stat.st_mtime_ns])
+    return entries
+
+
+def _needs_conversion(out: str, src: str) -> bool:
+    """Rank 0: no complete universal copy at ``out``, one converted from another save of the tag at
+    ``src`` (saved over since), or one that fails its manifest (converted again)."""
     if not os.path.isfile(os.path.join(out, COMPLETE_FILE)):
+        return True
+    try:
+        with open(os.path.join(out, _SOURCE_FILE), encoding="utf-8") as f:
+            stale = json.load(f) != _source_fingerprint(src)
+    except (OSError, ValueError):
+        stale = True  # a copy without the record of its source (or an unreadable one): not trusted
+    if stale:
+        logger.warning(
+            "the cached universal copy %s is not of the checkpoint %s as it is now: converting it again",
+            out,
+            src,
+        )
         return True
     files = manifest.read_manifest(out)
     problems = manifest.check_files(out, files) if files is not None else []
@@ -273,6 +301,8 @@ def _convert(src: str, out: str, info: CheckpointInfo | None) -> None:
     for f in glob.glob(os.path.join(src, "adabatch_*")):
         if os.path.basename(f) != COMPLETE_FILE and not os.path.basename(f).startswith(manifest.PART_PREFIX):
             shutil.copy2(f, tmp)
+    with open(os.path.join(tmp, _SOURCE_FILE), "w", encoding="utf-8") as f:
+        json.dump(_source_fingerprint(src), f)
     if info is not None:
         mark_complete(
             os.path.dirname(out), info, update_latest=False, files=manifest.hash_folder(tmp), folder=tmp

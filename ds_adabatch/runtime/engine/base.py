@@ -389,11 +389,11 @@ class AdaptiveEngineBase:
         """DeepSpeed's ``save_checkpoint`` plus the adabatch state and each rank's RNG state.
 
         Call on every rank, as with DeepSpeed. The checkpoint becomes visible to ``load_checkpoint``
-        (and DeepSpeed's ``latest`` file points at it) only after every rank finished writing: a rank
-        that dies mid-save leaves the previous checkpoint as the one a resume loads. ``keep_last=K``
-        then deletes all but the newest K complete checkpoints (and their converted copies). Each rank
-        records the size and CRC-32 of every file it wrote, and the checkpoint's completion record holds
-        them all (its manifest), so that a load can tell a damaged file.
+        (and DeepSpeed's ``latest``) only after every rank finished writing: a rank that dies mid-save
+        leaves the previous checkpoint as the one a resume loads; a save over an existing tag replaces
+        it whole (its old files and universal copy go first). ``keep_last=K`` then deletes all but the
+        newest K complete checkpoints (and their converted copies). Each rank records the size and
+        CRC-32 of every file it wrote in the completion record (its manifest): a load tells a damaged file.
         """
         return self.checkpoints.save(save_dir, tag, client_state, keep_last=keep_last, **kwargs)
 
