@@ -303,7 +303,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     from .config import load_ds_config
 
-    loaded = load_ds_config(args.config, world_size=args.world_size)
+    loaded = load_ds_config(args.config, world_size=args.world_size).honouring_deepspeed_drop_last()
     # What initialize would refuse for the config's own pipeline / tensor layout (--world-size counts
     # data-parallel replicas here), as validate says it.
     stages, tensor = _layout_of(args, loaded)
@@ -564,8 +564,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse has printed usage or --help / --version
         return int(exit_.code or 0)
     command: Callable[[argparse.Namespace], int] = args.func
-    if os.getcwd() not in sys.path:  # a callable schedule's module, found as `python train.py` here finds it
-        sys.path.insert(0, os.getcwd())
+    with contextlib.suppress(
+        OSError
+    ):  # a schedule's module in the working directory (python's `-m` finds it)
+        sys.path.append(os.getcwd())
     try:
         return command(args)
     except (ConfigError, PlanError, UsageError) as err:

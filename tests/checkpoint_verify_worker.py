@@ -188,6 +188,8 @@ def phase_resume(out_dir: str) -> None:
     while engine.global_steps < 6:
         engine.train_batch()
     had_copy = os.path.isdir(os.path.join(resaved, "global_step6_universal"))
+    with open(os.path.join(resaved, "global_step6", "tokenizer.json"), "w") as f:
+        f.write("{}")  # a file of the script's own: it stays
     engine.save_checkpoint(resaved)
     engine.close()
     write(

@@ -193,6 +193,19 @@ def test_a_save_over_a_tag_of_another_world_leaves_none_of_its_files(results):
     r = read_result(results, "resaved")
     assert r["had_copy"], "the 2-rank save's universal copy existed before the save over its tag"
     assert SHARD.format(0) in r["files"] and SHARD.format(1) not in r["files"], r["files"]
+    assert "adabatch_rng_rank1.pt" not in r["files"] and "tokenizer.json" in r["files"], r["files"]
     assert not r["copy_left"], "the universal copy of the old save must go with it"
     lines, ok = verify_folder(str(results / "resaved"))
-    assert ok and lines[0].startswith("global_step6: ok, step 6, 3 files"), lines  # model, 1 shard, RNG
+    assert ok and lines[0].startswith("global_step6: ok, step 6, 4 files"), (
+        lines
+    )  # model, shard, RNG, tokenizer
+
+
+def test_a_tag_must_name_a_folder_inside_the_save_folder():
+    from ds_adabatch.runtime.checkpoint.save_load import _check_tag
+
+    _check_tag("global_step6")
+    _check_tag("run1/global_step6")
+    for bad in ("", ".", "..", "../elsewhere", "/tmp/x"):
+        with pytest.raises(ValueError, match="inside the save folder"):
+            _check_tag(bad)

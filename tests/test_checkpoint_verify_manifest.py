@@ -200,5 +200,8 @@ def test_a_universal_copy_is_reused_only_for_the_save_it_was_converted_from(tmp_
     assert not universal._needs_conversion(str(out), str(src))
     (src / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"z")  # saved over since
     assert universal._needs_conversion(str(out), str(src))
-    (out / universal._SOURCE_FILE).unlink()  # a copy that does not say its source: converted again
+    (out / universal._SOURCE_FILE).write_text("{damaged")  # an unreadable record of its source
     assert universal._needs_conversion(str(out), str(src))
+    (out / universal._SOURCE_FILE).unlink()  # a copy made before copies recorded their source
+    (out / COMPLETE_FILE).write_text(json.dumps({"files": manifest_json(hash_folder(str(out)))}))
+    assert not universal._needs_conversion(str(out), str(src)), "trusted where it verifies"

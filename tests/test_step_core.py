@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -349,3 +350,7 @@ def test_a_loss_is_read_from_a_tuple_and_only_a_token_count_is_checked():
     assert loss_of((loss, 4), None, "loss_fn") is loss  # sample normalisation: nothing to check
     with pytest.raises(ValueError, match="num_tokens=4 .* counted as 3 .*token_count_fn"):
         loss_of((loss, 4), 3, "loss_fn")
+    for count in (5.0, np.int64(5), torch.tensor(5.0)):  # whole numbers of any type are counts
+        with pytest.raises(ValueError, match="num_tokens=5"):
+            loss_of((loss, count), 3, "loss_fn")
+    assert loss_of((loss, torch.tensor(0.01)), 3, "loss_fn") is loss  # an auxiliary loss is no count

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -74,9 +75,19 @@ class EngineCheckpoints:
         save_latest = kwargs.pop("save_latest", True)
         # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
         # known to have finished; that file is written below, after the barrier, instead.
-        if ds.local_rank == 0:  # each node's first process, for a folder that is not shared
-            _clear_tag(save_dir, tag)
-        comm.barrier()  # no rank writes into the tag before its old files are gone
+        _check_tag(tag)
+        # Every rank is in the save, so done reading the checkpoint a load just took from this tag; then
+        # each node's first process (for a folder that is not shared) clears what an earlier save of the
+        # tag left, and every rank learns of an error there (else the others would wait at a barrier).
+        comm.barrier()
+        error = ""
+        if ds.local_rank == 0:
+            try:
+                _clear_tag(save_dir, tag)
+            except OSError as err:
+                error = f"clearing the earlier save of {os.path.join(save_dir, tag)}: {err}"
+        if errors := [e for e in comm.gather_text(error) if e]:
+            raise RuntimeError(errors[0])
         with checkpoint_verify.recording_writes(ds) as written:
             result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
@@ -206,20 +217,36 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+_SAVED_NAME = re.compile(r".*_(model|optim)_states\.pt$|adabatch_.*")
+"""What a save writes into a tag folder: DeepSpeed's model and optimizer states (per rank, per layer of a
+pipeline, per expert) and ours (RNG states, manifest parts, the completion record)."""
+
+
+def _check_tag(tag: str) -> None:
+    """A tag names one folder inside the save folder."""
+    norm = os.path.normpath(tag)
+    if not tag or norm in (".", "..") or norm.startswith(("..", os.sep)) or os.path.isabs(tag):
+        raise ValueError(f"checkpoint tag {tag!r} must name a folder inside the save folder")
+
+
 def _clear_tag(save_dir: str, tag: str) -> None:
     """Before a save over an existing tag (a run resumed from an older checkpoint reaches the same step,
-    possibly on another number of ranks): its old files and its universal copy go, so that neither a
-    shard of the old world nor a copy converted from the old save is read with the new one. The record
-    goes first, so that a crash mid-way leaves the tag incomplete, never complete with mixed files."""
+    possibly on another number of ranks): the files an earlier save wrote there go (the record first, so
+    a crash mid-way leaves the tag incomplete), and the universal copy converted from it, so that neither
+    a shard of the old world nor the old copy is read with the new save. Files of other names (a
+    tokenizer the script put there) stay, as does a universal copy this package did not make."""
     folder = os.path.join(save_dir, tag)
-    with contextlib.suppress(FileNotFoundError):
+    copy = folder + elastic_ckpt.UNIVERSAL_SUFFIX
+    record = os.path.join(copy, elastic_ckpt.COMPLETE_FILE)
+    if os.path.isfile(record):
+        shutil.rmtree(copy, ignore_errors=True)  # another node's process may be removing it too
+        if os.path.exists(record):
+            raise PermissionError(f"cannot remove the universal copy {copy} of the earlier save")
+    if not os.path.isdir(folder):
+        return
+    with contextlib.suppress(FileNotFoundError):  # another node's process may be clearing too
         os.remove(os.path.join(folder, elastic_ckpt.COMPLETE_FILE))
-    shutil.rmtree(folder + elastic_ckpt.UNIVERSAL_SUFFIX, ignore_errors=True)
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            with contextlib.suppress(FileNotFoundError):  # another node's process may be clearing too
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.remove(path)
+    for name in os.listdir(folder):
+        if _SAVED_NAME.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))

@@ -250,14 +250,18 @@ def _source_fingerprint(src: str) -> list[list[object]]:
 
 def _needs_conversion(out: str, src: str) -> bool:
     """Rank 0: no complete universal copy at ``out``, one converted from another save of the tag at
-    ``src`` (saved over since), or one that fails its manifest (converted again)."""
+    ``src`` (saved over since; a copy made before copies recorded their source is trusted), or one that
+    fails its manifest (converted again)."""
     if not os.path.isfile(os.path.join(out, COMPLETE_FILE)):
         return True
+    source = os.path.join(out, _SOURCE_FILE)
     try:
-        with open(os.path.join(out, _SOURCE_FILE), encoding="utf-8") as f:
+        with open(source, encoding="utf-8") as f:
             stale = json.load(f) != _source_fingerprint(src)
+    except FileNotFoundError:
+        stale = False  # a copy made before copies recorded their source: trusted where it verifies
     except (OSError, ValueError):
-        stale = True  # a copy without the record of its source (or an unreadable one): not trusted
+        stale = True  # an unreadable record of its source
     if stale:
         logger.warning(
             "the cached universal copy %s is not of the checkpoint %s as it is now: converting it again",

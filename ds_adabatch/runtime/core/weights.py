@@ -14,6 +14,7 @@ summed over all ranks. Summed over micro-batches and averaged over ranks this is
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ def loss_of(
     step's first forward, so they are counted from the batches (``counter`` says how), never from the
     loss. A ``(loss, num_tokens)`` pair's count (an int, or a one-element tensor: read to the host) is
     checked against that count (``counted``; None: not checked, as under sample normalisation or for
-    a pad): where they differ, the weights would not give the mean over the tokens the loss averages,
+    a pad; a second item that is not a whole number, such as logits or an auxiliary loss, is no count): where they differ, the weights would not give the mean over the tokens the loss averages,
     so it is refused with what to pass. Other tuples (``(loss, logits, ...)``) give their first item.
     """
     if not isinstance(out, tuple) or not out:
@@ -51,12 +52,10 @@ def loss_of(
     loss = out[0]
     if counted is None or len(out) != 2:
         return loss
-    tokens = out[1]
-    if isinstance(tokens, bool) or not (
-        isinstance(tokens, int) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1)
-    ):
+    tokens = _count_in(out[1])
+    if tokens is None:
         return loss
-    if int(tokens) != int(counted):
+    if tokens != int(counted):
         raise ValueError(
             f"{who} returned num_tokens={int(tokens)} for a micro-batch whose target tokens were counted as "
             f"{int(counted)} ({counter}) before its forward: the weights of an exact token mean need every "
@@ -64,6 +63,23 @@ def loss_of(
             "token_count_fn=... to ds_adabatch.initialize that counts the tokens your loss averages over"
         )
     return loss
+
+
+def _count_in(value: Any) -> int | None:
+    """``value`` as a token count where it is one: a whole number (an int, a numpy integer, an integral
+    float, or a one-element tensor holding one, read to the host); None for anything else (logits, an
+    auxiliary loss such as 0.01)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer():
+        return int(value)
+    return None
 
 
 def default_token_count(batch: Any, *, shifted: bool) -> int:

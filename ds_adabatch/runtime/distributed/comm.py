@@ -24,6 +24,7 @@ __all__ = [
     "barrier",
     "broadcast_int",
     "finish",
+    "gather_text",
     "wait_for",
 ]
 
@@ -91,6 +92,15 @@ def broadcast_int(value: int, device: torch.device | str, src: int = 0) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
     torch.distributed.broadcast(t, src)
     return int(t.item())
+
+
+def gather_text(text: str) -> list[str]:
+    """Every rank's ``text``, in rank order, on every rank (``[text]`` without a group)."""
+    if not _active():
+        return [text]
+    everyone: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, text)
+    return [str(t) for t in everyone]
 
 
 def barrier() -> None:

@@ -99,11 +99,12 @@ def untested_optimizer_problems(config: dict[str, Any], client_optimizer: Any = 
 
 def early_problems(loaded: LoadedConfig) -> list[str]:
     """What ``ds_adabatch.initialize`` refuses before any process group besides the plan, as text
-    (``ds-adabatch validate``): a callable schedule's function, DeepSpeed's own sections, ZeRO's
-    tested optimizers."""
+    (``ds-adabatch validate``): DeepSpeed's dataloader_drop_last against the section's, a callable
+    schedule's function, DeepSpeed's own sections, ZeRO's tested optimizers."""
     from ...schedules.user import check_schedule_function
 
     try:
+        loaded.honouring_deepspeed_drop_last()
         check_schedule_function(loaded.adabatch.schedule)
         check_deepspeed_sections(loaded)
     except ConfigError as err:
