@@ -201,6 +201,32 @@ def test_a_save_over_a_tag_of_another_world_leaves_none_of_its_files(results):
     )  # model, shard, RNG, tokenizer
 
 
+def test_a_save_over_a_tag_removes_what_a_save_writes_and_nothing_else(tmp_path):
+    from ds_adabatch.runtime.checkpoint.save_load import _clear_tag
+
+    written = [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "layer_01-model_00-model_states.pt",  # a pipeline's layer
+        "layer_0_expert_0_mp_rank_00_model_states.pt",
+        "adabatch_rng_rank1.pt",
+        "adabatch_complete.json",
+    ]
+    tag = tmp_path / "global_step6"
+    tag.mkdir()
+    for name in [*written, "tokenizer.json"]:
+        (tag / name).write_text("x")
+    made, by_hand = tmp_path / "global_step6_universal", tmp_path / "global_step4_universal"
+    for copy in (made, by_hand):
+        copy.mkdir()
+    (made / "adabatch_complete.json").write_text("{}")
+    _clear_tag(str(tmp_path), "global_step6")
+    _clear_tag(str(tmp_path), "global_step4")  # a copy without our record (DeepSpeed's converter) stays
+    assert sorted(p.name for p in tag.iterdir()) == ["tokenizer.json"]
+    assert not made.exists() and by_hand.exists()
+
+
 def test_a_tag_must_name_a_folder_inside_the_save_folder():
     from ds_adabatch.runtime.checkpoint.save_load import _check_tag
 

@@ -217,7 +217,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-_SAVED_NAME = re.compile(r".*_(model|optim)_states\.pt$|adabatch_.*")
+_SAVED_NAME = re.compile(r".*[_-](model|optim)_states\.pt$|adabatch_.*")
 """What a save writes into a tag folder: DeepSpeed's model and optimizer states (per rank, per layer of a
 pipeline, per expert) and ours (RNG states, manifest parts, the completion record)."""
 
