@@ -120,7 +120,8 @@ def initialize(
         loss_fn: for ``train_batch``: ``loss_fn(engine, batch) -> Tensor``, the mean loss over the
             micro-batch's samples (or target tokens with ``loss_normalization: "token"``; it may then
             return ``(loss, num_tokens)``, where ``num_tokens`` must equal the count the engine took
-            before the forward, from ``labels`` or ``token_count_fn``, else it is refused). Default: ``engine(**batch).loss`` (Hugging Face models). For
+            before the forward, from ``labels`` or ``token_count_fn``, else it is refused). Default:
+            ``engine(**batch).loss`` (Hugging Face models). For
             a ``PipelineModule``: ``loss_fn(outputs, labels)`` (a function, a ``functools.partial`` or
             a loss module such as ``torch.nn.CrossEntropyLoss()``), the module's own by default; the
             engine weights it (see :class:`~ds_adabatch.runtime.pipeline.feed.WeightedPipelineLoss`).
@@ -215,9 +216,7 @@ class _EngineBuilder:
             loaded.deepspeed, pipelined=self.pipelined, schedule=schedule
         ):
             raise ConfigError(problems, loaded.source)
-        check_schedule_function(
-            schedule
-        )  # a callable schedule's function: importable, callable as configured
+        check_schedule_function(schedule)  # a callable schedule's: importable, callable as configured
         # Lengths are validated (and an over-long sample named) before any process group starts.
         self.token_sampler = token_budget_sampler(loaded.adabatch, self.training_data, lengths, length_fn)
 
