@@ -42,10 +42,11 @@ def loss_of(
 
     Every micro-batch's weight needs the global batch's target tokens, summed over ranks before the
     step's first forward, so they are counted from the batches (``counter`` says how), never from the
-    loss. A ``(loss, num_tokens)`` pair's count (an int, or a one-element tensor: read to the host) is
-    checked against that count (``counted``; None: not checked, as under sample normalisation or for
-    a pad; a second item that is not a whole number, such as logits or an auxiliary loss, is no count): where they differ, the weights would not give the mean over the tokens the loss averages,
-    so it is refused with what to pass. Other tuples (``(loss, logits, ...)``) give their first item.
+    loss. A ``(loss, num_tokens)`` pair's count (a whole number of any type; a one-element tensor is
+    read to the host) is checked against that count (``counted``; None: not checked, as under sample
+    normalisation or for a pad): where they differ, the weights would not give the mean over the tokens
+    the loss averages, so it is refused with what to pass. A second item that is no whole number
+    (logits, an auxiliary loss) is no count; other tuples (``(loss, logits, ...)``) give their first item.
     """
     if not isinstance(out, tuple) or not out:
         return out
