@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ... import checkpoint_manifest as manifest
+from ..distributed import comm
 
 __all__ = [
     "CheckpointInfo",
@@ -227,7 +228,7 @@ def ensure_universal(save_dir: str, tag: str, rank: int, info: CheckpointInfo | 
                 )
         except Exception as err:  # reported on every rank below, not as a hang at the barrier
             error = f"{type(err).__name__}: {err}"
-    error = _broadcast_text(error)
+    error = comm.gather_text(error)[0]  # rank 0's, on every rank (the barrier the others wait at)
     if error:
         raise RuntimeError(f"converting checkpoint {os.path.join(save_dir, tag)} to universal: {error}")
     return out_tag
@@ -315,15 +316,3 @@ def _convert(src: str, out: str, info: CheckpointInfo | None) -> None:
     os.replace(tmp, out)
     # ds_to_universal names the temporary folder in ``latest_universal``: point it at the final one.
     manifest.atomic_write(os.path.join(os.path.dirname(out), "latest_universal"), os.path.basename(out))
-
-
-def _broadcast_text(text: str) -> str:
-    """Rank 0's string on every rank (doubles as the barrier the other ranks wait at)."""
-    import torch
-
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return text
-    box = [text]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
