@@ -25,6 +25,7 @@ the schedule, run the same command in each checkout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -32,7 +33,7 @@ import time
 from ds_adabatch.config import AdaBatchConfig
 from ds_adabatch.plan import plan_batch
 from ds_adabatch.schedules import BatchSizeController, ScheduleContext
-from ds_adabatch.signals import parse_step_time_curve, statistical_efficiency
+from ds_adabatch.signals import SimulatedDevice, parse_step_time_curve, statistical_efficiency
 
 # (name, curve, start, max batch, noise scale): the host-bound GPU (a 45 ms step at every batch),
 # the 2-core CPU benchmark's curve, and a compute-bound one (a step in proportion to its samples).
@@ -56,7 +57,7 @@ def run(curve_text: str, start: int, top: int, noise: float, seed: int, steps: i
     )
     controller = BatchSizeController(section, 1)
     schedule = controller.schedule
-    rng = random.Random(seed)
+    device = SimulatedDevice(curve, random.Random(seed))
 
     def goodput(batch: int) -> float:
         return batch / curve.predict(batch, 1) * statistical_efficiency(batch, noise, start, 0.5)
@@ -82,7 +83,7 @@ def run(curve_text: str, start: int, top: int, noise: float, seed: int, steps: i
             plan.micro_batch_per_gpu,
             plan.gradient_accumulation_steps,
             1,
-            curve.measure(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps, rng),
+            device.measure(plan.micro_batch_per_gpu, plan.gradient_accumulation_steps),
         )
         rates.append(goodput(batch) / goodput(best))
         if reached is None and goodput(batch) >= 0.99 * goodput(best):
@@ -99,19 +100,30 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=40, help="draws of the scatter per curve and jitter")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
     parser.add_argument("--jitter", type=float, nargs="+", default=[0.1, 0.25, 0.4])
+    parser.add_argument(
+        "--drift",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the device's speed changes too: every --drift-steps steps its times are all multiplied by "
+        "a lognormal factor whose log has this standard deviation (SimulatedDevice)",
+    )
+    parser.add_argument("--drift-steps", type=int, default=50, help="steps between two speed changes")
     args = parser.parse_args()
     began = time.perf_counter()
     print(f"{args.seeds} seeds x {args.steps} steps per curve and jitter (deterministic)")
     for name, text, start, top, noise in CURVES:
-        for jitter in args.jitter:
+        for jitter, drift in itertools.product(args.jitter, args.drift):
+            moved = f",drift={drift},drift_steps={args.drift_steps}" if drift else ""
             runs = [
-                run(f"{text},jitter={jitter}", start, top, noise, seed, args.steps)
+                run(f"{text},jitter={jitter}{moved}", start, top, noise, seed, args.steps)
                 for seed in range(args.seeds)
             ]
             rates = [r["goodput"] for r in runs]
             print(
                 f"{name:20s} {text:32s} start {start:3d} max {top:3d} B_noise {noise:g} jitter {jitter:<5g}"
-                f" reach {statistics.mean(r['reach'] for r in runs):6.1f}"
+                + (f" drift {drift:<5g}" if drift else "")
+                + f" reach {statistics.mean(r['reach'] for r in runs):6.1f}"
                 f"  undone {sum(r['undone'] for r in runs):3d}"
                 f"  goodput {statistics.mean(rates):.3f} (lowest seed {min(rates):.3f})"
             )

@@ -352,7 +352,10 @@ class _Simulation:
             throughput.bind_packer(steps.passes_of, min_lengths=steps.bucket_window)
         self.cfg, self.controller, self.schedule = cfg, controller, controller.schedule
         self.world_size, self.data, self.step_times = world_size, data, step_times
-        self._measured = random.Random(0)  # a curve's jitter: the same draws in every simulation
+        from ..signals.step_time_fit import SimulatedDevice
+
+        # a curve's jitter and drift: the same draws in every simulation
+        self._measured = None if step_times is None else SimulatedDevice(step_times, random.Random(0))
         self.tokens_per_sample, self.count_tokens, self.noise_scale = (
             tokens_per_sample,
             count_tokens,
@@ -436,7 +439,7 @@ class _Simulation:
             # by its budget and passes, with its samples
             gas = taken.gradient_accumulation_steps
             micro = taken.micro_batch_per_gpu if taken.budget is None else taken.budget
-            seconds = self.step_times.measure(micro, gas, self._measured)
+            seconds = self._measured.measure(micro, gas)
             samples = None if taken.budget is None else taken.samples
             self.schedule.throughput.observe(
                 micro, gas, self.world_size, seconds, samples=samples, lengths=taken.lengths

@@ -8,12 +8,13 @@ batch-size decision. They are plain Python (0-d tensors are accepted wherever a 
 from .efficiency import efficiency_form, statistical_efficiency
 from .ema import EmaLoss
 from .noise import GradientNoiseEstimator
-from .step_time_fit import StepTimeFit, parse_step_time_curve
+from .step_time_fit import SimulatedDevice, StepTimeFit, parse_step_time_curve
 from .throughput import ThroughputModel
 
 __all__ = [
     "EmaLoss",
     "GradientNoiseEstimator",
+    "SimulatedDevice",
     "StepTimeFit",
     "ThroughputModel",
     "efficiency_form",

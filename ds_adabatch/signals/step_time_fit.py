@@ -16,7 +16,14 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["StepTimeFit", "carry_slope", "carry_split", "fit_step_time", "parse_step_time_curve"]
+__all__ = [
+    "SimulatedDevice",
+    "StepTimeFit",
+    "carry_slope",
+    "carry_split",
+    "fit_step_time",
+    "parse_step_time_curve",
+]
 
 _TERMS = ("fixed", "per_pass", "per_sample")
 
@@ -34,6 +41,12 @@ class StepTimeFit:
     """A simulated curve's measurement noise (:func:`parse_step_time_curve`'s ``jitter``): each step is
     measured at the curve's value times a lognormal factor of mean 1 whose log has this standard
     deviation (:meth:`measure`); 0 for a fit and for a curve without it."""
+    drift: float = 0.0
+    """A simulated curve's change of speed (:func:`parse_step_time_curve`'s ``drift``): the device's
+    times are all multiplied by a lognormal factor of mean 1 whose log has this standard deviation,
+    drawn anew every ``drift_steps`` steps (:class:`SimulatedDevice`); 0 for a fit."""
+    drift_steps: int = 50
+    """Steps between two draws of ``drift``'s factor."""
 
     def predict(self, micro: int, gas: float) -> float:
         """Seconds of one optimizer step of ``gas`` passes of ``micro`` samples (tokens) per rank."""
@@ -55,9 +68,35 @@ class StepTimeFit:
         )
         if self.jitter:
             curve += f", each step measured within a factor exp(+-{self.jitter:g}) about it (one sigma)"
+        if self.drift:
+            curve += (
+                f", the device's speed changed by a factor exp(+-{self.drift:g}) (one sigma) every "
+                f"{self.drift_steps} steps"
+            )
         return (
             curve if not self.shapes else f"{curve} from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
         )
+
+
+class SimulatedDevice:
+    """What a simulated curve's device measures, step after step: :meth:`StepTimeFit.measure` (the
+    curve's value and its ``jitter``), times the device's current speed factor, redrawn every
+    ``drift_steps`` steps where the curve has a ``drift`` (a machine whose speed changes: other work on
+    it, a turn between jobs). Draws come from ``rng``; without a drift exactly as the curve's own.
+    """
+
+    def __init__(self, curve: StepTimeFit, rng: random.Random) -> None:
+        self.curve, self.rng = curve, rng
+        self.steps = 0
+        self.speed = 1.0
+        """The factor the device's times are multiplied by now."""
+
+    def measure(self, micro: int, gas: int) -> float:
+        drift = self.curve.drift
+        if drift and self.steps % max(1, self.curve.drift_steps) == 0:
+            self.speed = math.exp(drift * self.rng.gauss(0.0, 1.0) - drift**2 / 2)
+        self.steps += 1
+        return self.curve.measure(micro, gas, self.rng) * self.speed
 
 
 def _solve(
@@ -174,7 +213,10 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
     With the coefficients, ``jitter=S`` (unitless, default 0) makes the simulated steps' measured times
     noisy, as a real device's are: each is the curve's value times a lognormal factor of mean 1 whose log
     has standard deviation ``S`` (:meth:`StepTimeFit.measure`; 0.25: about +-25%). The curve itself is
-    the mean; ``jitter`` is what the goodput schedule's measurements see, not a cost.
+    the mean; ``jitter`` is what the goodput schedule's measurements see, not a cost. ``drift=S``
+    (unitless) does the same to the device's speed: every ``drift_steps=N`` steps (default 50) all its
+    times are multiplied by a new lognormal factor of mean 1 whose log has standard deviation ``S``
+    (:class:`SimulatedDevice`), as a machine slows down and speeds up with the other work on it.
 
     Raises:
         ValueError: the text is neither, naming what is wrong.
@@ -185,7 +227,14 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
             "an empty step-time curve: give fixed=...,per_pass=...,per_sample=... or micro:seconds pairs"
         )
     if all("=" in item for item in items):
-        values = {"fixed": 0.0, "per_pass": 0.0, "per_sample": 0.0, "jitter": 0.0}
+        values = {
+            "fixed": 0.0,
+            "per_pass": 0.0,
+            "per_sample": 0.0,
+            "jitter": 0.0,
+            "drift": 0.0,
+            "drift_steps": 50.0,
+        }
         given: set[str] = set()
         for item in items:
             name, _, value = item.partition("=")
@@ -195,22 +244,24 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
             if name in given:
                 raise ValueError(f"step-time term {name} is given twice in {text!r}: give it once")
             given.add(name)
-            unit = "" if name == "jitter" else " seconds"
+            unit = " seconds" if name in _TERMS else ""
             try:
                 values[name] = float(value)
             except ValueError:
                 raise ValueError(f"step-time term {name} must be a number{unit}, got {value!r}") from None
             if not values[name] >= 0 or not math.isfinite(values[name]):
                 raise ValueError(f"step-time term {name} must be a finite number >= 0{unit}, got {value!r}")
+        if values["drift_steps"] != int(values["drift_steps"]) or values["drift_steps"] < 1:
+            raise ValueError(f"step-time term drift_steps must be a whole number >= 1 (steps) in {text!r}")
         if not any(values[term] for term in _TERMS):
             raise ValueError(
                 f"the step-time curve {text!r} is zero everywhere: give at least one positive term"
             )
-        return StepTimeFit(**values, shapes=0)
+        return StepTimeFit(**{**values, "drift_steps": int(values["drift_steps"])}, shapes=0)
     if any("=" in item for item in items):
         raise ValueError(
             f"the step-time curve {text!r} mixes terms (name=value) with table entries (micro:seconds): "
-            "give one form (jitter=... goes with fixed=...,per_pass=...,per_sample=...)"
+            "give one form (jitter=... and drift=... go with fixed=...,per_pass=...,per_sample=...)"
         )
     points = []
     for item in items:

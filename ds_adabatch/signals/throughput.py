@@ -55,6 +55,11 @@ on something else), and from there times are not kept until one measures no slow
 median (the pause is over), or :data:`SETTLE_STEPS` have gone by (the device itself got slower: its
 times are the news). Loading a state is such a pause.
 
+The device's speed can change after a shape was last measured (other work on the machine, a policy's
+turn ending): a shape's median is read at the speed now, corrected by how much the shapes run since
+slowed down or sped up while each ran (:mod:`ds_adabatch.signals.drift`: only changes beyond their
+times' scatter, so exact times are read as they are).
+
 A shape's times can go stale: a few unlucky steps (a pause, a neighbour on the machine, a GPU's first
 steps at a new size) can rate a shape slower than it runs, and a shape left is never measured again.
 With ``forget_after`` N, a shape that has not run for N steps (observations of other shapes) is
@@ -103,6 +108,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .drift import DeviceDrift
 from .step_time_fit import StepTimeFit, carry_slope, carry_split, fit_step_time, parse_step_time_curve
 
 __all__ = ["SETTLE_STEPS", "StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
@@ -154,6 +160,7 @@ class ThroughputModel:
         self.forgotten = 0
         """Shapes forgotten so far (``forget_after``)."""
         self._times: dict[tuple[int, int, int], deque[float]] = {}
+        self._drift = DeviceDrift(self.window)  # the speed change since a shape last ran
         self._seen: dict[tuple[int, int, int], int] = {}
         self._measuring: dict[tuple[int, int, int], deque[float]] = {}
         self._fits: dict[int, StepTimeFit | None] = {}
@@ -230,6 +237,7 @@ class ThroughputModel:
                 return
             self._settling = 0  # no slower than before the pause: it is over
         kept.append(float(seconds))
+        self._drift.add(key, seconds)
         self._fits.clear()
         self._misfit_memo.clear()
 
@@ -249,10 +257,14 @@ class ThroughputModel:
     def measured(self, world: int | None = None) -> list[tuple[int, int, float, int]]:
         """``(micro, gas, median seconds, steps kept)`` per measured shape (of ``world`` if given)."""
         return [
-            (m, g, statistics.median(ts), len(ts))
+            (m, g, self._median((m, g, w)), len(ts))
             for (m, g, w), ts in sorted(self._times.items())
             if ts and (world is None or w == world)
         ]
+
+    def _median(self, key: tuple[int, int, int]) -> float:
+        """The shape's median kept step time, read at the device's speed now (:mod:`.drift`)."""
+        return statistics.median(self._times[key]) * self._drift.factor(key)
 
     def latest_world(self) -> int | None:
         """The world size of the latest step time observed; None before any."""
@@ -297,8 +309,8 @@ class ThroughputModel:
             micros = {m for m, _, _ in own}
             theirs = self._fit_over(others) if others and len(micros) == 1 else None
             if theirs is not None and len(own) == 1:
-                (m, g, _), times = own[0], self._times[own[0]]
-                fit = carry_slope(theirs, m, g, statistics.median(times))
+                m, g, _ = own[0]
+                fit = carry_slope(theirs, m, g, self._median(own[0]))
             else:
                 fit = self._fit_over(own or others)
                 if theirs is not None and fit is not None:
@@ -313,7 +325,7 @@ class ThroughputModel:
         if spread and self._a_clear_difference(keys, spread):
             spread = 0.0  # two shapes clearly differ in cost: no benefit of the doubt for the flat fit
         times = [(key, self._times[key]) for key in sorted(keys)]
-        return fit_step_time([(m, g, statistics.median(ts), len(ts)) for (m, g, _), ts in times], spread)
+        return fit_step_time([(key[0], key[1], self._median(key), len(ts)) for key, ts in times], spread)
 
     def _a_clear_difference(self, keys: list[tuple[int, int, int]], spread: float) -> bool:
         """Whether two of the shapes ``keys`` differ in median step time by more than two standard errors
@@ -321,7 +333,7 @@ class ThroughputModel:
         slope, however much they scatter, and the flat fit is not kept for the scatter's sake (on the CPU
         in turns, batch 8's times slowed after a pause, widened the scatter, and a fit kept flat against
         batch 16's clear +84% tried 32, which cost +202% a step)."""
-        logs = {k: math.log(statistics.median(self._times[k])) for k in keys if self._times.get(k)}
+        logs = {k: math.log(self._median(k)) for k in keys if self._times.get(k)}
         if any(pair <= logs.keys() for pair in self._apart):
             return True
         for a, b in itertools.combinations(logs, 2):
@@ -339,7 +351,7 @@ class ThroughputModel:
         keys = [(int(m), int(g), int(world)) for m, g in (a, b)]
         if not all(self._times.get(key) for key in keys) or keys[0] == keys[1]:
             return
-        gap = abs(math.log(statistics.median(self._times[keys[0]]) / statistics.median(self._times[keys[1]])))
+        gap = abs(math.log(self._median(keys[0]) / self._median(keys[1])))
         if gap > 2.0 * self.ratio_error(a, b, world):
             self._apart.add(frozenset(keys))
             self._fits.clear()
@@ -495,6 +507,7 @@ class ThroughputModel:
             "clock": self._clock,
             "last": [[m, g, w, n] for (m, g, w), n in sorted(self._last.items())],
             "forgotten": self.forgotten,
+            "runs": self._drift.state_dict(),
             "apart": sorted([*a, *b] for a, b in (sorted(pair) for pair in self._apart)),
             "packed": [list(p) for p in self._packed],
             "lengths": list(self._lengths),
@@ -535,6 +548,7 @@ class ThroughputModel:
         self._lengths = deque((int(n) for n in state.get("lengths", [])), maxlen=LENGTHS_KEPT)
         self._lengths_seen = int(state.get("lengths_seen", len(self._lengths)))
         self._passes_memo = (-1, [], {})
+        self._drift.load_state_dict(state.get("runs", []))  # absent before drift was read: none known
         self._fits.clear()
         self._misfit_memo.clear()
         self._settling = SETTLE_STEPS  # a resumed job's first steps follow a pause

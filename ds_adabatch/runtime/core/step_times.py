@@ -26,7 +26,8 @@ sampler's packer bound by the step core, to predict other batches' passes).
 
 A simulated curve (``DS_ADABATCH_SIMULATED_STEP_TIME``, read when the engine is built, in
 :func:`~ds_adabatch.signals.parse_step_time_curve`'s syntax) replaces the measured time by the curve's
-value for the step's shape (with its ``jitter``, a noisy measurement of that value): tests and
+value for the step's shape (with its ``jitter``, a noisy measurement of that value, and its ``drift``, a
+device whose speed changes): tests and
 demonstrations make the cost flat (host-bound) or growing (compute-bound) on any machine.
 
 When the schedule does not read step times the engine holds :class:`NoStepTimes`, which does nothing.
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ...signals import StepTimeFit, ThroughputModel, parse_step_time_curve
+from ...signals import SimulatedDevice, StepTimeFit, ThroughputModel, parse_step_time_curve
 from .sync import StepSync
 
 __all__ = [
@@ -109,8 +110,8 @@ class StepTimes(NoStepTimes):
         self.model = model
         self.processes = max(1, int(processes))
         self.curve = curve
-        # A simulated curve's jitter: drawn from the run's torch seed, so a run repeats with its seed.
-        self._jitter = random.Random(torch.initial_seed())
+        # A simulated curve's jitter and drift: drawn from the run's torch seed, so a run repeats with it.
+        self._device = None if curve is None else SimulatedDevice(curve, random.Random(torch.initial_seed()))
         self._cuda = curve is None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._start: Any = None
         # (start, end, shape, retried, measuring, paused)
@@ -140,8 +141,8 @@ class StepTimes(NoStepTimes):
         step's :class:`~ds_adabatch.data.StepBatch` (a token-budget step is keyed by its budget)."""
         shape = step_shape(plan, step)
         paused = self.curve is None and self._after_pause(started)
-        if self.curve is not None:
-            seconds = 0.0 if retried else self.curve.measure(shape[0], shape[1], self._jitter)
+        if self._device is not None:
+            seconds = 0.0 if retried else self._device.measure(shape[0], shape[1])
         elif self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
