@@ -127,7 +127,7 @@ def test_a_simulated_device_drifts_every_drift_steps_and_is_the_curve_without_a_
     assert all(t == times[k - k % 10] for k, t in enumerate(times))  # one speed for 10 steps
     assert len(set(times[::10])) == 2000
     logs = [math.log(t / 0.02) for t in times[::10]]
-    assert statistics.fmean(logs) == pytest.approx(-0.3**2 / 2, abs=0.02)
+    assert statistics.fmean(logs) == pytest.approx(-(0.3**2) / 2, abs=0.02)
     assert statistics.stdev(logs) == pytest.approx(0.3, rel=0.05)
     for bad in ("fixed=0.02,drift_steps=0", "fixed=0.02,drift_steps=2.5"):
         with pytest.raises(ValueError, match="drift_steps must be a whole number"):

@@ -24,14 +24,29 @@ import itertools
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["RUNS_KEPT", "DeviceDrift"]
+__all__ = ["RUNS_KEPT", "DeviceDrift", "log_variance"]
 
 RUNS_KEPT = 64
 """The latest runs of one shape kept; a shape last run before them is corrected by their drifts alone."""
 
 Key = tuple[int, int, int]
+
+
+def log_variance(groups: Iterable[Iterable[float]]) -> float:
+    """The variance of one time's log about its group's, read robustly from the median of the
+    differences between two log times of one group (for normal scatter ``sigma`` their magnitude has
+    median ``0.6745 x sqrt(2) x sigma``), so a slow step now and then does not widen it; 0 where no
+    group has two times."""
+    differences: list[float] = []
+    for times in groups:
+        logs = [math.log(t) for t in times]
+        differences.extend(abs(a - b) for a, b in itertools.combinations(logs, 2))
+    if not differences:
+        return 0.0
+    return (statistics.median(differences) / (0.6745 * math.sqrt(2.0))) ** 2
 
 
 class _Run:
@@ -60,9 +75,7 @@ class _Run:
             return 1.0
         start, end = self.first[lead:], list(self.last)
         change = math.log(statistics.median(end) / statistics.median(start))
-        logs = [[math.log(t) for t in part] for part in (start, end)]
-        differences = [abs(a - b) for part in logs for a, b in itertools.combinations(part, 2)]
-        variance = (statistics.median(differences) / (0.6745 * math.sqrt(2.0))) ** 2
+        variance = log_variance((start, end))
         # The variance of a median of n normal draws is about pi / 2 times their mean's.
         error = math.sqrt(variance * math.pi / 2.0 * (1.0 / len(start) + 1.0 / len(end)))
         return math.exp(change) if abs(change) > 2.0 * error else 1.0

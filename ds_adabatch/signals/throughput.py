@@ -108,7 +108,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .drift import DeviceDrift
+from .drift import DeviceDrift, log_variance
 from .step_time_fit import StepTimeFit, carry_slope, carry_split, fit_step_time, parse_step_time_curve
 
 __all__ = ["SETTLE_STEPS", "StepTimeFit", "ThroughputModel", "fit_step_time", "parse_step_time_curve"]
@@ -288,13 +288,7 @@ class ThroughputModel:
         widen it; 0 with no shape of 2 or more times (no spread to read: the times are then taken as
         exact). Pairs need no centre: deviations from a shape's median would count its middle time as
         exact, and read the scatter of shapes of 3 times about half as large."""
-        differences: list[float] = []
-        for key in self._times if keys is None else keys:
-            logs = [math.log(t) for t in self._times.get(key, ())]
-            differences.extend(abs(a - b) for a, b in itertools.combinations(logs, 2))
-        if not differences:
-            return 0.0
-        return (statistics.median(differences) / (0.6745 * math.sqrt(2.0))) ** 2
+        return log_variance(self._times.get(key, ()) for key in (self._times if keys is None else keys))
 
     def fit(self, world: int) -> StepTimeFit | None:
         """The fit for ``world`` ranks; None before any step. Its own shapes once two are measured there;
