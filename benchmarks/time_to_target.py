@@ -27,6 +27,9 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``goodput-no-pause``        ``goodput`` whose runtime never flags a pause (``PAUSE_SECONDS`` infinite in its
                             process): the slower steps after a validation or another policy's turn are
                             kept as any (only where ``--only`` names it)
+``goodput-no-drift``        ``goodput`` whose throughput model reads every shape's step times as they were
+                            measured, not at the device's speed now (``RUNS_KEPT`` 0 in its process,
+                            ``ds_adabatch.signals.drift``; only where ``--only`` names it)
 ``NAME+again``               policy NAME once more, in a process of its own beside it: the same weights,
                             data and schedule, so what differs is the clock (the machine's noise). Not a
                             fixed batch of the sweep (never its best or median), reported as a policy
@@ -108,7 +111,9 @@ SHORT_MEMORY = {"ema_beta": 0.8, "max_relative_error": None}
 """The keys of ``goodput-short-memory`` over ``goodput``'s: a noise estimate of about 1 / (1 - 0.8) = 5
 measurements, used without the confidence test (with ~5 measurements it would rarely pass)."""
 
-ON_REQUEST = frozenset({"goodput-pollux", "goodput-short-memory", "goodput-no-pause", *ADASCALE_POWERS})
+ON_REQUEST = frozenset(
+    {"goodput-pollux", "goodput-short-memory", "goodput-no-pause", "goodput-no-drift", *ADASCALE_POWERS}
+)
 """Policies run only where ``--only`` names them."""
 
 
@@ -137,6 +142,7 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
     out["goodput-short-memory"] = {**out["goodput"], **SHORT_MEMORY}
     out["goodput-no-pause"] = out["goodput"]  # the runtime's constant differs (train_policy)
+    out["goodput-no-drift"] = out["goodput"]  # likewise
     for name in ADASCALE_POWERS:  # the schedule of goodput (its square-root efficiency); the LR by ds_config
         out[name] = {**out["goodput"], "efficiency": "sqrt"}
     return out
@@ -197,6 +203,10 @@ def train_policy(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ds_adabatch.runtime.core import step_times
 
         step_times.PAUSE_SECONDS = math.inf
+    if base_policy(name) == "goodput-no-drift":  # likewise: no speed change is read
+        from ds_adabatch.signals import drift
+
+        drift.RUNS_KEPT = 0
     engine, *_ = ds_adabatch.initialize(model, cfg, train)
     module = engine.module
     cuda = args.device == "cuda"

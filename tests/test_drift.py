@@ -134,3 +134,14 @@ def test_a_simulated_device_drifts_every_drift_steps_and_is_the_curve_without_a_
             parse_step_time_curve(bad)
     with pytest.raises(ValueError, match="drift must be a finite number >= 0"):
         parse_step_time_curve("fixed=0.02,drift=-1")
+
+
+def test_with_no_runs_kept_every_shape_is_read_as_it_was_measured(monkeypatch):
+    from ds_adabatch.signals import drift as module
+
+    monkeypatch.setattr(module, "RUNS_KEPT", 0)
+    model = ThroughputModel()
+    for seconds, micro, steps in ((0.030, 8, 6), (0.055, 16, 6), (0.030, 8, 12), (0.045, 8, 8)):
+        for _ in range(steps):
+            model.observe(micro, 1, 1, seconds)
+    assert model.measured(1) == [(8, 1, 0.045, 8), (16, 1, 0.055, 5)]

@@ -30,7 +30,8 @@ from typing import Any
 __all__ = ["RUNS_KEPT", "DeviceDrift", "log_variance"]
 
 RUNS_KEPT = 64
-"""The latest runs of one shape kept; a shape last run before them is corrected by their drifts alone."""
+"""The latest runs of one shape kept; a shape last run before them is corrected by their drifts alone.
+0 keeps none: every shape is read as it was measured (what the benchmarks compare against)."""
 
 Key = tuple[int, int, int]
 
@@ -97,6 +98,8 @@ class DeviceDrift:
 
     def add(self, key: Key, seconds: float) -> None:
         """One kept step time of shape ``key`` (after every one before it)."""
+        if not self._runs.maxlen:
+            return
         if not self._runs or self._runs[-1].key != key:
             self._runs.append(_Run(key, self.window))
         self._runs[-1].add(float(seconds), self.window)
