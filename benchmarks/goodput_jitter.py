@@ -105,10 +105,11 @@ def main() -> None:
         type=float,
         nargs="+",
         default=[0.0],
-        help="the device's speed changes too: every --drift-steps steps its times are all multiplied by "
+        help="the device's speed changes too: every --drift-steps steps on average its times are all "
+        "multiplied by "
         "a lognormal factor whose log has this standard deviation (SimulatedDevice)",
     )
-    parser.add_argument("--drift-steps", type=int, default=50, help="steps between two speed changes")
+    parser.add_argument("--drift-steps", type=int, default=50, help="mean steps between two speed changes")
     args = parser.parse_args()
     began = time.perf_counter()
     print(f"{args.seeds} seeds x {args.steps} steps per curve and jitter (deterministic)")

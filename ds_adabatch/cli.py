@@ -529,7 +529,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="what a step costs, for goodput: fixed=S,per_pass=S,per_sample=S (seconds), optionally with "
         "jitter=S (each step measured within a lognormal factor whose log has that standard deviation, "
         "as a real device's times scatter) and drift=S[,drift_steps=N] (the device's speed changing by "
-        "such a factor every N steps, default 50), or a table of step times by shape, MICRO:S (one pass) or "
+        "such a factor every N steps on average, default 50), or a table of step times by shape, MICRO:S (one pass) or "
         "MICROxGAS:S (several; without one, extra passes cost only their samples), e.g. 8:0.031,8x4:0.06",
     )
     p.add_argument(

@@ -16,44 +16,43 @@ from ds_adabatch.signals import SimulatedDevice, ThroughputModel, parse_step_tim
 from ds_adabatch.signals.drift import DeviceDrift
 
 
-def _run(drift: DeviceDrift, key, times) -> None:
-    for t in times:
-        drift.add(key, t)
+def _run(drift: DeviceDrift, key, times) -> int:
+    return [drift.add(key, t) for t in times][-1]
 
 
-def test_a_runs_speed_change_rates_the_shapes_before_it_at_the_speed_now():
+def test_a_runs_speed_change_reads_the_times_before_it_at_the_speed_now():
     drift = DeviceDrift(window=8)
-    _run(drift, (16, 1, 1), [0.055] * 6)
-    _run(drift, (8, 1, 1), [0.030] * 12)  # the lead (4) and a first window
-    assert drift.factor((16, 1, 1)) == 1.0  # the run is too short to tell its windows apart
-    _run(drift, (8, 1, 1), [0.045] * 8)  # the device got 1.5x slower while 8 ran
-    assert drift.factor((16, 1, 1)) == pytest.approx(1.5)
-    assert drift.factor((8, 1, 1)) == 1.0  # the shape running now is read as it runs
-    assert drift.factor((32, 1, 1)) == pytest.approx(1.5)  # a shape before every kept run: all of them
+    first = _run(drift, (16, 1, 1), [0.055] * 6)
+    eights = _run(drift, (8, 1, 1), [0.030] * 12)  # the lead (4) and a first window
+    assert (first, eights) == (1, 2)
+    assert drift.since(first) == 1.0  # the run is too short to tell its windows apart
+    assert _run(drift, (8, 1, 1), [0.045] * 8) == eights  # the device got 1.5x slower while 8 ran
+    assert drift.since(first) == pytest.approx(1.5) and drift.since(0) == pytest.approx(1.5)
+    assert drift.since(eights) == 1.0  # the run going on is read as it runs
     # A later run's change multiplies in; a run back to 16 starts its own.
-    _run(drift, (24, 1, 1), [0.07] * 12 + [0.035] * 8)
-    assert drift.factor((16, 1, 1)) == pytest.approx(0.75)
-    assert drift.factor((8, 1, 1)) == pytest.approx(0.5)
-    _run(drift, (16, 1, 1), [0.03] * 3)
-    assert drift.factor((16, 1, 1)) == 1.0 and drift.factor((8, 1, 1)) == pytest.approx(0.5)
+    later = _run(drift, (24, 1, 1), [0.07] * 12 + [0.035] * 8)
+    assert drift.since(first) == pytest.approx(0.75) and drift.since(eights) == pytest.approx(0.5)
+    assert _run(drift, (16, 1, 1), [0.03] * 3) == later + 1
+    assert drift.since(later) == 1.0 and drift.since(first) == pytest.approx(0.75)
     # It survives a checkpoint.
     again = DeviceDrift(window=8)
     again.load_state_dict(drift.state_dict())
-    assert again.factor((8, 1, 1)) == pytest.approx(0.5) and again.factor((24, 1, 1)) == 1.0
+    assert again.since(first) == pytest.approx(0.75) and again.since(later) == 1.0
+    assert again.add((16, 1, 1), 0.03) == later + 1 and again.add((8, 1, 1), 0.03) == later + 2
 
 
 def test_a_change_within_the_times_scatter_is_not_a_speed_change():
     rng = random.Random(0)
     scattered = DeviceDrift(window=8)
-    _run(scattered, (16, 1, 1), [0.05] * 5)
+    first = _run(scattered, (16, 1, 1), [0.05] * 5)
     _run(scattered, (8, 1, 1), [0.03 * math.exp(0.2 * rng.gauss(0, 1)) for _ in range(40)])
-    assert scattered.factor((16, 1, 1)) == 1.0
+    assert scattered.since(first) == 1.0
     # The same change with a small scatter is read.
     clear = DeviceDrift(window=8)
-    _run(clear, (16, 1, 1), [0.05] * 5)
+    first = _run(clear, (16, 1, 1), [0.05] * 5)
     _run(clear, (8, 1, 1), [0.03 * (1 + 0.01 * rng.uniform(-1, 1)) for _ in range(12)])
     _run(clear, (8, 1, 1), [0.036 * (1 + 0.01 * rng.uniform(-1, 1)) for _ in range(8)])
-    assert clear.factor((16, 1, 1)) == pytest.approx(1.2, rel=0.02)
+    assert clear.since(first) == pytest.approx(1.2, rel=0.02)
 
 
 def test_the_throughput_model_fits_and_rates_the_shapes_at_the_speed_now():
@@ -75,10 +74,17 @@ def test_the_throughput_model_fits_and_rates_the_shapes_at_the_speed_now():
     again.load_state_dict(model.state_dict())
     assert again.measured(1) == model.measured(1)
     old = model.state_dict()
-    del old["runs"]
+    del old["runs"], old["drift"]
     older = ThroughputModel()
     older.load_state_dict(old)
     assert older.measured(1) == [(8, 1, 0.045, 8), (16, 1, pytest.approx(0.055), 5)]
+    # A shape's times from runs at two speeds are each read at the speed now.
+    model = ThroughputModel()
+    for seconds, micro, steps in ((0.030, 8, 4), (0.055, 16, 5), (0.030, 8, 12), (0.045, 8, 8)):
+        for _ in range(steps):
+            model.observe(micro, 1, 1, seconds)
+    model.observe(16, 1, 1, 0.0825)  # 16 again, at the slower speed: its times before read alike
+    assert model.measured(1)[1] == (16, 1, pytest.approx(0.0825), 5)
 
 
 def test_goodput_does_not_move_on_a_device_that_slowed_down():
@@ -121,12 +127,13 @@ def test_a_simulated_device_drifts_every_drift_steps_and_is_the_curve_without_a_
     device, rng = SimulatedDevice(plain, random.Random(3)), random.Random(3)
     assert [device.measure(8, 2) for _ in range(5)] == [plain.measure(8, 2, rng) for _ in range(5)]
     curve = parse_step_time_curve("fixed=0.02,drift=0.3,drift_steps=10")
-    assert (curve.drift, curve.drift_steps) == (0.3, 10) and "every 10 steps" in curve.describe()
+    assert (curve.drift, curve.drift_steps) == (0.3, 10) and "every 10 steps on average" in curve.describe()
     device = SimulatedDevice(curve, random.Random(0))
-    times = [device.measure(8, 1) for _ in range(20000)]
-    assert all(t == times[k - k % 10] for k, t in enumerate(times))  # one speed for 10 steps
-    assert len(set(times[::10])) == 2000
-    logs = [math.log(t / 0.02) for t in times[::10]]
+    times = [device.measure(8, 1) for _ in range(40000)]
+    changes = [k for k in range(1, len(times)) if times[k] != times[k - 1]]
+    assert 3600 < len(changes) < 4400  # one step in 10 on average
+    assert len({k % 10 for k in changes}) == 10  # at any step, not on a grid
+    logs = [math.log(times[k] / 0.02) for k in changes]
     assert statistics.fmean(logs) == pytest.approx(-(0.3**2) / 2, abs=0.02)
     assert statistics.stdev(logs) == pytest.approx(0.3, rel=0.05)
     for bad in ("fixed=0.02,drift_steps=0", "fixed=0.02,drift_steps=2.5"):

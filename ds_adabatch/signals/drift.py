@@ -13,9 +13,10 @@ times near its start (after its first ``window // 2``, which can still pay a new
 costs), counted only where the two windows are apart (a run of at least ``window // 2 + 2 x window``
 kept times) and differ by more than twice the standard error of the ratio of two medians, from the
 scatter within the windows; else 1. The device is taken as running at one speed across a change of
-shape, so a shape last measured before runs ``r1, r2, ..., rn`` (the current one last) is rated at
-its median times the product of their drifts: the speed now over the speed then, as the shapes that
-ran since measured it. With exact times every drift is 1 and nothing changes.
+shape, so a step time kept before runs ``r1, r2, ..., rn`` (the current one last) is read at that time
+times the product of their drifts: the speed now over the speed then, as the shapes that ran since
+measured it; a shape's median is taken over its times so read, whichever of its runs they come from.
+With exact times every drift is 1 and nothing changes.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ class _Run:
 
 
 class DeviceDrift:
-    """The runs of the latest kept step times, and the speed change since a shape last ran (module
-    docstring). Feed it every kept time, in order (:meth:`add`); :meth:`factor` is what a shape's
-    median is multiplied by to be read at today's speed.
+    """The runs of the latest kept step times, and the speed change since each (module docstring).
+    Feed it every kept time, in order (:meth:`add`, which names the run the time joined);
+    :meth:`since` is what a time of that run is multiplied by to be read at today's speed.
 
     Args:
         window: the throughput model's window (its medians' number of times).
@@ -94,36 +95,42 @@ class DeviceDrift:
     def __init__(self, window: int) -> None:
         self.window = int(window)
         self._runs: deque[_Run] = deque(maxlen=RUNS_KEPT)
-        self._factors: dict[Key, float] = {}
+        self._serial = 0  # the latest run's number (runs are numbered from 1)
+        self._factors: dict[int, float] = {}
 
-    def add(self, key: Key, seconds: float) -> None:
-        """One kept step time of shape ``key`` (after every one before it)."""
+    def add(self, key: Key, seconds: float) -> int:
+        """One kept step time of shape ``key`` (after every one before it); returns its run's number."""
         if not self._runs.maxlen:
-            return
+            return 0
         if not self._runs or self._runs[-1].key != key:
+            self._serial += 1
             self._runs.append(_Run(key, self.window))
         self._runs[-1].add(float(seconds), self.window)
         self._factors.clear()
+        return self._serial
 
-    def factor(self, key: Key) -> float:
-        """The product of the drifts of the runs since ``key``'s last one (all kept runs where it has
-        none among them); 1 for the shape running now."""
-        if key not in self._factors:
-            factor = 1.0
+    def since(self, serial: int) -> float:
+        """The product of the drifts of the kept runs after run ``serial``: all of them for a run before
+        them (or 0, a time whose run is not known); 1 for the run going on."""
+        if serial not in self._factors:
+            factor, number = 1.0, self._serial
             for run in reversed(self._runs):
-                if run.key == key:
+                if number <= serial:
                     break
                 factor *= run.drift(self.window)
-            self._factors[key] = factor
-        return self._factors[key]
+                number -= 1
+            self._factors[serial] = factor
+        return self._factors[serial]
 
-    def state_dict(self) -> list[list[Any]]:
-        return [[*run.key, run.kept, list(run.first), list(run.last)] for run in self._runs]
+    def state_dict(self) -> dict[str, Any]:
+        runs = [[*run.key, run.kept, list(run.first), list(run.last)] for run in self._runs]
+        return {"serial": self._serial, "runs": runs}
 
-    def load_state_dict(self, runs: list[list[Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._runs.clear()
         self._factors.clear()
-        for m, g, w, kept, first, last in runs:
+        self._serial = int(state["serial"])
+        for m, g, w, kept, first, last in state["runs"]:  # beyond RUNS_KEPT the oldest drop out
             run = _Run((int(m), int(g), int(w)), self.window)
             run.kept, run.first = int(kept), [float(t) for t in first]
             run.last.extend(float(t) for t in last)

@@ -44,9 +44,9 @@ class StepTimeFit:
     drift: float = 0.0
     """A simulated curve's change of speed (:func:`parse_step_time_curve`'s ``drift``): the device's
     times are all multiplied by a lognormal factor of mean 1 whose log has this standard deviation,
-    drawn anew every ``drift_steps`` steps (:class:`SimulatedDevice`); 0 for a fit."""
+    drawn anew after ``drift_steps`` steps on average (:class:`SimulatedDevice`); 0 for a fit."""
     drift_steps: int = 50
-    """Steps between two draws of ``drift``'s factor."""
+    """The mean number of steps between two draws of ``drift``'s factor."""
 
     def predict(self, micro: int, gas: float) -> float:
         """Seconds of one optimizer step of ``gas`` passes of ``micro`` samples (tokens) per rank."""
@@ -71,7 +71,7 @@ class StepTimeFit:
         if self.drift:
             curve += (
                 f", the device's speed changed by a factor exp(+-{self.drift:g}) (one sigma) every "
-                f"{self.drift_steps} steps"
+                f"{self.drift_steps} steps on average"
             )
         return (
             curve if not self.shapes else f"{curve} from {self.shapes} shape{'s' if self.shapes != 1 else ''}"
@@ -80,9 +80,11 @@ class StepTimeFit:
 
 class SimulatedDevice:
     """What a simulated curve's device measures, step after step: :meth:`StepTimeFit.measure` (the
-    curve's value and its ``jitter``), times the device's current speed factor, redrawn every
-    ``drift_steps`` steps where the curve has a ``drift`` (a machine whose speed changes: other work on
-    it, a turn between jobs). Draws come from ``rng``; without a drift exactly as the curve's own.
+    curve's value and its ``jitter``), times the device's current speed factor where the curve has a
+    ``drift`` (a machine whose speed changes: other work on it, a turn between jobs). The factor is
+    drawn at the first step and anew before each step with probability ``1 / drift_steps``, so the
+    changes come at random steps, not in step with a schedule's decisions. Draws come from ``rng``;
+    without a drift exactly as the curve's own.
     """
 
     def __init__(self, curve: StepTimeFit, rng: random.Random) -> None:
@@ -93,7 +95,7 @@ class SimulatedDevice:
 
     def measure(self, micro: int, gas: int) -> float:
         drift = self.curve.drift
-        if drift and self.steps % max(1, self.curve.drift_steps) == 0:
+        if drift and (self.steps == 0 or self.rng.random() * self.curve.drift_steps < 1.0):
             self.speed = math.exp(drift * self.rng.gauss(0.0, 1.0) - drift**2 / 2)
         self.steps += 1
         return self.curve.measure(micro, gas, self.rng) * self.speed
@@ -214,8 +216,8 @@ def parse_step_time_curve(text: str) -> StepTimeFit:
     noisy, as a real device's are: each is the curve's value times a lognormal factor of mean 1 whose log
     has standard deviation ``S`` (:meth:`StepTimeFit.measure`; 0.25: about +-25%). The curve itself is
     the mean; ``jitter`` is what the goodput schedule's measurements see, not a cost. ``drift=S``
-    (unitless) does the same to the device's speed: every ``drift_steps=N`` steps (default 50) all its
-    times are multiplied by a new lognormal factor of mean 1 whose log has standard deviation ``S``
+    (unitless) does the same to the device's speed: after ``drift_steps=N`` steps on average (default
+    50; at random steps) all its times are multiplied by a new lognormal factor of mean 1 whose log has standard deviation ``S``
     (:class:`SimulatedDevice`), as a machine slows down and speeds up with the other work on it.
 
     Raises:

@@ -160,7 +160,8 @@ class ThroughputModel:
         self.forgotten = 0
         """Shapes forgotten so far (``forget_after``)."""
         self._times: dict[tuple[int, int, int], deque[float]] = {}
-        self._drift = DeviceDrift(self.window)  # the speed change since a shape last ran
+        self._drift = DeviceDrift(self.window)  # the speed change since each kept time's run
+        self._runs: dict[tuple[int, int, int], deque[int]] = {}  # each kept time's run, as _times
         self._seen: dict[tuple[int, int, int], int] = {}
         self._measuring: dict[tuple[int, int, int], deque[float]] = {}
         self._fits: dict[int, StepTimeFit | None] = {}
@@ -237,7 +238,7 @@ class ThroughputModel:
                 return
             self._settling = 0  # no slower than before the pause: it is over
         kept.append(float(seconds))
-        self._drift.add(key, seconds)
+        self._runs.setdefault(key, deque(maxlen=self.window)).append(self._drift.add(key, seconds))
         self._fits.clear()
         self._misfit_memo.clear()
 
@@ -246,7 +247,7 @@ class ThroughputModel:
             return
         stale = [key for key, last in self._last.items() if self._clock - last > self.forget_after]
         for key in stale:
-            for table in (self._times, self._seen, self._measuring, self._last):
+            for table in (self._times, self._runs, self._seen, self._measuring, self._last):
                 table.pop(key, None)
             self._apart = {pair for pair in self._apart if key not in pair}
         if stale:
@@ -262,9 +263,13 @@ class ThroughputModel:
             if ts and (world is None or w == world)
         ]
 
+    def _read(self, key: tuple[int, int, int]) -> list[float]:
+        """The shape's kept step times, each read at the device's speed now (:mod:`.drift`)."""
+        runs = self._runs.get(key, ())
+        return [t * self._drift.since(run) for t, run in zip(self._times.get(key, ()), runs)]
+
     def _median(self, key: tuple[int, int, int]) -> float:
-        """The shape's median kept step time, read at the device's speed now (:mod:`.drift`)."""
-        return statistics.median(self._times[key]) * self._drift.factor(key)
+        return statistics.median(self._read(key))
 
     def latest_world(self) -> int | None:
         """The world size of the latest step time observed; None before any."""
@@ -288,7 +293,7 @@ class ThroughputModel:
         widen it; 0 with no shape of 2 or more times (no spread to read: the times are then taken as
         exact). Pairs need no centre: deviations from a shape's median would count its middle time as
         exact, and read the scatter of shapes of 3 times about half as large."""
-        return log_variance(self._times.get(key, ()) for key in (self._times if keys is None else keys))
+        return log_variance(self._read(key) for key in (self._times if keys is None else keys))
 
     def fit(self, world: int) -> StepTimeFit | None:
         """The fit for ``world`` ranks; None before any step. Its own shapes once two are measured there;
@@ -501,7 +506,8 @@ class ThroughputModel:
             "clock": self._clock,
             "last": [[m, g, w, n] for (m, g, w), n in sorted(self._last.items())],
             "forgotten": self.forgotten,
-            "runs": self._drift.state_dict(),
+            "runs": [[m, g, w, list(rs)] for (m, g, w), rs in sorted(self._runs.items())],
+            "drift": self._drift.state_dict(),
             "apart": sorted([*a, *b] for a, b in (sorted(pair) for pair in self._apart)),
             "packed": [list(p) for p in self._packed],
             "lengths": list(self._lengths),
@@ -542,7 +548,13 @@ class ThroughputModel:
         self._lengths = deque((int(n) for n in state.get("lengths", [])), maxlen=LENGTHS_KEPT)
         self._lengths_seen = int(state.get("lengths_seen", len(self._lengths)))
         self._passes_memo = (-1, [], {})
-        self._drift.load_state_dict(state.get("runs", []))  # absent before drift was read: none known
+        # Absent from states written before speed changes were read: none known, every time of run 0.
+        self._drift.load_state_dict(state.get("drift", {"serial": 0, "runs": []}))
+        runs = {(int(m), int(g), int(w)): [int(r) for r in rs] for m, g, w, rs in state.get("runs", [])}
+        self._runs = {
+            key: deque(runs.get(key, [0] * len(times)), maxlen=self.window)
+            for key, times in self._times.items()
+        }
         self._fits.clear()
         self._misfit_memo.clear()
         self._settling = SETTLE_STEPS  # a resumed job's first steps follow a pause
