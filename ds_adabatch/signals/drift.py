@@ -1,4 +1,4 @@
-"""How much faster or slower the device runs now than when a shape was last measured.
+"""How much faster or slower the device runs now than when a step time was kept.
 
 A shape's step times are kept while it runs; once the job moves on, they stay as they were, while the
 device's speed can change: on the 2-core CPU benchmark, whose policies train in turns, batch 8 ran
@@ -31,8 +31,9 @@ from typing import Any
 __all__ = ["RUNS_KEPT", "DeviceDrift", "log_variance"]
 
 RUNS_KEPT = 64
-"""The latest runs of one shape kept; a shape last run before them is corrected by their drifts alone.
-0 keeps none: every shape is read as it was measured (what the benchmarks compare against)."""
+"""The latest runs kept (a run: consecutive kept step times of one shape); a time kept before them is
+corrected by their drifts alone. 0 keeps none: every time is read as it was measured (what the
+benchmarks compare against)."""
 
 Key = tuple[int, int, int]
 
