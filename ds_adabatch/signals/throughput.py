@@ -55,10 +55,10 @@ on something else), and from there times are not kept until one measures no slow
 median (the pause is over), or :data:`SETTLE_STEPS` have gone by (the device itself got slower: its
 times are the news). Loading a state is such a pause.
 
-The device's speed can change after a shape was last measured (other work on the machine, a policy's
-turn ending): a shape's median is read at the speed now, corrected by how much the shapes run since
-slowed down or sped up while each ran (:mod:`ds_adabatch.signals.drift`: only changes beyond their
-times' scatter, so exact times are read as they are).
+The device's speed can change after a step time was kept (other work on the machine, a policy's turn
+ending): every kept time is read at the speed now, corrected by how much the shapes run since slowed
+down or sped up while each ran (:mod:`ds_adabatch.signals.drift`: only changes beyond their times'
+scatter, so exact times are read as they are), and a shape's median is taken over its times so read.
 
 A shape's times can go stale: a few unlucky steps (a pause, a neighbour on the machine, a GPU's first
 steps at a new size) can rate a shape slower than it runs, and a shape left is never measured again.
@@ -551,9 +551,10 @@ class ThroughputModel:
         # Absent from states written before speed changes were read: none known, every time of run 0.
         self._drift.load_state_dict(state.get("drift", {"serial": 0, "runs": []}))
         runs = {(int(m), int(g), int(w)): [int(r) for r in rs] for m, g, w, rs in state.get("runs", [])}
-        self._runs = {
-            key: deque(runs.get(key, [0] * len(times)), maxlen=self.window)
+        self._runs = {  # one run per kept time, the newest last (a time of no known run: run 0)
+            key: deque(([0] * len(times) + runs.get(key, []))[-len(times) :], maxlen=self.window)
             for key, times in self._times.items()
+            if times
         }
         self._fits.clear()
         self._misfit_memo.clear()
