@@ -78,7 +78,11 @@ def launch_job(
 ) -> subprocess.Popen:
     """Node ``k``'s agent of the job writing to ``out`` (``nproc`` ranks; node ``host`` hosts the
     launcher's store)."""
-    conf = "join_timeout=120,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3"
+    # A round closes `last_call_timeout` after its first nodes joined, and a node whose keep-alive is
+    # late `keep_alive_max_attempt` times is taken as gone: on 2 loaded cores (every job's agents and
+    # workers starting at once, DeepSpeed building its ops) a node joined a first round after 8 s, and
+    # the run went on without it; so the first round waits long enough for every node.
+    conf = "join_timeout=120,last_call_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=10"
     launcher = ["-m", "ds_adabatch.launch", "--exit-barrier-timeout", "5"]
     launcher += [
         "--nnodes",
