@@ -106,8 +106,7 @@ def main() -> None:
         nargs="+",
         default=[0.0],
         help="the device's speed changes too: every --drift-steps steps on average its times are all "
-        "multiplied by "
-        "a lognormal factor whose log has this standard deviation (SimulatedDevice)",
+        "multiplied by a lognormal factor whose log has this standard deviation (SimulatedDevice)",
     )
     parser.add_argument("--drift-steps", type=int, default=50, help="mean steps between two speed changes")
     args = parser.parse_args()

@@ -56,13 +56,14 @@ class _Run:
     """Consecutive kept step times of one shape: how many, the first ones (up to the lead and a
     window), the last ``window``."""
 
-    __slots__ = ("first", "kept", "key", "last")
+    __slots__ = ("ended", "first", "kept", "key", "last")
 
     def __init__(self, key: Key, window: int) -> None:
         self.key = key
         self.kept = 0
         self.first: list[float] = []
         self.last: deque[float] = deque(maxlen=window)
+        self.ended: float | None = None  # its drift, once another run followed (it changes no more)
 
     def add(self, seconds: float, window: int) -> None:
         self.kept += 1
@@ -73,6 +74,8 @@ class _Run:
     def drift(self, window: int) -> float:
         """The run's speed change (module docstring): its last window's median over its first one's,
         or 1 where the run is too short or the change within what its scatter explains."""
+        if self.ended is not None:
+            return self.ended
         lead = window // 2
         if self.kept < lead + 2 * window:
             return 1.0
@@ -104,6 +107,8 @@ class DeviceDrift:
         if not self._runs.maxlen:
             return 0
         if not self._runs or self._runs[-1].key != key:
+            if self._runs:
+                self._runs[-1].ended = self._runs[-1].drift(self.window)
             self._serial += 1
             self._runs.append(_Run(key, self.window))
         self._runs[-1].add(float(seconds), self.window)
@@ -135,4 +140,6 @@ class DeviceDrift:
             run = _Run((int(m), int(g), int(w)), self.window)
             run.kept, run.first = int(kept), [float(t) for t in first]
             run.last.extend(float(t) for t in last)
+            if self._runs:
+                self._runs[-1].ended = self._runs[-1].drift(self.window)
             self._runs.append(run)
