@@ -124,7 +124,10 @@ def config(stage: int, live: bool = True, persist: bool = False) -> dict:
                 "enabled": live,
                 # Every step: a loss redoes at most the step in flight (benchmarks also try "auto").
                 "snapshot_every": _every(os.environ.get("LIVE_SNAPSHOT_EVERY", "1")),
-                "collective_timeout_s": 20.0,
+                # The default: DeepSpeed's initialize runs its collectives under it too, and on 2 loaded
+                # cores a rank reached them more than 20 s after the others (lost and hung nodes are
+                # found in seconds all the same: reset connections, the heartbeat watchdog).
+                "collective_timeout_s": 60.0,
                 # Generous on a shared 2-core machine: a starved heartbeat must not look like a loss.
                 "heartbeat_period_s": float(os.environ.get("LIVE_HEARTBEAT", "0.2")),
                 "dead_after_s": float(os.environ.get("LIVE_DEAD_AFTER", "2.0")),

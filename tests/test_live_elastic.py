@@ -2,7 +2,7 @@
 no restart (``adabatch.live_elastic``; tests/live_worker.py is the job).
 
 Three nodes (namespaces) x one or two ranks, each node its own ``ds-adabatch-run`` agent (run here as
-``python -m ds_adabatch.launch``: torchrun, c10d rendezvous, ``--nnodes 1:3``) and its own snapshot
+``python -m ds_adabatch.launch``: torchrun, c10d rendezvous, ``--nnodes 1:N`` for its N nodes) and its own snapshot
 folder (its "host memory"). A node kills itself (agent and worker, SIGKILL; or SIGSTOP: hung) a few
 milliseconds into a step chosen from a seed. Checked for every job:
 
@@ -74,10 +74,19 @@ def kill_point(seed: int) -> str:
 
 
 def launch_job(
-    cluster, k: int, out: Path, stage: int, port: int, log: str, env: dict, nproc: int = 1, host: int = 0
+    cluster,
+    k: int,
+    out: Path,
+    stage: int,
+    port: int,
+    log: str,
+    env: dict,
+    nproc: int = 1,
+    host: int = 0,
+    nodes: int = 3,
 ) -> subprocess.Popen:
     """Node ``k``'s agent of the job writing to ``out`` (``nproc`` ranks; node ``host`` hosts the
-    launcher's store)."""
+    launcher's store; at most ``nodes`` nodes: a round that has them all closes at once)."""
     # A round closes `last_call_timeout` after its first nodes joined, and a node whose keep-alive is
     # late `keep_alive_max_attempt` times is taken as gone: on 2 loaded cores (every job's agents and
     # workers starting at once, DeepSpeed building its ops) a node joined a first round after 8 s, and
@@ -86,7 +95,7 @@ def launch_job(
     launcher = ["-m", "ds_adabatch.launch", "--exit-barrier-timeout", "5"]
     launcher += [
         "--nnodes",
-        "1:3",
+        f"1:{nodes}",
         "--nproc-per-node",
         str(nproc),
         "--max-restarts",
@@ -195,6 +204,26 @@ JOBS = {
 RELAUNCH_PORT = 29716
 
 
+def wait_spawned(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Until every agent in ``procs`` has started its workers, which it does once its first rendezvous
+    round has closed (or one ended, or ``timeout`` seconds passed: the checks then say what went
+    wrong)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(children(p.pid) for p in procs):
+        if any(p.poll() is not None for p in procs):
+            return
+        time.sleep(0.1)
+
+
+def children(pid: int) -> list[str]:
+    """The child processes of ``pid`` (``ip netns exec`` runs the agent in its own process)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += (task / "children").read_text().split()
+    return found
+
+
 def node_logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))
 
@@ -208,14 +237,22 @@ def launch_one(cluster, tmp_path_factory) -> dict[str, Path]:
         out = outs[name] = tmp_path_factory.mktemp(f"live_{name}")
         procs[name] = []
         for k in range(nodes):
-            procs[name].append(launch_job(cluster, k, out, stage, port, f"node{k}.log", env, nproc))
+            procs[name].append(
+                launch_job(cluster, k, out, stage, port, f"node{k}.log", env, nproc, nodes=nodes)
+            )
             time.sleep(0.3)
+        # One job's rendezvous at a time: with every agent starting at once on 2 loaded cores, the last
+        # job's last agent joined more than 30 s after the others had, its first round closed without
+        # it and torchrun restarted the workers when it came. The next job's agents start once this
+        # job's round has closed (its workers then start beside the next agents).
+        wait_spawned(procs[name], 120)
     codes = {"store": wait_processes(procs["store"], 300)}
     store = outs["store"]
     (store / "ended").write_text(str(time.time()))
     stage, _, _, _, env = JOBS["store"]
     relaunch = [
-        launch_job(cluster, k, store, stage, RELAUNCH_PORT, f"relaunch{k}.log", env, host=1) for k in (1, 2)
+        launch_job(cluster, k, store, stage, RELAUNCH_PORT, f"relaunch{k}.log", env, host=1, nodes=2)
+        for k in (1, 2)
     ]
     survivors = {name: p[:2] if name == "hung" else p for name, p in procs.items() if name != "store"}
     for name, ps in survivors.items():
@@ -257,7 +294,7 @@ def test_node_lost_survivors_go_on_in_place(launch_one, reference, name, stage, 
 
 def test_hung_node_caught_by_the_watchdog_before_the_timeout(launch_one):
     """A stopped node resets no connection: the survivors' watchdog (heartbeat silent for dead_after_s,
-    2 s here, in an overdue step) breaks the step's collectives well before the 20 s timeout."""
+    2 s here, in an overdue step) breaks the step's collectives well before the 60 s timeout."""
     out = launch_one["hung"]
     log = "\n".join(p.read_text() for p in sorted(out.glob("node*.log")))  # whole: the line is early
     assert "live watchdog: process(es) [2] silent for 2 s" in log, node_logs(out)
