@@ -313,6 +313,7 @@ def checks(out: str) -> None:
             "files": files,
             "files_after_close": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
         }
+    result["late"] = _late_rank()
     result["reform"] = _transient_fault(1)
     result["reform_zero3"] = _transient_fault(3)
     if torch.distributed.get_rank() == 0:
@@ -364,6 +365,36 @@ def _transient_fault(stage: int, steps: int = 8) -> dict:
     rel = max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items())
     plain.close()
     return {"events": events, "history": history, "relative_difference": rel, "handles": handles}
+
+
+def _late_rank(timeout: float = 2.0, late: float = 5.0) -> dict:
+    """Rank 1 reaches ``initialize`` and then its first step ``late`` seconds after rank 0 (an op built,
+    a checkpoint read on one rank only), more than ``collective_timeout_s`` (``timeout``): the build, what
+    precedes the first step and that step run under the process group's own timeout, and nothing fails.
+    After it the configured timeout bounds a wait: rank 1 late by as much in step 3 is taken for a
+    failure (a re-formed world, both processes alive)."""
+    cfg = config(1)
+    cfg["adabatch"]["live_elastic"]["collective_timeout_s"] = timeout
+    rank = torch.distributed.get_rank()
+    if rank == 1:
+        time.sleep(late)
+    engine, *_ = ds_adabatch.initialize(make_model(), cfg, Regression(), loss_fn=mse)
+    if rank == 1:
+        time.sleep(late)
+    before = []
+    for step in range(1, 5):
+        if step == 3 and rank == 1:
+            time.sleep(late)
+        engine.train_batch()
+        if step == 2:
+            before = list(engine.live_events)
+    result = {
+        "before": len(before),
+        "events": [{k: e[k] for k in ("kind", "lost")} for e in engine.live_events],
+        "steps": engine.global_steps,
+    }
+    engine.close()
+    return result
 
 
 def _cut_in_next_forward(engine) -> None:

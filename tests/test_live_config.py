@@ -174,6 +174,10 @@ def test_what_live_recovery_covers_on_one_node(tmp_path, monkeypatch):
             and len([f for f in files if f.endswith(".meta")]) == 4
         ), (stage, files)
         assert got[stage]["files_after_close"] == [], stage
+    # A rank minutes late to the build or the first step is no failure; late in a step, it is one.
+    late = got["late"]
+    assert late["before"] == 0 and late["steps"] == 4, late
+    assert [e["kind"] for e in late["events"]] == ["reform"] and late["events"][0]["lost"] == [], late
     zero3 = got["reform_zero3"]
     assert [e["kind"] for e in zero3["events"]] == ["reform"] and zero3["relative_difference"] <= 1e-6, zero3
     assert zero3["handles"]["loader_samples"] == zero3["handles"]["engine_samples"] > 0, zero3

@@ -50,7 +50,10 @@ class LiveElasticConfig(BaseModel):
         description=(
             "Timeout of every collective of the training process groups, in seconds: a peer that hangs "
             "(rather than dies) is declared lost after this long. DeepSpeed's own data-parallel group "
-            "gets it too (it would otherwise keep torch's 30-minute default)."
+            "gets it too (it would otherwise keep torch's 30-minute default). It applies once the first "
+            "training step is done: the engine's build, what runs before the first step (a checkpoint "
+            "load, an op compiled on one rank) and that step keep DeepSpeed's process-group timeout (DEEPSPEED_TIMEOUT "
+            "minutes, 10 by default), as ranks may reach them minutes apart."
         ),
     )
     heartbeat_period_s: float = Field(

@@ -299,9 +299,7 @@ class LiveRecovery:
     def _host_group(self) -> ProcessGroup | None:
         """A gloo group of the whole world for what moves host memory (the assembly, the buddy copies,
         the cadence's agreement), whatever the backend of the default group."""
-        return torch.distributed.new_group(
-            ranks=list(range(self.world.size)), timeout=self.world.timeout, backend="gloo"
-        )
+        return self.world.new_group(backend="gloo")
 
     @property
     def snapshot_every(self) -> int | None:
@@ -357,6 +355,7 @@ class LiveRecovery:
                     failure = f"{self.world.broken_by_watchdog} ({failure})"
                     self.world.broken_by_watchdog = None
             if failure is None:
+                self.world.arm()
                 self._after_first_step()
                 return loss
             # The step in progress, numbered as every step line numbers it (the first train_batch() is

@@ -35,8 +35,14 @@ adopts whatever the key holds (so two survivors with different views still agree
 DeepSpeed runs its data-parallel collectives on its world group (``deepspeed.utils.groups``), a clone of the
 world that ``_clone_world_group`` makes with ``dist.new_group(ranks)`` and no timeout, i.e. torch's
 default (30 minutes for gloo) whatever the default group has; :meth:`LiveWorld.seed_deepspeed_group`
-fills that cache with a clone that has the configured timeout, so a hung peer is bounded. Generation 0's
-default group, formed before the config was read, gets the configured timeout when the world is made.
+fills that cache with a clone that has the configured timeout, so a hung peer is bounded.
+
+The configured timeout takes effect once the first training step is done (:meth:`LiveWorld.arm`). Until then the
+groups of generation 0 (the default group, formed before the config was read; DeepSpeed's clone; the
+snapshots' group) and the store keep DeepSpeed's process-group timeout (``DEEPSPEED_TIMEOUT`` minutes,
+10 by default; the configured one where it is longer): the ranks reach the engine's build and what a script does before its first step
+(loading a checkpoint, building an op on one rank) and their first step's one-off work minutes apart, where no snapshot exists yet to go on
+from, and a short timeout there would only fail a healthy start.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
+from deepspeed.constants import default_pg_timeout
 
 from .. import deepspeed_internals as internals
 from ..distributed.process_group import RestartSafeNamespace
@@ -131,7 +139,7 @@ class LiveWorld:
     Args:
         namespace: where generation 0 was formed (:func:`.process_group.restart_safe_namespace`).
         backend: of the default group (``"gloo"``, ``"nccl"``).
-        timeout: of every collective of every group formed here.
+        timeout: of every collective of every group formed here, once the first step is done (:meth:`arm`).
         heartbeat_period, dead_after, agree_timeout: seconds (``adabatch.live_elastic``).
     """
 
@@ -148,19 +156,16 @@ class LiveWorld:
         dist = torch.distributed
         self.namespace = namespace
         self.backend = backend
-        self.timeout = timeout
+        self.configured_timeout = timeout
+        self.startup_timeout = max(timeout, default_pg_timeout)
+        self._armed = False
+        self._startup_groups: list[Any] = []
         self.dead_after = dead_after
         self.agree_timeout = agree_timeout
-        # Generation 0's default group was formed before this config was read (init_distributed: the
-        # 30 minutes of DeepSpeed's default_pg_timeout), and ds_adabatch's own collectives run on it (a
-        # step's loss): a wait there that the cut does not end (seen: a gloo all-reduce of the process
-        # that cut its own connections) would outlast the agreement. Bounded as every later generation.
-        # torch's private distributed_c10d._set_pg_timeout (read in 2.13.0; tests/test_torch_compat.py).
-        dist.distributed_c10d._set_pg_timeout(timeout)
         self.origin = dist.get_rank()
         self.members: list[int] = list(range(dist.get_world_size()))
         self.generation = 0
-        self.store = namespace.client(timeout)
+        self.store = namespace.client(self.startup_timeout)
         # Where rank 0 of this incarnation hosts the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
         # the server lives in the default group's store object: keep it when that group is destroyed.
         self._default_store = torch.distributed.distributed_c10d._get_default_store()
@@ -206,13 +211,42 @@ class LiveWorld:
             self.store.set(key, uuid.uuid4().hex)
         return self.store.get(key).decode()
 
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout of the groups formed now: the configured one once :meth:`arm` ran, the startup
+        one before (module docstring)."""
+        return self.configured_timeout if self._armed else self.startup_timeout
+
+    def new_group(self, backend: str | None = None) -> Any:
+        """A group of the whole current world with :attr:`timeout` (armed with the rest if formed before
+        the first step). Every member calls it at the same point."""
+        group = torch.distributed.new_group(
+            ranks=list(range(self.size)), timeout=self.timeout, backend=backend
+        )
+        if not self._armed:
+            self._startup_groups.append(group)
+        return group
+
+    def arm(self) -> None:
+        """From now on (the first training step is done) every group of this world and the store time out after
+        the configured timeout. Generation 0's default group was formed before this config was read, and
+        ds_adabatch's own collectives run on it (a step's loss): a wait there that the cut does not end
+        (seen: a gloo all-reduce of the process that cut its own connections) would outlast the
+        agreement; bounded as every later generation. Idempotent."""
+        if self._armed:
+            return
+        self._armed = True
+        # torch's private distributed_c10d._set_pg_timeout (read in 2.13.0; tests/test_torch_compat.py).
+        for group in [None, *self._startup_groups]:
+            torch.distributed.distributed_c10d._set_pg_timeout(self.configured_timeout, group)
+        self._startup_groups.clear()
+        self.store.set_timeout(self.configured_timeout)
+
     def seed_deepspeed_group(self) -> None:
         """Put a world clone with our timeout where DeepSpeed looks for its data-parallel group."""
         # DeepSpeed otherwise makes its clone with torch's default timeout (30 minutes on gloo), which
         # would let a hung peer stall the survivors for that long.
-        internals.seed_world_group(
-            torch.distributed.new_group(ranks=list(range(self.size)), timeout=self.timeout)
-        )
+        internals.seed_world_group(self.new_group())
 
     # ---------------------------------------------------------------------------------------------
     def agree_on_survivors(self) -> tuple[list[int], list[int]]:
