@@ -24,6 +24,9 @@ device synchronised around it, and its time is left out (so is engine start-up).
                             (``ema_beta`` 0.8), taken as it is (``max_relative_error`` null): the estimate
                             of one rank at GAS 1, measured one step in about 17, then lags some 85 steps
                             rather than 340 (only where ``--only`` names it)
+``goodput-trend``           ``goodput`` whose noise estimate is read at its trend's value now
+                            (``noise_trend``: ``ds_adabatch.signals.noise_trend``), not at its
+                            measurements' mean age (only where ``--only`` names it)
 ``goodput-no-pause``        ``goodput`` whose runtime never flags a pause (``PAUSE_SECONDS`` infinite in its
                             process): the slower steps after a validation or another policy's turn are
                             kept as any (only where ``--only`` names it)
@@ -112,7 +115,14 @@ SHORT_MEMORY = {"ema_beta": 0.8, "max_relative_error": None}
 measurements, used without the confidence test (with ~5 measurements it would rarely pass)."""
 
 ON_REQUEST = frozenset(
-    {"goodput-pollux", "goodput-short-memory", "goodput-no-pause", "goodput-no-drift", *ADASCALE_POWERS}
+    {
+        "goodput-pollux",
+        "goodput-short-memory",
+        "goodput-trend",
+        "goodput-no-pause",
+        "goodput-no-drift",
+        *ADASCALE_POWERS,
+    }
 )
 """Policies run only where ``--only`` names them."""
 
@@ -141,6 +151,7 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # Pollux's efficiency, where the default (sqrt scaling here) takes its square root: the two side by side.
     out["goodput-pollux"] = {**out["goodput"], "efficiency": "linear"}
     out["goodput-short-memory"] = {**out["goodput"], **SHORT_MEMORY}
+    out["goodput-trend"] = {**out["goodput"], "noise_trend": True}
     out["goodput-no-pause"] = out["goodput"]  # the runtime's constant differs (train_policy)
     out["goodput-no-drift"] = out["goodput"]  # likewise
     for name in ADASCALE_POWERS:  # the schedule of goodput (its square-root efficiency); the LR by ds_config

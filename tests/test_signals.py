@@ -491,7 +491,7 @@ def test_gradient_noise_default_change_cap_doubles_at_most():
     assert rule.last_target == 200.0, "the reversal test remembers the uncapped target (0.2 x 1000)"
     assert at(rule, 2, 1000.0, batch=16) == 32.0
     cfg = SCHEDULES.validate_python({"type": "gradient_noise", "start": 8})
-    assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 8.0}
+    assert cfg.estimator_settings() == {"ema_beta": 0.95, "reference_batch": 8.0, "trend": False}
     tiny = SCHEDULES.validate_python({"type": "gradient_noise", "start": 2})
     assert tiny.estimator_settings()["reference_batch"] == 8.0
     big = SCHEDULES.validate_python({"type": "gradient_noise", "start": 256})

@@ -155,12 +155,13 @@ class _NoiseMeasuringConfig(ScheduleConfigBase):
     def endpoint_batches(self, world_size: int | None = None) -> list[tuple[str, int]]:
         return [("start", self.start)]  # type: ignore[attr-defined]
 
-    def estimator_settings(self) -> dict[str, float]:
+    def estimator_settings(self) -> dict[str, float | bool]:
         """Keyword arguments of ``ds_adabatch.signals.GradientNoiseEstimator`` for this schedule."""
         reference = self.ema_reference_batch  # type: ignore[attr-defined]
         if reference is None:
             reference = max(self.start, 8)  # type: ignore[attr-defined]
-        return {"ema_beta": self.ema_beta, "reference_batch": float(reference)}  # type: ignore[attr-defined]
+        settings = {"ema_beta": self.ema_beta, "reference_batch": float(reference)}  # type: ignore[attr-defined]
+        return {**settings, "trend": bool(getattr(self, "noise_trend", False))}
 
 
 class GradientNoiseScheduleConfig(_NoiseMeasuringConfig):
@@ -474,6 +475,16 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
     )
     measure_every: int = GradientNoiseScheduleConfig.model_fields["measure_every"]
     geometry: Literal["auto", "sgd", "adam"] = GradientNoiseScheduleConfig.model_fields["geometry"]
+    noise_trend: bool = Field(
+        default=False,
+        description="Read the noise estimate at its trend's value now rather than at its measurements' "
+        "mean age (about 1 / (1 - ema_beta) measurements ago: ~320 steps on one rank at GAS 1, where a "
+        "step's noise is measured by splitting one step in ~17): a twin estimate of half the memory is "
+        "fed the same measurements, and where the two differ by more than twice the standard error of "
+        "their log ratio the long one is extrapolated along the trend they show (at most 4x either "
+        "way), its relative error widened by the extrapolation's (ds_adabatch.signals.noise_trend). "
+        "Off: the smoothed estimate as it is.",
+    )
     efficiency: Literal["auto", "linear", "sqrt"] = Field(
         default="auto",
         description='The statistical efficiency of batch M relative to start M0, from B_noise. "linear": '

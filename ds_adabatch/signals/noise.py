@@ -43,6 +43,7 @@ import math
 from typing import Any
 
 from .ema import _check_state
+from .noise_trend import extrapolate
 
 __all__ = ["GradientNoiseEstimator"]
 
@@ -62,9 +63,14 @@ class GradientNoiseEstimator:
             ``ema_beta``; a measurement of ``B`` samples decays it by ``ema_beta ** (B /
             reference_batch)`` and weighs accordingly more. ``None``: every measurement decays by
             ``ema_beta`` whatever its batch.
+        trend: also keep a twin of half the memory (``ema_beta ** 2``), fed the same measurements, and
+            read :attr:`noise_scale_now` at the trend of the two (``ds_adabatch.signals.noise_trend``);
+            off: :attr:`noise_scale_now` is :attr:`noise_scale`.
     """
 
-    def __init__(self, ema_beta: float = 0.95, reference_batch: float | None = None) -> None:
+    def __init__(
+        self, ema_beta: float = 0.95, reference_batch: float | None = None, trend: bool = False
+    ) -> None:
         if not 0.0 <= ema_beta < 1.0:
             raise ValueError(f"ema_beta must be in [0, 1), got {ema_beta!r}")
         if reference_batch is not None and not reference_batch > 0:
@@ -77,6 +83,7 @@ class GradientNoiseEstimator:
         self._g = self._gg = 0.0
         self._t = self._tt = 0.0
         self._gt = 0.0
+        self._wi = 0.0  # sum w x (the measurement's number): the measurements' mean age
         self.count = 0
         """Measurements averaged so far."""
         self.skipped = 0
@@ -85,6 +92,10 @@ class GradientNoiseEstimator:
         """The latest single |G|^2 estimate (unsmoothed)."""
         self.last_trace_sigma: float | None = None
         """The latest single tr(Sigma) estimate (unsmoothed)."""
+        self.trend: GradientNoiseEstimator | None = (
+            GradientNoiseEstimator(self.ema_beta**2, self.reference_batch) if trend else None
+        )
+        """The half-memory twin (``trend`` on), else None."""
 
     def _decay(self, b_big: float) -> float:
         if self.reference_batch is None:
@@ -118,6 +129,27 @@ class GradientNoiseEstimator:
             return None
         scale = self.noise_scale
         return math.inf if scale is None else scale
+
+    @property
+    def mean_age(self) -> float:
+        """The weighted mean age of the averaged measurements, in measurements (0: the latest)."""
+        return self.count - self._wi / self._w if self._w > 0 else 0.0
+
+    @property
+    def noise_scale_now(self) -> float | None:
+        """:attr:`noise_scale` read at its trend's value now where ``trend`` is on and the half-memory
+        twin clearly differs (``ds_adabatch.signals.noise_trend``); else :attr:`noise_scale`."""
+        return self._now()[0]
+
+    @property
+    def relative_error_now(self) -> float:
+        """The relative standard error of :attr:`noise_scale_now`."""
+        return self._now()[1]
+
+    def _now(self) -> tuple[float | None, float]:
+        if self.trend is None:
+            return self.noise_scale, self.relative_error
+        return extrapolate(self, self.trend)
 
     @property
     def effective_measurements(self) -> float:
@@ -171,6 +203,9 @@ class GradientNoiseEstimator:
         self._t = f * self._t + w * trace
         self._tt = f * self._tt + w * trace * trace
         self._gt = f * self._gt + w * g2 * trace
+        self._wi = f * self._wi + w * self.count
+        if self.trend is not None:
+            self.trend.update(b_small, small, b_big, big)
         self.last_grad_sq_norm, self.last_trace_sigma = g2, trace
         return self.noise_scale
 
@@ -183,6 +218,8 @@ class GradientNoiseEstimator:
             "sums": [self._w, self._w2, self._g, self._gg, self._t, self._tt, self._gt],
             "count": self.count,
             "skipped": self.skipped,
+            "index_sum": self._wi,
+            "trend": None if self.trend is None else self.trend.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -194,9 +231,15 @@ class GradientNoiseEstimator:
         count = int(state["count"])
         sums = [float(v) for v in state["sums"]]
         same = state["ema_beta"] == self.ema_beta and state["reference_batch"] == self.reference_batch
+        twin = state.get("trend")
+        if self.trend is not None and isinstance(twin, dict):
+            self.trend.load_state_dict(twin)  # (a state without one: the twin starts empty)
         if same or count == 0:
             self._w, self._w2, self._g, self._gg, self._t, self._tt, self._gt = sums
             self.count = count
+            # A state without the measurements' ages reads them as the latest's (no trend until new
+            # measurements age them).
+            self._wi = float(state.get("index_sum", self._w * count))
             return
         # Other smoothing settings cannot reuse the sums (their weights depend on them): restart both
         # averages from the restored means, weighted as one measurement (its error then unknown).
@@ -205,6 +248,7 @@ class GradientNoiseEstimator:
         self._w = self._w2 = 1.0
         self._g, self._gg, self._t, self._tt, self._gt = g, g * g, t, t * t, g * t
         self.count = 1
+        self._wi = 1.0
 
 
 def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
