@@ -7,9 +7,9 @@ decay ``f`` per measurement (19 at 0.95). Where a measurement comes only every ~
 while early in training B_noise grows several-fold over a few hundred steps: the estimate then reads it
 2-2.5x low, and a schedule that rates batches by it (``goodput``) holds a batch the noise has outgrown.
 
-With ``trend`` on, the estimator keeps a second estimate of half the memory (decay ``f^2``: mean age about half) fed
-the same measurements. Where the noise scale changes as ``exp(r x age)``, the two read it at their mean
-ages ``a_long`` and ``a_short``::
+With ``trend`` on, the estimator keeps a second estimate of half the memory (decay ``f^2``: mean age
+about half) fed the same measurements. Where the noise scale changes as ``exp(r x age)``, the two read
+it at their mean ages ``a_long`` and ``a_short``::
 
     log B_short - log B_long = r (a_long - a_short)      =>      log B_now = log B_long + r a_long
 

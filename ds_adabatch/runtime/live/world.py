@@ -37,12 +37,13 @@ world that ``_clone_world_group`` makes with ``dist.new_group(ranks)`` and no ti
 default (30 minutes for gloo) whatever the default group has; :meth:`LiveWorld.seed_deepspeed_group`
 fills that cache with a clone that has the configured timeout, so a hung peer is bounded.
 
-The configured timeout takes effect once the first training step is done (:meth:`LiveWorld.arm`). Until then the
-groups of generation 0 (the default group, formed before the config was read; DeepSpeed's clone; the
-snapshots' group) and the store keep DeepSpeed's process-group timeout (``DEEPSPEED_TIMEOUT`` minutes,
-10 by default; the configured one where it is longer): the ranks reach the engine's build and what a script does before its first step
-(loading a checkpoint, building an op on one rank) and their first step's one-off work minutes apart, where no snapshot exists yet to go on
-from, and a short timeout there would only fail a healthy start.
+The configured timeout takes effect once the first training step is done (:meth:`LiveWorld.arm`). Until
+then the groups of generation 0 (the default group, formed before the config was read; DeepSpeed's clone;
+the snapshots' group) and the store keep DeepSpeed's process-group timeout (``DEEPSPEED_TIMEOUT`` minutes,
+10 by default; the configured one where it is longer): the ranks reach the engine's build and what a
+script does before its first step (loading a checkpoint, building an op on one rank) and their first
+step's one-off work minutes apart, where no snapshot exists yet to go on from, and a short timeout there
+would only fail a healthy start.
 """
 
 from __future__ import annotations
@@ -228,10 +229,10 @@ class LiveWorld:
         return group
 
     def arm(self) -> None:
-        """From now on (the first training step is done) every group of this world and the store time out after
-        the configured timeout. Generation 0's default group was formed before this config was read, and
-        ds_adabatch's own collectives run on it (a step's loss): a wait there that the cut does not end
-        (seen: a gloo all-reduce of the process that cut its own connections) would outlast the
+        """From now on (the first training step is done) every group of this world and the store time
+        out after the configured timeout. Generation 0's default group was formed before this config was
+        read, and ds_adabatch's own collectives run on it (a step's loss): a wait there that the cut does
+        not end (seen: a gloo all-reduce of the process that cut its own connections) would outlast the
         agreement; bounded as every later generation. Idempotent."""
         if self._armed:
             return
