@@ -2,8 +2,8 @@
 no restart (``adabatch.live_elastic``; tests/live_worker.py is the job).
 
 Three nodes (namespaces) x one or two ranks, each node its own ``ds-adabatch-run`` agent (run here as
-``python -m ds_adabatch.launch``: torchrun, c10d rendezvous, ``--nnodes 1:N`` for its N nodes) and its own snapshot
-folder (its "host memory"). A node kills itself (agent and worker, SIGKILL; or SIGSTOP: hung) a few
+``python -m ds_adabatch.launch``: torchrun, c10d rendezvous, ``--nnodes 1:N`` for the job's N nodes)
+and its own snapshot folder (its "host memory"). A node kills itself (agent and worker, SIGKILL; or SIGSTOP: hung) a few
 milliseconds into a step chosen from a seed. Checked for every job:
 
 - the survivors are the processes that started (no worker restarted), and they end on the smaller world;
