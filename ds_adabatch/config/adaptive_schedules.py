@@ -160,8 +160,7 @@ class _NoiseMeasuringConfig(ScheduleConfigBase):
         reference = self.ema_reference_batch  # type: ignore[attr-defined]
         if reference is None:
             reference = max(self.start, 8)  # type: ignore[attr-defined]
-        settings = {"ema_beta": self.ema_beta, "reference_batch": float(reference)}  # type: ignore[attr-defined]
-        return {**settings, "trend": bool(getattr(self, "noise_trend", False))}
+        return {"ema_beta": self.ema_beta, "reference_batch": float(reference), "trend": False}  # type: ignore[attr-defined]
 
 
 class GradientNoiseScheduleConfig(_NoiseMeasuringConfig):
@@ -498,6 +497,9 @@ class GoodputScheduleConfig(_NoiseMeasuringConfig):
         "0.76-0.88; goodput reached 24 of 33 targets within 1.05x the best fixed batch with the square "
         "root, 10 with Pollux's form, in the same runs (ds_adabatch.signals.efficiency, BENCHMARKS.md).",
     )
+
+    def estimator_settings(self) -> dict[str, float | bool]:
+        return {**super().estimator_settings(), "trend": self.noise_trend}
 
     def section_problems(self, section: Any) -> list[tuple[str, str, Any]]:
         """What the rest of the ``"adabatch"`` section must give this schedule: ``(path, problem, value)``."""
