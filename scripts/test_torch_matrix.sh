@@ -56,6 +56,9 @@ main_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_
 mkdir -p "$CACHE"
 cd "$ROOT"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# DeepSpeed's ops built without debug information, as tests/conftest.py has the tests build them (the
+# same compiler command, so that the tests load what the preparation below built).
+export CXX="${CXX:-$ROOT/scripts/c++-without-debug-info}"
 # PIP_CONSTRAINT: a machine-wide pip constraint capping torch (some images carry one) would refuse the
 # newer releases; this install is about exactly the release named.
 pip_install=(env PIP_CONSTRAINT=/dev/null "$ROOT/.venv/bin/python" -m pip install --quiet --no-cache-dir
