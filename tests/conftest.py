@@ -9,9 +9,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# Every launch inherits it, so each op is built once, by the first launch that loads it (a build
-# directory built with another compiler command would be rebuilt).
-os.environ.setdefault("CXX", str(Path(__file__).resolve().parents[1] / "scripts" / "c++-without-debug-info"))
+# Every launch inherits it, so each op is built once, by the first launch that loads it. The ops go to a
+# build directory of their own: one built with another compiler command (scripts/train.sh's, say) would be
+# rebuilt each time the two alternate.
+if "CXX" not in os.environ:
+    os.environ["CXX"] = str(Path(__file__).resolve().parents[1] / "scripts" / "c++-without-debug-info")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "torch_extensions-without-debug-info"))
 
 settings.register_profile(
     "default",
