@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite (about 16 minutes on 2 cores, plus the first install): bash scripts/test.sh [pytest options...]
+# The test suite (33-47 minutes on 2 cores, as the README says, plus the first install): bash scripts/test.sh [pytest options...]
 # Runs on TEST_WORKERS pytest-xdist workers (default 2), each taking whole test modules (--dist loadfile),
 # so that one module's DeepSpeed launches share their module's fixtures and two modules' launches overlap:
 # much of a launch's time is waiting (a rendezvous, a timeout, a process starting) rather than computing.
