@@ -4,6 +4,7 @@
 #   bash scripts/image.sh build [--base REF] [--ca FILE] [--wheels DIR] [--build-arg K=V ...]
 #   bash scripts/image.sh tag [build options]      # the image the checkout's content maps to
 #   bash scripts/image.sh run [--nproc N] [--data DIR] [--name NAME] [--image REF] [train_lm.py options...]
+#   bash scripts/image.sh exec [--image REF] -- COMMAND [ARGS...]
 #   bash scripts/image.sh cluster [--nodes N] [--nproc N] [--data DIR] [--name NAME] [--subnet A.B.C]
 #                                 [--manifest YAML] [--image REF] [train_lm.py options...]
 #
@@ -25,6 +26,8 @@
 # run     the main job on N ranks (default 2) in one container (named NAME), no network; DIR (default
 #         runs/container) is mounted at /data and the job writes to /data/train_lm unless told otherwise
 #         (--out). The options after these are the main job's, appended to its default command line.
+# exec    COMMAND in a container of the image (removed when it ends), no network, e.g.
+#         `bash scripts/image.sh exec -- python -c "import ds_adabatch"`.
 # cluster docker/pytorchjob.yaml's Worker pods as containers, one per network namespace of
 #         scripts/netns-cluster.sh (needs root): the training operator's PET_* environment, the pods'
 #         hostnames, the manifest's command line with the given options appended, DIR (default
@@ -33,7 +36,7 @@
 #         0's status. `podman kill NAME-worker-1` from another shell is the loss of node 1. Defaults:
 #         NAME dsab, the nodes at A.B.C.1.. with A.B.C 10.213.0, YAML docker/pytorchjob.yaml. Needs
 #         pyyaml in $PYTHON (default python3).
-# run and cluster build the image first when the checkout's content has none (or use --image REF).
+# run, exec and cluster build the image first when the checkout's content has none (or use --image REF).
 #
 # PODMAN_RUNTIME=crun|runc picks the OCI runtime; by default runc where the machine mounts cgroups in
 # "hybrid" mode with a controller on the cgroup2 side, which crun refuses ("cgroups in hybrid mode not
@@ -100,7 +103,7 @@ content_hash() { # everything the image is made of: the files it copies, the bas
   (
     cd "$ROOT"
     printf '%s\n' "$@"
-    find docker/Dockerfile docker/pip-install.sh .dockerignore setup.py pyproject.toml README.md \
+    find docker/Dockerfile docker/pip-install.sh scripts/c++-without-debug-info .dockerignore setup.py pyproject.toml README.md \
       ds_adabatch runners ds_configs -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 |
       sort -z | xargs -0 sha256sum
   ) | sha256sum | cut -c1-16
@@ -203,6 +206,19 @@ main() {
         -v "$(cd "$data" && pwd):/data" "$IMAGE" \
         torchrun --nproc-per-node "$nprocs" runners/train_lm.py --config ds_configs/lm_ramp.json \
         --out /data/train_lm "$@"
+      ;;
+    exec)
+      IMAGE=""
+      while [ $# -gt 0 ]; do
+        case "$1" in
+          --image) IMAGE="$(value "$@")"; shift 2 ;;
+          --) shift; break ;;
+          *) break ;;
+        esac
+      done
+      [ $# -gt 0 ] || die "exec needs a command: bash scripts/image.sh exec [--image REF] -- COMMAND [ARGS...]"
+      [ -n "$IMAGE" ] || build
+      exec "${PODMAN[@]}" run --rm --network none "${LIMITS[@]}" "$IMAGE" "$@"
       ;;
     cluster)
       IMAGE="" pass=()

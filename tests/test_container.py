@@ -16,6 +16,7 @@ no root or no ``ip``. Containers and namespaces are removed also when a test fai
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -105,6 +106,44 @@ def test_build_reuses_the_image_until_its_content_changes(image, tmp_path):
         ["bash", str(copy / "scripts" / "image.sh"), "tag"], capture_output=True, text=True
     )
     assert changed.stdout.split()[-1] not in ("", image), "a changed package must not reuse the image"
+
+
+LOAD_THE_OPS = """
+import glob, json, os
+from deepspeed.accelerator import get_accelerator
+def stamps():
+    return {p: os.stat(p).st_mtime_ns for p in sorted(glob.glob("/opt/torch_extensions/*/*.so"))}
+before = stamps()
+for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    get_accelerator().create_op_builder(op).load()
+print(json.dumps({"before": before, "after": stamps(), "cxx": os.environ.get("CXX")}))
+"""
+
+
+def test_the_images_ops_load_as_built(image):
+    """The ops compiled into the image are the ones a container loads: built by the image's own ``CXX``
+    (the compiler that drops ``-g``), so torch's JIT finds them up to date and compiles nothing on start.
+    Built by another command, ninja would rebuild them in every container (a .so with a new mtime)."""
+    proc = _image_sh(
+        "exec",
+        "--image",
+        image,
+        "--",
+        "env",
+        "DS_ACCELERATOR=cpu",
+        "python",
+        "-c",
+        LOAD_THE_OPS,
+        timeout=RUN_TIMEOUT,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(seen["before"]) == [
+        "/opt/torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so",
+        "/opt/torch_extensions/fused_adam/fused_adam.so",
+    ], seen
+    assert seen["after"] == seen["before"], f"a container rebuilt the image's ops: {seen}"
+    assert seen["cxx"] == "/usr/local/bin/c++-without-debug-info", seen
 
 
 @pytest.fixture(scope="module")
