@@ -2,6 +2,7 @@
 
 - build: ``image.sh build`` builds docker/Dockerfile (and the Debian base when there is none); a second
   build of the same content reuses the image, and the tag follows every file the image copies;
+- the ops compiled into the image (``image.sh exec``): a container loads them as built, compiling nothing;
 - the main job on 2 ranks in one container (``image.sh run``): every sample once, the batch ramping;
   its ledger is the reference of the next test;
 - docker/pytorchjob.yaml (``image.sh cluster``): the manifest's command line with the training
