@@ -19,9 +19,9 @@ Scenarios (each writes OUT_DIR/<scenario>_<backend>_rank<r>.json; pytest asserts
 * ``noise``: the ``gradient_noise`` schedule from the "adabatch" section: the estimate against a
   closed form (ZeRO 0 and the backend's stage), the batch following it, and a resume continuing it.
 * ``world`` (DeepSpeed only): a constant global batch of 4 from the config's section (the same on any
-  number of ranks), AdamW under DeepSpeed's warm-up-decay schedule, 6 steps, a checkpoint after step 3,
-  the parameters after every step. With ``HF_RESUME_FROM`` set (a JSON object of ZeRO stage to the
-  checkpoint another number of ranks wrote), each stage's run resumes from there instead, from other
+  number of ranks), AdamW under DeepSpeed's warm-up-decay schedule, 6 steps, checkpoints after steps 3
+  and 6, the parameters after every step. With ``HF_RESUME_FROM`` set (a JSON object of ZeRO stage to
+  the checkpoint another number of ranks wrote), each stage's run resumes from there instead, from other
   initial weights: the steps after the checkpoint must follow the same parameters.
 * ``tokens`` (DeepSpeed only: ``micro_batch_tokens`` lives in its config): a GPT-2 built from a config on
   sequences of 3..20 tokens, padded to the longest by ``DataCollatorForLanguageModeling``, with token
@@ -989,7 +989,8 @@ def run_world(out: Path, ds: bool) -> dict:
     for stage, checkpoint in resumes.items():
         ZERO_STAGE = int(stage)
         section = {"schedule": {"type": "constant", "value": WORLD_BATCH}, "max_micro_batch_per_gpu": 4}
-        saving = {} if checkpoint else {"save_strategy": "steps", "save_steps": WORLD_SAVE}
+        # The resumed run saves too: at step 6 into a folder the test filled with the 2-rank run's.
+        saving = {"save_strategy": "steps", "save_steps": WORLD_SAVE}
         trainer = AdaptiveBatchSizeTrainer(
             model=Regressor(seed=5 if checkpoint else 0),
             args=_args(

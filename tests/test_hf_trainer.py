@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,10 +237,21 @@ def test_a_zero_checkpoint_of_two_ranks_resumes_on_one_on_the_same_parameters(
     two = {"2": _read(ds_results, "world", "ds", 0)["2"], "3": _read(zero3_results, "world", "zero3", 0)["3"]}
     assert all(run["world_size"] == 2 for run in two.values())
     monkeypatch.setenv("HF_RESUME_FROM", json.dumps({stage: run["checkpoint"] for stage, run in two.items()}))
+    # The resumed run saves its step 6 into a folder holding the 2-rank run's checkpoint of that step (as
+    # a run resumed from an older checkpoint in the same output folder does): the earlier save's shards
+    # must go, so that no later resume reads a rank-1 shard beside the 1-rank save.
+    for stage, run in two.items():
+        earlier = Path(run["checkpoint"]).parent / "checkpoint-6"
+        assert any(earlier.glob("global_step*/*rank_1_*_states.pt")), sorted(earlier.rglob("*"))
+        shutil.copytree(earlier, tmp_path / "world_ds" / f"zero{stage}" / "checkpoint-6")
     proc = torchrun(WORKER, str(tmp_path), "ds", "world", nproc=1, cwd=HERE, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert log.count("to DeepSpeed's universal format") == 2, log[-4000:]
+    for stage in two:
+        saved = tmp_path / "world_ds" / f"zero{stage}" / "checkpoint-6"
+        shards = sorted(p.name for p in saved.glob("global_step*/*_states.pt"))
+        assert shards and all("rank_1_" not in name for name in shards), f"ZeRO {stage}: {shards}"
     one = _read(tmp_path, "world", "ds", 0)
     for stage, run in two.items():
         resumed = one[stage]

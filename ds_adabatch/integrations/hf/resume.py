@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ds_adabatch.runtime import deepspeed_internals as internals
+from ds_adabatch.runtime.checkpoint.save_load import clear_earlier_saves
 from ds_adabatch.runtime.checkpoint.universal import (
+    UNIVERSAL_SUFFIX,
     CheckpointInfo,
     conversion_needed,
     ensure_universal,
@@ -30,7 +32,25 @@ from ds_adabatch.runtime.checkpoint.universal import (
 
 from .state import STATE_FILE
 
-__all__ = ["UniversalResume"]
+__all__ = ["UniversalResume", "clear_earlier_save"]
+
+
+def clear_earlier_save(checkpoint: str, local_rank: int) -> None:
+    """Before the Trainer saves a DeepSpeed checkpoint into the folder ``checkpoint`` (every rank calls
+    it): the shards an earlier save of that folder left in its DeepSpeed tag folders go, with the
+    universal copies made of them, as before the engine's own saves. A run resumed from an older
+    checkpoint, perhaps on another number of ranks, that reaches the same step saves there again; a rank
+    of the old world's shard left beside the new save would be read by a later resume's conversion."""
+    tags: list[str] = []
+    if local_rank == 0 and os.path.isdir(checkpoint):
+        tags = sorted(
+            name
+            for name in os.listdir(checkpoint)
+            if name.startswith("global_step")
+            and not name.endswith(UNIVERSAL_SUFFIX)
+            and os.path.isdir(os.path.join(checkpoint, name))
+        )
+    clear_earlier_saves(checkpoint, tags, local_rank)
 
 
 class UniversalResume:

@@ -3,8 +3,7 @@
 Usage: ``AdaptiveBatchSizeTrainer(model=..., args=..., train_dataset=..., adabatch_config={...})`` with an
 ``"adabatch"`` section (a schedule such as ``{"type": "linear", "start": 8, "end": 32, "ramp_samples":
 4096}``, bounds, ``allow_uneven``, ``granularity``, ``log``, ...), or ``batch_size_scheduler=fn`` with
-``fn(step, batch_size) -> batch_size`` in samples per device; ``runners/hf_trainer_example.py`` is a
-complete demo.
+``fn(step, batch_size) -> batch_size`` in samples per device (``runners/hf_trainer_example.py``: a demo).
 
 Where the global batch comes from: the scheduler (asked for step 0 too; largest forward pass
 ``per_device_train_batch_size`` unless ``max_micro_batch_per_gpu`` says otherwise), else the section
@@ -37,8 +36,9 @@ the inside of one optimizer step change:
 * Checkpoints hold ``adabatch_state.json`` (schedule, sampler cursor, next decision) next to
   ``trainer_state.json``; ``resume_from_checkpoint`` continues the same sample stream, also on another
   world size, where a ZeRO 1-3 checkpoint is converted to DeepSpeed's universal format (``hf.resume``).
-* ``adabatch.log`` writes one JSONL record per step on rank 0 (``hf.metrics``); plan changes and
-  warnings of the ``ds_adabatch`` logger go through transformers' logging (``hf.logs``).
+  A save into a checkpoint folder saved before (a resumed run reaching the same step) first clears the
+  earlier save's DeepSpeed shards. ``adabatch.log`` writes one JSONL record per step on rank 0
+  (``hf.metrics``); plan changes and the ``ds_adabatch`` logger's warnings go through transformers'.
 * Token budgets (``"adabatch".micro_batch_tokens``, for variable-length data): every step is formed by
   ``ds_adabatch.data.tokens.TokenBudgetSampler`` from the same seeded order, cut into passes of at most
   that many tokens as the data collator pads them (``padding``), and collated by the Trainer's data
@@ -77,7 +77,7 @@ from .logs import follow_transformers_logging
 from .metrics import TrainerStepLog
 from .prepare import build_batch_state, token_lengths
 from .progress import ShownInt
-from .resume import UniversalResume
+from .resume import UniversalResume, clear_earlier_save
 from .state import STATE_FILE, AdaptiveBatchState
 from .step import TrainerStep
 from .versions import check_versions
@@ -430,8 +430,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
 
     def _show_first_gas(self) -> None:
         # transformers 5.23 prints args.gradient_accumulation_steps in its banner right after
-        # _prepare_for_training and loops with it (as 1: one loader item is one step); the callback's
-        # on_train_begin puts back 1.
+        # _prepare_for_training and loops with it (as 1: one item is one step); on_train_begin puts back 1.
         state = self._require_state()
         plan = state.plan_for_step(self.state.global_step)
         gas = f"{plan.gradient_accumulation_steps}"
@@ -450,8 +449,7 @@ class AdaptiveBatchSizeTrainer(Trainer):
         try:
             item = next(epoch_iterator)
         except StopIteration:
-            # transformers 5.23 Trainer._run_epoch counts update steps up to a bound; the sample stream
-            # says where the epoch ends.
+            # transformers 5.23's _run_epoch counts update steps up to a bound; the stream ends the epoch.
             self.control.should_epoch_stop = True
             return [], None
         return self._release_loop.step_items([item]), None
@@ -543,11 +541,13 @@ class AdaptiveBatchSizeTrainer(Trainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         # Before the Trainer's files (5.23 writes trainer_state.json, the completion marker, last), in its
         # folder; every rank resolves the pending records, so the checkpoint holds the latest loss.
+        step = self.state.global_step
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.is_deepspeed_enabled:  # a save over this step's earlier one: its shards go first
+            clear_earlier_save(folder, self.args.local_process_index)
         if self.batch_state is not None:
             self.batch_state.sync.reduce()
             if self.args.should_save:
-                step = self.state.global_step
-                folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
                 self.batch_state.save(folder, step)
         super()._save_checkpoint(model, trial)
         if self._recovery is not None:  # the checkpoint holds the limits the records taught

@@ -76,18 +76,7 @@ class EngineCheckpoints:
         # DeepSpeed 0.19.8's save_checkpoint has rank 0 write ``latest`` before the other ranks are
         # known to have finished; that file is written below, after the barrier, instead.
         _check_tag(tag)
-        # Every rank is in the save, so done reading the checkpoint a load just took from this tag; then
-        # each node's first process (for a folder that is not shared) clears what an earlier save of the
-        # tag left, and every rank learns of an error there (else the others would wait at a barrier).
-        comm.barrier()
-        error = ""
-        if ds.local_rank == 0:
-            try:
-                _clear_tag(save_dir, tag)
-            except OSError as err:
-                error = f"clearing the earlier save of {os.path.join(save_dir, tag)}: {err}"
-        if errors := [e for e in comm.gather_text(error) if e]:
-            raise RuntimeError(errors[0])
+        clear_earlier_saves(save_dir, [tag], ds.local_rank)
         with checkpoint_verify.recording_writes(ds) as written:
             result = ds.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
         # Per-rank RNG streams (dropout, ...) make a same-world-size resume bit-identical.
@@ -227,6 +216,24 @@ def _check_tag(tag: str) -> None:
     norm = os.path.normpath(tag)
     if not tag or norm in (".", "..") or norm.startswith(("..", os.sep)) or os.path.isabs(tag):
         raise ValueError(f"checkpoint tag {tag!r} must name a folder inside the save folder")
+
+
+def clear_earlier_saves(save_dir: str, tags: list[str], local_rank: int) -> None:
+    """Every rank's part before a save into ``save_dir`` under ``tags`` (the engine's ``save_checkpoint``,
+    and the Trainer's over a checkpoint folder it wrote before): every rank is in the save, so done
+    reading the checkpoint a load just took from there; then each node's first process (``local_rank``
+    0, for a folder that is not shared) clears what earlier saves of the tags left (:func:`_clear_tag`),
+    and every rank learns of an error there (else the others would wait at a barrier)."""
+    comm.barrier()
+    error = ""
+    if local_rank == 0:
+        for tag in tags:
+            try:
+                _clear_tag(save_dir, tag)
+            except OSError as err:
+                error = error or f"clearing the earlier save of {os.path.join(save_dir, tag)}: {err}"
+    if errors := [e for e in comm.gather_text(error) if e]:
+        raise RuntimeError(errors[0])
 
 
 def _clear_tag(save_dir: str, tag: str) -> None:
