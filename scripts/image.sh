@@ -147,7 +147,7 @@ resolve() {
   IMAGE="$REPO:$hash"
   BUILD_OPTS=(--build-arg "BASE=$base" "${build_args[@]}" --label "ds_adabatch.content=$hash")
   [ -n "$ca" ] && BUILD_OPTS+=(--secret "id=pip-ca,src=$ca")
-  [ -n "$wheels" ] && BUILD_OPTS+=(-v "$wheels:/wheels:ro")
+  [ -n "$wheels" ] && BUILD_OPTS+=(-v "$wheels:/wheels:ro" --build-arg "WHEELHOUSE=${wheel_list//$'\n'/ }")
   return 0
 }
 

@@ -3,6 +3,7 @@
 - build: ``image.sh build`` builds docker/Dockerfile (and the Debian base when there is none); a second
   build of the same content reuses the image, and the tag follows every file the image copies;
 - the ops compiled into the image (``image.sh exec``): a container loads them as built, compiling nothing;
+  its torch is the wheelhouse's (the CPU build) where the default wheelhouse holds one;
 - the main job on 2 ranks in one container (``image.sh run``): every sample once, the batch ramping;
   its ledger is the reference of the next test;
 - docker/pytorchjob.yaml (``image.sh cluster``): the manifest's command line with the training
@@ -111,13 +112,14 @@ def test_build_reuses_the_image_until_its_content_changes(image, tmp_path):
 
 LOAD_THE_OPS = """
 import glob, json, os
+import torch
 from deepspeed.accelerator import get_accelerator
 def stamps():
     return {p: os.stat(p).st_mtime_ns for p in sorted(glob.glob("/opt/torch_extensions/*/*.so"))}
 before = stamps()
 for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
     get_accelerator().create_op_builder(op).load()
-print(json.dumps({"before": before, "after": stamps(), "cxx": os.environ.get("CXX")}))
+print(json.dumps({"before": before, "after": stamps(), "cxx": os.environ.get("CXX"), "torch": torch.__version__}))
 """
 
 
@@ -145,6 +147,30 @@ def test_the_images_ops_load_as_built(image):
     ], seen
     assert seen["after"] == seen["before"], f"a container rebuilt the image's ops: {seen}"
     assert seen["cxx"] == "/usr/local/bin/c++-without-debug-info", seen
+    # The torch of the wheelhouse image.sh builds with by default (this machine's pip's find-links), where
+    # it holds one: a build must not reuse a layer that installed torch from the index instead.
+    for wheel in _default_wheelhouse_torch():
+        assert seen["torch"] == wheel.name.split("-")[1], (
+            f"the image's torch is {seen['torch']}, not {wheel.name}"
+        )
+
+
+def _default_wheelhouse_torch() -> list[Path]:
+    """The torch wheels in the wheelhouse ``image.sh build`` uses by default: ``PIP_FIND_LINKS``, else
+    the find-links of this machine's pip's config (its first folder)."""
+    links = os.environ.get("PIP_FIND_LINKS")
+    if not links:
+        config = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=120
+        ).stdout
+        found = [
+            line.split("=", 1)[1].strip("'")
+            for line in config.splitlines()
+            if line.startswith("global.find-links=")
+        ]
+        links = found[-1] if found else ""
+    folder = Path(links.split()[0]) if links.split() else None
+    return sorted(folder.glob("torch-*.whl")) if folder and folder.is_dir() else []
 
 
 @pytest.fixture(scope="module")
