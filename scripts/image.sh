@@ -147,7 +147,10 @@ resolve() {
   IMAGE="$REPO:$hash"
   BUILD_OPTS=(--build-arg "BASE=$base" "${build_args[@]}" --label "ds_adabatch.content=$hash")
   [ -n "$ca" ] && BUILD_OPTS+=(--secret "id=pip-ca,src=$ca")
-  [ -n "$wheels" ] && BUILD_OPTS+=(-v "$wheels:/wheels:ro" --build-arg "WHEELHOUSE=${wheel_list//$'\n'/ }")
+  # The wheelhouse's file names: a build argument (part of the RUN steps' cache key) and a label
+  # (what the image was built with, which tests/test_container.py reads).
+  [ -n "$wheels" ] && BUILD_OPTS+=(-v "$wheels:/wheels:ro" --build-arg "WHEELHOUSE=${wheel_list//$'\n'/ }"
+    --label "ds_adabatch.wheelhouse=${wheel_list//$'\n'/ }")
   return 0
 }
 

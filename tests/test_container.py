@@ -3,7 +3,7 @@
 - build: ``image.sh build`` builds docker/Dockerfile (and the Debian base when there is none); a second
   build of the same content reuses the image, and the tag follows every file the image copies;
 - the ops compiled into the image (``image.sh exec``): a container loads them as built, compiling nothing;
-  its torch is the wheelhouse's (the CPU build) where the default wheelhouse holds one;
+  its torch is the wheelhouse's (the CPU build) where the image was built with one holding it;
 - the main job on 2 ranks in one container (``image.sh run``): every sample once, the batch ramping;
   its ledger is the reference of the next test;
 - docker/pytorchjob.yaml (``image.sh cluster``): the manifest's command line with the training
@@ -88,11 +88,7 @@ def test_build_reuses_the_image_until_its_content_changes(image, tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.split()[-1] == image and "up to date" in again.stderr, again.stderr[-2000:]
     print(f"image.sh build, cached: {took:.1f} s")
-    label = subprocess.run(
-        ["podman", "image", "inspect", "--format", '{{index .Labels "ds_adabatch.content"}}', image],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    label = _label(image, "ds_adabatch.content")
     assert image.endswith(":" + label), f"{image} carries the content label {label!r}"
 
     # A copy of the checkout maps to the same tag; one changed file of the package gives another.
@@ -148,33 +144,23 @@ def test_the_images_ops_load_as_built(image):
     ], seen
     assert seen["after"] == seen["before"], f"a container rebuilt the image's ops: {seen}"
     assert seen["cxx"] == "/usr/local/bin/c++-without-debug-info", seen
-    # Where the wheelhouse image.sh builds with by default (this machine's pip's find-links) holds a build
-    # of the Dockerfile's torch, the image has that build: a build must not reuse a layer that installed
-    # torch from the index instead.
+    # Where the image was built with a wheelhouse holding a build of the Dockerfile's torch (image.sh
+    # labels the image with the wheelhouse's file names), the image has that build: a build must not
+    # reuse a layer that installed torch from the index instead.
     pinned = re.search(r"^ARG TORCH=torch==(\S+)$", (ROOT / "docker" / "Dockerfile").read_text(), re.M)
     assert pinned, "docker/Dockerfile no longer pins torch as ARG TORCH=torch==VERSION"
-    builds = [w.name.split("-")[1] for w in _default_wheelhouse_torch()]
+    wheels = _label(image, "ds_adabatch.wheelhouse").split()
+    builds = [w.split("-")[1] for w in wheels if w.startswith("torch-") and w.endswith(".whl")]
     builds = [b for b in builds if b.split("+")[0] == pinned.group(1)]
     if builds:
         assert seen["torch"] in builds, f"the image's torch is {seen['torch']}, not the wheelhouse's {builds}"
 
 
-def _default_wheelhouse_torch() -> list[Path]:
-    """The torch wheels in the wheelhouse ``image.sh build`` uses by default: ``PIP_FIND_LINKS``, else
-    the find-links of this machine's pip's config (its first folder)."""
-    links = os.environ.get("PIP_FIND_LINKS")
-    if not links:
-        config = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=120
-        ).stdout
-        found = [
-            line.split("=", 1)[1].strip("'")
-            for line in config.splitlines()
-            if line.startswith("global.find-links=")
-        ]
-        links = found[-1] if found else ""
-    folder = Path(links.split()[0]) if links.split() else None
-    return sorted(folder.glob("torch-*.whl")) if folder and folder.is_dir() else []
+def _label(image: str, key: str) -> str:
+    """The image's label ``key`` ("" where it has none)."""
+    inspect = ["podman", "image", "inspect", "--format", f'{{{{index .Labels "{key}"}}}}', image]
+    out = subprocess.run(inspect, capture_output=True, text=True).stdout.strip()
+    return "" if out == "<no value>" else out
 
 
 @pytest.fixture(scope="module")
