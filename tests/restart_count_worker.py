@@ -1,6 +1,7 @@
 """For tests/test_restart_count.py: the ranks of one world disagree on TORCHELASTIC_RESTART_COUNT (as when
 one torchrun agent restarts its workers for a failure and another for the membership change it causes);
-building the engine and training a step must not hang. Writes OUT/rank<r>.ok."""
+building the engine and training a step must not hang. Writes OUT/rank<r>.ok, then ends as docs/engine.md
+asks every script to (engine.close(), ds_adabatch.finish())."""
 
 from __future__ import annotations
 
@@ -28,3 +29,5 @@ engine, *_ = ds_adabatch.initialize(
 )
 engine.train_batch()
 open(os.path.join(sys.argv[1], f"rank{rank}.ok"), "w").close()
+engine.close()
+ds_adabatch.finish()  # gloo can otherwise abort a finished rank at teardown (docs/engine.md)
