@@ -260,3 +260,23 @@ def test_token_budget_goodput_smoke(tmp_path):
     assert len(rows) == 6 and all(r["passes"] >= 1 and r["samples"] >= 1 for r in rows), rows
     assert all(r["expected"] is None or r["expected"] >= 1.0 for r in rows), rows
     assert rows[0]["samples"] == 16 and result["tokens_per_s"] > 0, result
+
+
+def test_noise_cross_step_reports_each_estimate_against_the_every_step_reference():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from noise_cross_step import parse, ratios
+
+    rows = [
+        {"step": 100, "split": 10.0, "sparse": 1.0, "cross": 1.0, "calibrated": 1.0},  # before from_step
+        {"step": 250, "split": 10.0, "sparse": 5.0, "cross": 15.0, "calibrated": None},
+        {"step": 255, "split": 20.0, "sparse": 20.0, "cross": 26.0, "calibrated": 20.0},
+        {"step": 260, "split": 40.0, "sparse": 80.0, "cross": 56.0, "calibrated": None},
+    ]
+    got = ratios(rows, 250)
+    assert got["sparse_to_split"] == pytest.approx(1.0)  # 0.5, 1, 2
+    assert got["sparse_spread"] == pytest.approx(2.0)  # factors 2, 1, 2: median 2
+    assert got["cross_to_split"] == pytest.approx(1.4)  # 1.5, 1.3, 1.4
+    assert got["calibrated_to_split"] == pytest.approx(1.0)  # only where it was known
+    assert ratios(rows, 1000) == dict.fromkeys(got)  # no row from there: nothing to report
+    with pytest.raises(SystemExit):
+        parse(["--batch", "7"])  # each step runs as two halves

@@ -315,7 +315,9 @@ class NoiseCadence:
     (``split_cost``: the goodput schedule's throughput model times its split steps apart from the whole
     ones), fewer steps are split, so that they cost about :data:`SPLIT_BUDGET` of the training time: one
     in 13 where a split step costs a quarter more, one in 17 where it costs a third more (the 2-core CPU
-    benchmark's), one in 50 where it costs twice the whole step. Otherwise the
+    benchmark's), one in 50 where it costs twice the whole step. Two consecutive steps are not paired
+    instead (free, but the second gradient follows an update the first one's noise moved: on the CPU
+    benchmark's model that read the noise scale 1.3-1.5x too high; BENCHMARKS.md). Otherwise the
     step is skipped with a warning, once per run: the schedule then holds its batch until a step can be
     measured (``goodput`` with its default warm-up decides on step cost meanwhile).
     """
