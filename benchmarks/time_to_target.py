@@ -33,6 +33,10 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``goodput-no-drift``        ``goodput`` whose throughput model reads every shape's step times as they were
                             measured, not at the device's speed now (``RUNS_KEPT`` 0 in its process,
                             ``ds_adabatch.signals.drift``; only where ``--only`` names it)
+``switch-A-B-at-S``          global batch A for the first S optimizer steps, then B (``piecewise`` by steps,
+                            LR by ``sqrt`` as every policy): a path chosen in hindsight, which pays for no
+                            measurement, against which ``goodput``'s own path and price are read (only
+                            where ``--only`` names it, with any A, B and S)
 ``NAME+again``               policy NAME once more, in a process of its own beside it: the same weights,
                             data and schedule, so what differs is the clock (the machine's noise). Not a
                             fixed batch of the sweep (never its best or median), reported as a policy
@@ -84,6 +88,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -141,8 +146,12 @@ def is_fixed(name: str) -> bool:
     return name.startswith("fixed-") and not name.endswith(AGAIN)
 
 
+SWITCH = re.compile(r"^switch-(\d+)-(\d+)-at-(\d+)$")
+"""``switch-A-B-at-S``: batch A for S optimizer steps, then B (module docstring)."""
+
+
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each policy's ``"adabatch".schedule``."""
+    """Each policy's ``"adabatch".schedule`` (the ``switch-A-B-at-S`` ones that ``--only`` names)."""
     top = max(args.sweep)
     out: dict[str, dict[str, Any]] = {f"fixed-{b}": {"type": "constant", "value": b} for b in args.sweep}
     out["linear"] = {"type": "linear", "start": args.start, "end": top, "ramp_samples": args.ramp_samples}
@@ -156,6 +165,11 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["goodput-no-drift"] = out["goodput"]  # likewise
     for name in ADASCALE_POWERS:  # the schedule of goodput (its square-root efficiency); the LR by ds_config
         out[name] = {**out["goodput"], "efficiency": "sqrt"}
+    for name in args.only or ():
+        switch = SWITCH.match(base_policy(name))
+        if switch:
+            first, then, at = (int(x) for x in switch.groups())
+            out[switch.group(0)] = {"type": "piecewise", "unit": "steps", "points": [[0, first], [at, then]]}
     return out
 
 

@@ -280,3 +280,14 @@ def test_noise_cross_step_reports_each_estimate_against_the_every_step_reference
     assert ratios(rows, 1000) == dict.fromkeys(got)  # no row from there: nothing to report
     with pytest.raises(SystemExit):
         parse(["--batch", "7"])  # each step runs as two halves
+
+
+def test_a_switch_policy_is_the_batch_by_steps_that_its_name_says():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import parse, policies
+
+    args = parse(["--only", "fixed-8", "switch-8-16-at-320", "switch-8-32-at-5+again"])
+    got = policies(args)
+    assert got["switch-8-16-at-320"] == {"type": "piecewise", "unit": "steps", "points": [[0, 8], [320, 16]]}
+    assert got["switch-8-32-at-5"]["points"] == [[0, 8], [5, 32]]  # its repetition runs the same
+    assert not any(name.startswith("switch-") for name in policies(parse([])))  # only where named
