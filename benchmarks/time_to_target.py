@@ -33,11 +33,11 @@ device synchronised around it, and its time is left out (so is engine start-up).
 ``goodput-no-drift``        ``goodput`` whose throughput model reads every shape's step times as they were
                             measured, not at the device's speed now (``RUNS_KEPT`` 0 in its process,
                             ``ds_adabatch.signals.drift``; only where ``--only`` names it)
-``switch-A-B-at-S``          global batch A for the first S optimizer steps, then B (``piecewise`` by steps,
+``switch-A-B-at-S``         global batch A for the first S optimizer steps, then B (``piecewise`` by steps,
                             LR by ``sqrt`` as every policy): a path chosen in hindsight, which pays for no
                             measurement, against which ``goodput``'s own path and price are read (only
                             where ``--only`` names it, with any A, B and S)
-``NAME+again``               policy NAME once more, in a process of its own beside it: the same weights,
+``NAME+again``              policy NAME once more, in a process of its own beside it: the same weights,
                             data and schedule, so what differs is the clock (the machine's noise). Not a
                             fixed batch of the sweep (never its best or median), reported as a policy
                             against it: how far a run's own repetition lands from its best fixed batch
