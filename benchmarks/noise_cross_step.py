@@ -44,6 +44,9 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from time_to_target import MODELS  # noqa: E402  (the goodput benchmark's CPU model, trained here)
 
 WARMUP_STEPS = 64
 SETTLED_STEPS = 5  # as the runtime: Adam's second moment averages a few steps before it weighs
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace, lr_scale: float) -> list[dict[str, Any]]:
     from ds_adabatch.signals.noise import GradientNoiseEstimator
     from runners.lm import ByteCorpus, ByteWindows, ModelSpec, build_model
 
-    spec = ModelSpec(layers=2, width=128, heads=4, context=64)  # time_to_target.py's CPU model
+    spec = ModelSpec(**MODELS["cpu"])
     train = ByteWindows(ByteCorpus().train, spec.context)
     model = build_model(spec, seed=args.seed)
     model.train()
