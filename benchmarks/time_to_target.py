@@ -37,6 +37,10 @@ device synchronised around it, and its time is left out (so is engine start-up).
                             LR by ``sqrt`` as every policy): a path chosen in hindsight, which pays for no
                             measurement, against which ``goodput``'s own path and price are read (only
                             where ``--only`` names it, with any A, B and S)
+``goodput@KEY=VALUE``       ``goodput`` with schedule key KEY set to VALUE (JSON; ``@`` again for more keys,
+                            for example ``goodput@remeasure_after=150@hysteresis=0.02``): a setting
+                            other than the default, side by side with it in one run (only where ``--only``
+                            names it)
 ``NAME+again``              policy NAME once more, in a process of its own beside it: the same weights,
                             data and schedule, so what differs is the clock (the machine's noise). Not a
                             fixed batch of the sweep (never its best or median), reported as a policy
@@ -150,8 +154,13 @@ SWITCH = re.compile(r"^switch-(\d+)-(\d+)-at-(\d+)$")
 """``switch-A-B-at-S``: batch A for S optimizer steps, then B (module docstring)."""
 
 
+SETTING = re.compile(r"^goodput((?:@[a-z_]+=[^@]+)+)$")
+"""``goodput@KEY=VALUE[@KEY=VALUE...]``: ``goodput`` with those schedule keys (module docstring)."""
+
+
 def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each policy's ``"adabatch".schedule`` (the ``switch-A-B-at-S`` ones that ``--only`` names)."""
+    """Each policy's ``"adabatch".schedule`` (the ``switch-A-B-at-S`` and ``goodput@KEY=VALUE`` ones that
+    ``--only`` names)."""
     top = max(args.sweep)
     out: dict[str, dict[str, Any]] = {f"fixed-{b}": {"type": "constant", "value": b} for b in args.sweep}
     out["linear"] = {"type": "linear", "start": args.start, "end": top, "ramp_samples": args.ramp_samples}
@@ -170,6 +179,10 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if switch:
             first, then, at = (int(x) for x in switch.groups())
             out[switch.group(0)] = {"type": "piecewise", "unit": "steps", "points": [[0, first], [at, then]]}
+        setting = SETTING.match(base_policy(name))
+        if setting:
+            keys = dict(_key_value(pair) for pair in setting.group(1).split("@")[1:])
+            out[setting.group(0)] = {**out["goodput"], **keys}
     return out
 
 

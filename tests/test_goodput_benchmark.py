@@ -291,3 +291,37 @@ def test_a_switch_policy_is_the_batch_by_steps_that_its_name_says():
     assert got["switch-8-16-at-320"] == {"type": "piecewise", "unit": "steps", "points": [[0, 8], [320, 16]]}
     assert got["switch-8-32-at-5"]["points"] == [[0, 8], [5, 32]]  # its repetition runs the same
     assert not any(name.startswith("switch-") for name in policies(parse([])))  # only where named
+
+
+def test_a_goodput_setting_policy_is_goodput_with_the_keys_its_name_sets():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from time_to_target import parse, policies
+
+    args = parse(
+        ["--only", "goodput", "goodput@remeasure_after=150@hysteresis=0.02", "goodput@decide_every=5+again"]
+    )
+    got = policies(args)
+    assert got["goodput@remeasure_after=150@hysteresis=0.02"] == {
+        **got["goodput"],
+        "remeasure_after": 150,
+        "hysteresis": 0.02,
+    }
+    assert got["goodput@decide_every=5"]["decide_every"] == 5  # its repetition runs the same
+    assert got["goodput"] == {"type": "goodput", "start": args.start}  # the default is untouched
+    assert not any("@" in name for name in policies(parse([])))  # only where named
+
+
+def test_shape_change_steps_profiles_first_runs_apart_from_returns():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from shape_change_steps import AFTER, profile, runs_of
+
+    run = 14  # steady steps 10..13
+    first8 = [2.0, 1.5] + [1.0] * (run - 2)
+    first16 = [4.0] * run  # slow throughout: its steady step is 4, so every ratio is 1
+    back8 = [1.2] + [1.0] * (run - 1)
+    steps = [(8, t) for t in first8] + [(16, t) for t in first16] + [(8, t) for t in back8] + [(16, 9.0)]
+    assert [(b, len(ts)) for b, ts in runs_of(steps)] == [(8, run), (16, run), (8, run), (16, 1)]
+    got = profile(steps, run)
+    assert got[8]["first"][:3] == pytest.approx([2.0, 1.5, 1.0])
+    assert got[8]["returns"][:2] == pytest.approx([1.2, 1.0])
+    assert got[16] == {"first": pytest.approx([1.0] * AFTER)}  # its last run (one step) is too short to count
