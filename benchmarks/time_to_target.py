@@ -181,7 +181,10 @@ def policies(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             out[switch.group(0)] = {"type": "piecewise", "unit": "steps", "points": [[0, first], [at, then]]}
         setting = SETTING.match(base_policy(name))
         if setting:
-            keys = dict(_key_value(pair) for pair in setting.group(1).split("@")[1:])
+            try:
+                keys = dict(_key_value(pair) for pair in setting.group(1).split("@")[1:])
+            except ValueError as e:  # a VALUE that is not JSON
+                raise SystemExit(f"error: --only {name}: {e} (write goodput@KEY=VALUE, VALUE in JSON)") from e
             out[setting.group(0)] = {**out["goodput"], **keys}
     return out
 

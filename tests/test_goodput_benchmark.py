@@ -309,6 +309,8 @@ def test_a_goodput_setting_policy_is_goodput_with_the_keys_its_name_sets():
     assert got["goodput@decide_every=5"]["decide_every"] == 5  # its repetition runs the same
     assert got["goodput"] == {"type": "goodput", "start": args.start}  # the default is untouched
     assert not any("@" in name for name in policies(parse([])))  # only where named
+    with pytest.raises(SystemExit, match="VALUE in JSON"):
+        policies(parse(["--only", "goodput@efficiency=sqrt"]))  # a string must be quoted
 
 
 def test_shape_change_steps_profiles_first_runs_apart_from_returns():
