@@ -79,13 +79,20 @@ def main() -> None:
         p.error(
             f"--run must be above {STEADY_FROM + 2}: a run's steps from {STEADY_FROM} on are its steady ones"
         )
+    largest = max(parse([]).sweep)  # the CPU runs' micro-batch bound
+    if len(set(args.batches)) < 2 or len(set(args.batches)) != len(args.batches):
+        p.error("--batches must name two or more different batches (the job alternates between them)")
+    if not all(1 <= b <= largest for b in args.batches):
+        p.error(
+            f"--batches must each be between 1 and {largest} (the time-to-target CPU runs' largest batch)"
+        )
     torch.set_num_threads(1)
     print(h.idle_check("before"), flush=True)
     spec = ModelSpec(**MODELS["cpu"])
     data = ByteWindows(ByteCorpus().train, spec.context)
     points = [[i * args.run, args.batches[i % len(args.batches)]] for i in range(args.steps // args.run + 1)]
     schedule = {"type": "piecewise", "unit": "steps", "points": points}
-    cfg = ds_config(schedule, parse([]))  # the CPU runs' setting (batches up to its largest, 64)
+    cfg = ds_config(schedule, parse([]))  # the CPU runs' setting
     engine = ds_adabatch.initialize(build_model(spec, seed=0), cfg, data)[0]
     steps: list[tuple[int, float]] = []
     for _ in range(args.steps):
