@@ -47,9 +47,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from time_to_target import MODELS  # noqa: E402  (the goodput benchmark's CPU model, trained here)
+from time_to_target import parse as benchmark_defaults  # noqa: E402
 
-WARMUP_STEPS = 64
-SETTLED_STEPS = 5  # as the runtime: Adam's second moment averages a few steps before it weighs
+from ds_adabatch.runtime.noise.adam_geometry import SETTLED_STEPS  # noqa: E402  (as the runtime weighs)
+
+WARMUP_STEPS = benchmark_defaults([]).warmup_steps  # the goodput benchmark's LR warm-up, in steps
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

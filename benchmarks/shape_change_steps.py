@@ -114,11 +114,12 @@ def main() -> None:
                 f"batch {batch:>3}, {which:>7}: step k / the run's steady step: "
                 + " ".join(f"{r:.3f}" for r in ratios)
             )
+    runs = runs_of(steps)
     for batch in args.batches:
         steady = statistics.median(
-            t for b, times in runs_of(steps) if b == batch for t in times[STEADY_FROM : args.run]
+            t for b, times in runs if b == batch for t in times[STEADY_FROM : args.run]
         )
-        first = next(times for b, times in runs_of(steps) if b == batch)[:AFTER]
+        first = next(times for b, times in runs if b == batch)[:AFTER]
         print(
             f"batch {batch:>3}: steady {1e3 * steady:.2f} ms; the process's first steps / steady: "
             + " ".join(f"{t / steady:.3f}" for t in first)
