@@ -327,3 +327,57 @@ def test_shape_change_steps_profiles_first_runs_apart_from_returns():
     assert got[8]["first"][:3] == pytest.approx([2.0, 1.5, 1.0])
     assert got[8]["returns"][:2] == pytest.approx([1.2, 1.0])
     assert got[16] == {"first": pytest.approx([1.0] * AFTER)}  # its last run (one step) is too short to count
+
+
+def _efficiency_run(path: Path, noise: float, measured: dict[int, float], lr: float = 1e-3) -> None:
+    """A results file whose fixed batches took samples from val 2.2 to 1.9 as ``measured`` says against
+    fixed-8 (1000 samples), and whose goodput read ``noise`` there, trained at ``lr``."""
+
+    def fixed(taken: float) -> dict:
+        return {
+            "curve": [
+                {"val": 3.0, "samples": 0},
+                {"val": 2.2, "samples": 500},
+                {"val": 1.9, "samples": 500 + taken},
+            ]
+        }
+
+    results = {f"fixed-{b}": fixed(1000 / e) for b, e in {8: 1.0, **measured}.items()}
+    results["goodput"] = {"curve": [{"val": 2.5, "noise_scale": 1e6}, {"val": 2.1, "noise_scale": noise}]}
+    path.write_text(json.dumps({"settings": {"lr": lr}, "results": results}))
+
+
+def test_efficiency_forms_recovers_the_form_that_made_the_efficiencies(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from efficiency_forms import compare, estimate_over, form, main, observations, step_efficiency
+
+    assert step_efficiency(8, 40.0, 8, 0.7) == pytest.approx(1.0)  # the reference itself
+    assert step_efficiency(32, 40.0, 8, 0.0) == pytest.approx(0.5)  # a vanishing LR: 1 / sqrt(4)
+    assert form("sqrt", 16, 40.0, 8) == pytest.approx(math.sqrt(48 / 56))
+    # runs made by the step form at r 0.7, each at its own B_noise
+    paths = []
+    for i, noise in enumerate([30.0, 45.0, 60.0]):
+        made = {b: step_efficiency(b, noise, 8, 0.7) for b in (16, 32)}
+        _efficiency_run(tmp_path / f"run{i}.json", noise, made)
+        paths.append(str(tmp_path / f"run{i}.json"))
+    obs = observations(paths, 2.2, 1.9, 8)
+    assert [o["noise"] for o in obs] == [30.0, 45.0, 60.0]  # only the validations within the span
+    assert obs[0]["measured"][16] == pytest.approx(step_efficiency(16, 30.0, 8, 0.7))
+    got = compare(obs, 8)
+    assert got["at_estimate"]["step"]["r"] == pytest.approx(0.7)
+    assert got["at_estimate"]["step"]["rms_log_error"] == pytest.approx(0.0, abs=1e-9)
+    sqrt_bias = got["at_estimate"]["sqrt"]["mean_log_error"]
+    assert sqrt_bias[16] > 0.02 and sqrt_bias[32] < 0  # the square root underrates 16, overrates 32
+    assert estimate_over({"goodput": {"curve": []}}, 2.2, 1.9) is None
+    # a run at another LR, made at another r, is compared apart, never pooled
+    _efficiency_run(
+        tmp_path / "half.json", 40.0, {b: step_efficiency(b, 40.0, 8, 0.3) for b in (16, 32)}, 5e-4
+    )
+    out = tmp_path / "forms.json"
+    assert main([*paths, str(tmp_path / "half.json"), "--out", str(out)]) == 0
+    by_lr = json.loads(out.read_text())["comparison_by_lr"]
+    assert by_lr["0.001"]["at_estimate"]["step"]["r"] == pytest.approx(0.7)
+    assert by_lr["0.0005"]["at_estimate"]["step"]["r"] == pytest.approx(0.3)
+    assert main([str(tmp_path / "run0.json"), "--start", "4"]) == 1  # no fixed-4: nothing to compare
+    with pytest.raises(SystemExit):
+        main([paths[0], "--span", "1.9", "2.2"])
